@@ -1,0 +1,88 @@
+"""hf_structkv's attention function, registered with transformers' ``AttentionInterface`` under our own name.
+
+Nothing is registered at import: ``enable(model)`` registers (idempotently) and switches the model to it. For
+ordinary caches the function is transformers' own SDPA path with its own mask, so an enabled model behaves exactly
+as the stock ``"sdpa"`` implementation; for a compacted layer it serves the compacted prefix with its biases.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..cache.compacted_layers import PREFIX_KWARG
+from .compacted_reference import compacted_attention
+
+ATTENTION_NAME = "hf_structkv"
+
+
+def structkv_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention for models switched to ``"hf_structkv"``.
+
+    Args:
+        query: ``[B, H_q, q, D]``; key / value: ``[B, H_kv, n, D]`` as returned by the cache layer's ``update``.
+        attention_mask: the mask built by the registered mask function (``None``, boolean or additive 4D).
+        kwargs: the model's attention kwargs; a `CompactedLayer` puts itself under ``"compacted_prefix"``.
+
+    Returns:
+        ``([B, q, H_q, D_v], None)``.
+    """
+    prefix_layer = kwargs.pop(PREFIX_KWARG, None)
+    if prefix_layer is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if dropout and module.training:
+        raise ValueError("a compacted cache is for inference: put the model in eval mode (dropout must be 0)")
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("a sliding-window layer cannot hold a compacted context; only global layers are compacted")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attention sinks (s_aux) are not supported with a compacted cache")
+    prefix_keys, prefix_values, prefix_bias, offsets = prefix_layer.read_prefix()
+    out = compacted_attention(
+        query,
+        prefix_keys,
+        prefix_values,
+        prefix_bias,
+        offsets,
+        key,
+        value,
+        attention_mask,
+        scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
+        softcap=kwargs.get("softcap"),
+    )
+    return out, None
+
+
+def register() -> None:
+    """Register the attention function and its mask function under ``ATTENTION_NAME`` (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, structkv_attention)
+    # The mask of an appended region is the ordinary causal/padding/sliding mask, sized by the cache's
+    # get_mask_sizes; without a registered mask function transformers would silently pass no mask at all.
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def enable(model: PreTrainedModel) -> PreTrainedModel:
+    """Switch ``model`` (in place) to hf_structkv's attention so it can serve compacted caches; returns it.
+
+    The model keeps behaving exactly as with ``attn_implementation="sdpa"`` for ordinary caches.
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    register()
+    model.set_attn_implementation(ATTENTION_NAME)
+    return model
+
+
+def is_enabled(model: PreTrainedModel) -> bool:
+    """Whether ``model`` runs hf_structkv's attention."""
+    return getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME

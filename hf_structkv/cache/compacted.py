@@ -1,0 +1,199 @@
+"""`CompactedCache`: a reusable context's KV cache, compacted per KV head, served to an unmodified transformers model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+
+from .compacted_layers import CompactedLayer, SharedContextSlidingLayer
+
+
+class CompactedCache(Cache):
+    """A transformers ``Cache`` whose global-attention layers hold a compacted context with per-entry logit biases.
+
+    Each global layer is a `CompactedLayer` (ragged per-KV-head keys, values and FP32 biases, no padding); each
+    sliding-window layer is a `SharedContextSlidingLayer` (standard sliding behaviour). New tokens are appended with
+    bias 0 at their original positions: ``get_seq_length()`` counts the original context length.
+
+    Serving needs the model's attention switched to hf_structkv's (``hf_structkv.enable(model)``; ``load(...,
+    model=model)`` does it): a forward through a model that was not enabled raises instead of silently ignoring
+    the prefix. Generation only appends; ``copy()`` (cheap, shares the context tensors) or ``reset()`` gives a cache
+    ready for the next question.
+
+    Args:
+        layers: one layer per model layer.
+        metadata: JSON-serialisable description (model fingerprint, method, hyper-parameters, quality); saved
+            with the cache.
+    """
+
+    def __init__(self, layers: Sequence[CompactedLayer | SharedContextSlidingLayer], metadata: dict[str, Any] | None = None):
+        if not layers:
+            raise ValueError("layers must hold one layer per model layer, got none")
+        lengths = {layer.original_length if isinstance(layer, CompactedLayer) else layer.context_length for layer in layers}
+        if len(lengths) != 1:
+            raise ValueError(f"all layers must describe the same context, got original lengths {sorted(lengths)}")
+        super().__init__(layers=list(layers))
+        self.original_length = lengths.pop()
+        self.metadata = dict(metadata or {})
+        self._last_updated_layer: int | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_selection(
+        cls,
+        cache: Cache,
+        indices: Sequence[Sequence[torch.Tensor] | None],
+        biases: Sequence[Sequence[torch.Tensor] | None] | None = None,
+        values: Sequence[Sequence[torch.Tensor] | None] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> CompactedCache:
+        """Build a compacted cache from a prefilled cache of the context and the kept positions of each KV head.
+
+        Args:
+            cache: a ``DynamicCache`` prefilled with the context, batch 1 (``DynamicCache(config=model.config)``
+                keeps sliding layers sliding).
+            indices: ``indices[layer][kv_head]`` 1-D LongTensor of kept positions (distinct, in ``[0, T)``);
+                ``None`` for a sliding-window layer (kept as it is).
+            biases: optional ``biases[layer][kv_head]`` 1-D float tensor (one log multiplier per kept position;
+                default 0).
+            values: optional ``values[layer][kv_head]`` ``[t, D_v]`` refit values (default: the original values).
+            metadata: stored with the cache (see ``CompactedCache``).
+        """
+        if not isinstance(cache, Cache):
+            raise TypeError(f"cache must be a transformers Cache prefilled with the context, got {type(cache).__name__}")
+        if len(indices) != len(cache.layers):
+            raise ValueError(f"indices has {len(indices)} layers, the cache has {len(cache.layers)}")
+        original_length = cache.get_seq_length()
+        if original_length == 0:
+            raise ValueError("cache is empty: prefill it with the context first (model(ids, cache=cache))")
+        layers = []
+        for layer_idx, source in enumerate(cache.layers):
+            if source.keys is None or source.keys.shape[0] != 1:
+                raise ValueError(
+                    f"cache layer {layer_idx} must hold one context (batch 1), got "
+                    f"{None if source.keys is None else source.keys.shape[0]}"
+                )
+            layer_biases = None if biases is None else biases[layer_idx]
+            layer_values = None if values is None else values[layer_idx]
+            if isinstance(source, DynamicSlidingWindowLayer):
+                if indices[layer_idx] is not None or layer_biases is not None or layer_values is not None:
+                    raise ValueError(
+                        f"layer {layer_idx} is a sliding-window layer and is not compacted: pass None for it in "
+                        "indices, biases and values"
+                    )
+                layers.append(
+                    SharedContextSlidingLayer(source.sliding_window, source.keys, source.values, original_length)
+                )
+            elif isinstance(source, DynamicLayer):
+                layers.append(
+                    _select_layer(layer_idx, source, indices[layer_idx], layer_biases, layer_values, original_length)
+                )
+            else:
+                raise TypeError(f"cache layer {layer_idx} is a {type(source).__name__}; expected a DynamicCache layer")
+        return cls(layers, metadata=metadata)
+
+    # ------------------------------------------------------------------ serving
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self._check_prefix_was_served()
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if isinstance(self.layers[layer_idx], CompactedLayer):
+            self._last_updated_layer = layer_idx
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        self._check_prefix_was_served()
+        return super().get_mask_sizes(query_length, layer_idx)
+
+    def _check_prefix_was_served(self) -> None:
+        last = self._last_updated_layer
+        if last is not None and self.layers[last].awaiting_attention:
+            raise RuntimeError(
+                f"the compacted context of layer {last} was never read by the attention function: the model does "
+                "not run hf_structkv's attention, and its output would silently ignore the compacted context. "
+                "Call hf_structkv.enable(model) once (CompactedCache.load(..., model=model) does it), then use a "
+                "fresh cache (cache.copy())."
+            )
+
+    def copy(self) -> CompactedCache:
+        """A new cache sharing this cache's context tensors (no memory copied), with nothing appended."""
+        return type(self)([layer.fresh_copy() for layer in self.layers], metadata=self.metadata)
+
+    def reset(self) -> None:
+        """Drop every appended token; the compacted context stays, ready for the next question."""
+        super().reset()
+        self._last_updated_layer = None
+
+    # ------------------------------------------------------------------ bytes
+    def nbytes(self) -> int:
+        """Bytes of every stored tensor: context keys, values, biases and offsets, plus appended tokens."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def full_nbytes(self) -> int:
+        """Bytes of the same tokens (original context + appended) in a plain ``DynamicCache``."""
+        return sum(layer.full_nbytes() for layer in self.layers)
+
+    def overhead_nbytes(self) -> int:
+        """Bytes stored beyond kept keys and values: per-entry biases and per-head offsets."""
+        return sum(layer.overhead_nbytes() for layer in self.layers)
+
+    def head_lengths(self) -> list[list[int] | None]:
+        """Kept context entries per KV head of each layer (``None`` for sliding-window layers)."""
+        return [layer.head_lengths() if isinstance(layer, CompactedLayer) else None for layer in self.layers]
+
+
+def _select_layer(
+    layer_idx: int,
+    source: DynamicLayer,
+    head_indices: Sequence[torch.Tensor] | None,
+    head_biases: Sequence[torch.Tensor] | None,
+    head_values: Sequence[torch.Tensor] | None,
+    original_length: int,
+) -> CompactedLayer:
+    """Gather the kept entries of one global layer into the ragged layout."""
+    keys, values = source.keys[0], source.values[0]  # [H_kv, T, D]
+    n_heads = keys.shape[0]
+    if head_indices is None or len(head_indices) != n_heads:
+        raise ValueError(
+            f"indices[{layer_idx}] must list one LongTensor per KV head ({n_heads}), got "
+            f"{None if head_indices is None else len(head_indices)}"
+        )
+    kept_keys, kept_values, kept_bias, lengths = [], [], [], []
+    for h in range(n_heads):
+        where = f"indices[{layer_idx}][{h}]"
+        idx = head_indices[h]
+        if not isinstance(idx, torch.Tensor) or idx.dtype != torch.long or idx.dim() != 1:
+            raise TypeError(f"{where} must be a 1-D torch.long tensor of kept positions")
+        idx = idx.to(keys.device)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= original_length):
+            raise ValueError(f"{where} holds positions outside [0, {original_length})")
+        if torch.unique(idx).numel() != idx.numel():
+            raise ValueError(f"{where} holds a position twice; each kept entry must be distinct")
+        t = idx.numel()
+        kept_keys.append(keys[h, idx])
+        kept_values.append(_per_head_tensor(head_values, h, (t, values.shape[-1]), f"values[{layer_idx}][{h}]", values[h, idx]))
+        bias = _per_head_tensor(head_biases, h, (t,), f"biases[{layer_idx}][{h}]", torch.zeros(t, device=keys.device))
+        kept_bias.append(bias.to(torch.float32))
+        lengths.append(t)
+    offsets = torch.zeros(n_heads + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.long), 0)
+    return CompactedLayer(
+        torch.cat(kept_keys).contiguous(),
+        torch.cat(kept_values).to(values.dtype).contiguous(),
+        torch.cat(kept_bias).contiguous(),
+        offsets.to(keys.device),
+        original_length,
+    )
+
+
+def _per_head_tensor(per_head, h: int, shape: tuple[int, ...], where: str, default: torch.Tensor) -> torch.Tensor:
+    if per_head is None:
+        return default
+    tensor = per_head[h]
+    if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape:
+        raise ValueError(f"{where} must be a tensor of shape {shape}, got {getattr(tensor, 'shape', type(tensor))}")
+    if not torch.isfinite(tensor).all():
+        raise ValueError(f"{where} holds NaN or infinite entries")
+    return tensor.to(default.device)
