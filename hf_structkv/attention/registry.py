@@ -1,8 +1,9 @@
 """hf_structkv's attention function, registered with transformers' ``AttentionInterface`` under our own name.
 
 Nothing is registered at import: ``enable(model)`` registers (idempotently) and switches the model to it. For
-ordinary caches the function is transformers' own SDPA path with its own mask, so an enabled model behaves exactly
-as the stock ``"sdpa"`` implementation; for a compacted layer it serves the compacted prefix with its biases.
+ordinary caches the function is transformers' own SDPA path and its mask is transformers' ``sdpa_mask`` (sliding
+windows over padded rows measured in positions, see ``masks``), so an enabled model behaves as the stock ``"sdpa"``
+implementation; for a compacted layer it serves the compacted prefix with its biases.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface
 
 from ..cache.compacted_layers import PREFIX_KWARG
 from .compacted_reference import compacted_attention
+from .masks import structkv_mask
 
 ATTENTION_NAME = "hf_structkv"
 
@@ -68,7 +70,7 @@ def register() -> None:
     AttentionInterface.register(ATTENTION_NAME, structkv_attention)
     # The mask of an appended region is the ordinary causal/padding/sliding mask, sized by the cache's
     # get_mask_sizes; without a registered mask function transformers would silently pass no mask at all.
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, structkv_mask)
 
 
 def enable(model: PreTrainedModel) -> PreTrainedModel:

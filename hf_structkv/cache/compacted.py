@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from .compacted_layers import CompactedLayer, SharedContextSlidingLayer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 class CompactedCache(Cache):
@@ -32,7 +36,7 @@ class CompactedCache(Cache):
     def __init__(self, layers: Sequence[CompactedLayer | SharedContextSlidingLayer], metadata: dict[str, Any] | None = None):
         if not layers:
             raise ValueError("layers must hold one layer per model layer, got none")
-        lengths = {layer.original_length if isinstance(layer, CompactedLayer) else layer.context_length for layer in layers}
+        lengths = {layer.original_length for layer in layers}
         if len(lengths) != 1:
             raise ValueError(f"all layers must describe the same context, got original lengths {sorted(lengths)}")
         super().__init__(layers=list(layers))
@@ -125,6 +129,39 @@ class CompactedCache(Cache):
         """Drop every appended token; the compacted context stays, ready for the next question."""
         super().reset()
         self._last_updated_layer = None
+
+    # ------------------------------------------------------------------ persistence (hf_structkv.hub)
+    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
+        """Write ``cache.safetensors``, ``config.json`` and a model card ``README.md`` into ``save_directory``."""
+        from ..hub import save_compacted_cache
+
+        save_compacted_cache(self, save_directory)
+
+    @classmethod
+    def load(
+        cls,
+        path_or_repo_id: str | os.PathLike,
+        revision: str | None = None,
+        model: PreTrainedModel | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        token: str | None = None,
+    ) -> CompactedCache:
+        """Load a saved cache from a folder or a Hub repository (safetensors + JSON only; no code runs).
+
+        With ``model``, the fingerprint is checked against it, the tensors are moved to its device and the model is
+        switched to hf_structkv's attention (``enable``); with ``tokenizer``, its hash is checked too.
+        """
+        from ..hub import load_compacted_cache
+
+        return load_compacted_cache(cls, path_or_repo_id, revision=revision, model=model, tokenizer=tokenizer, token=token)
+
+    from_pretrained = load
+
+    def push_to_hub(self, repo_id: str, private: bool | None = None, token: str | None = None, revision: str | None = None) -> str:
+        """Upload the saved form of this cache (with its model card) to a Hub repository; returns the commit URL."""
+        from ..hub import push_compacted_cache
+
+        return push_compacted_cache(self, repo_id, private=private, token=token, revision=revision)
 
     # ------------------------------------------------------------------ bytes
     def nbytes(self) -> int:

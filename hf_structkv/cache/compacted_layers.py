@@ -8,7 +8,7 @@ appended part and leaves the context as it was loaded.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer
+from transformers.cache_utils import CacheLayerMixin
 
 PREFIX_KWARG = "compacted_prefix"
 
@@ -17,7 +17,84 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-class CompactedLayer(CacheLayerMixin):
+class ContextLayer(CacheLayerMixin):
+    """Shared mechanics of a layer holding an immutable context and appended tokens.
+
+    Appended storage: ``keys`` / ``values`` ``[B, H_kv, n, D]`` (question and generated tokens, batch rows of their
+    own). ``get_seq_length()`` is logical: ``original_length + n``. Subclasses say how the context is served.
+    """
+
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, original_length: int, num_kv_heads: int, device: torch.device):
+        super().__init__()
+        self.original_length = int(original_length)
+        self.num_kv_heads = int(num_kv_heads)
+        self.device = device
+
+    def appended_length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.shape[1] != self.num_kv_heads:
+            raise ValueError(
+                f"the model gives {key_states.shape[1]} KV heads but the cache layer holds {self.num_kv_heads}: "
+                "this cache was built for another model"
+            )
+        self.keys = key_states[..., :0, :]
+        self.values = value_states[..., :0, :]
+        self.is_initialized = True
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Append ``[B, H_kv, q, D]`` states after the tokens already appended."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+
+    def get_seq_length(self) -> int:
+        return self.original_length + self.appended_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def appended_nbytes(self) -> int:
+        return 0 if self.keys is None else _nbytes([self.keys, self.values])
+
+    def reset(self) -> None:
+        """Drop the appended tokens; the context stays."""
+        self.keys = self.values = None
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` appended tokens (negative int, as ``DynamicLayer``) or crop to a
+        logical length (non-negative int) that is not shorter than the context."""
+        target = self.get_seq_length() + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
+        if target < self.original_length:
+            raise ValueError(
+                f"cannot crop to {target} tokens: the compacted context of {self.original_length} tokens cannot be cut"
+            )
+        if self.keys is not None:
+            keep = target - self.original_length
+            self.keys = self.keys[..., :keep, :]
+            self.values = self.values[..., :keep, :]
+
+    def _apply_to_appended(self, fn) -> None:
+        if self.appended_length() > 0:
+            self.keys, self.values = fn(self.keys), fn(self.values)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._apply_to_appended(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._apply_to_appended(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._apply_to_appended(lambda t: t[indices, ...])
+
+
+class CompactedLayer(ContextLayer):
     """A global-attention layer whose context is compacted per KV head, stored ragged (no padding).
 
     Context storage (never modified by generation):
@@ -25,16 +102,12 @@ class CompactedLayer(CacheLayerMixin):
         prefix_values: ``[N, D_v]`` kept (possibly refit) values, same layout.
         prefix_bias: ``[N]`` FP32 per-entry logit bias (log multiplier).
         prefix_offsets: ``[H_kv + 1]`` int64 row offsets.
-    Appended storage: ``keys`` / ``values`` ``[B, H_kv, n, D]``, bias 0.
 
-    Lengths: ``get_seq_length()`` is *logical* (original context length + appended tokens), so RoPE positions of new
-    tokens continue from the original context; the attention mask spans only the appended tokens (``kv_offset`` =
-    original length), and the prefix reaches the attention function through the attention kwargs.
+    The attention mask spans only the appended tokens (``kv_offset`` = original length); the prefix reaches the
+    attention function through the attention kwargs and is fully visible to every query.
     """
 
     is_sliding = False
-    is_croppable = True
-    supports_early_init = False
 
     def __init__(
         self,
@@ -44,36 +117,17 @@ class CompactedLayer(CacheLayerMixin):
         prefix_offsets: torch.Tensor,
         original_length: int,
     ):
-        super().__init__()
+        super().__init__(original_length, prefix_offsets.numel() - 1, prefix_keys.device)
         self.prefix_keys = prefix_keys
         self.prefix_values = prefix_values
         self.prefix_bias = prefix_bias
         self.prefix_offsets = prefix_offsets
         self._offsets_list = [int(x) for x in prefix_offsets.tolist()]
-        self.original_length = int(original_length)
-        self.device = prefix_keys.device
         self.awaiting_attention = False
-
-    @property
-    def num_kv_heads(self) -> int:
-        return len(self._offsets_list) - 1
 
     def head_lengths(self) -> list[int]:
         """Number of kept context entries of each KV head."""
         return [b - a for a, b in zip(self._offsets_list[:-1], self._offsets_list[1:])]
-
-    def appended_length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        if key_states.shape[1] != self.num_kv_heads:
-            raise ValueError(
-                f"the model gives {key_states.shape[1]} KV heads but the compacted cache holds {self.num_kv_heads}: "
-                "this cache was built for another model"
-            )
-        self.keys = key_states[..., :0, :]
-        self.values = value_states[..., :0, :]
-        self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs: dict | None = None, **_):
         """Append ``key_states`` / ``value_states`` ``[B, H_kv, q, D]`` (bias 0) and hand the prefix to attention.
@@ -90,10 +144,7 @@ class CompactedLayer(CacheLayerMixin):
                 "cannot reach the attention function; CompactedCache supports models whose attention passes "
                 "`kwargs=kwargs` to the cache (Llama, Qwen2/3, Mistral, Gemma3, ...)"
             )
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.append(key_states, value_states)
         kwargs[PREFIX_KWARG] = self
         self.awaiting_attention = True
         return self.keys, self.values
@@ -103,15 +154,9 @@ class CompactedLayer(CacheLayerMixin):
         self.awaiting_attention = False
         return self.prefix_keys, self.prefix_values, self.prefix_bias, self._offsets_list
 
-    def get_seq_length(self) -> int:
-        return self.original_length + self.appended_length()
-
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # The mask covers the appended tokens only; their logical positions start at the original length.
         return self.appended_length() + query_length, self.original_length
-
-    def get_max_length(self) -> int:
-        return -1
 
     def context_tensors(self) -> list[torch.Tensor]:
         """Everything stored for the compacted context (what ``save_pretrained`` writes)."""
@@ -119,14 +164,12 @@ class CompactedLayer(CacheLayerMixin):
 
     def nbytes(self) -> int:
         """Bytes of the stored context tensors (keys, values, biases, offsets) and of the appended tokens."""
-        appended = [] if self.keys is None else [self.keys, self.values]
-        return _nbytes(self.context_tensors() + appended)
+        return _nbytes(self.context_tensors()) + self.appended_nbytes()
 
     def full_nbytes(self) -> int:
         """Bytes of the same tokens in a plain ``DynamicLayer`` (original context at batch 1, plus appended)."""
         per_token = self.num_kv_heads * (self.prefix_keys.shape[-1] + self.prefix_values.shape[-1])
-        context = self.original_length * per_token * self.prefix_keys.element_size()
-        return context + (0 if self.keys is None else _nbytes([self.keys, self.values]))
+        return self.original_length * per_token * self.prefix_keys.element_size() + self.appended_nbytes()
 
     def overhead_nbytes(self) -> int:
         """Bytes stored beyond the kept keys and values: biases and offsets."""
@@ -139,24 +182,8 @@ class CompactedLayer(CacheLayerMixin):
         )
 
     def reset(self) -> None:
-        """Drop the appended tokens; the compacted context stays."""
-        self.keys = self.values = None
-        self.is_initialized = False
+        super().reset()
         self.awaiting_attention = False
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` appended tokens (negative int, as ``DynamicLayer``) or crop to a
-        logical length (non-negative int) that is not shorter than the compacted context."""
-        target = self.get_seq_length() + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
-        if target < self.original_length:
-            raise ValueError(
-                f"cannot crop a compacted cache to {target} tokens: its compacted context of "
-                f"{self.original_length} tokens cannot be cut"
-            )
-        if self.keys is not None:
-            keep = target - self.original_length
-            self.keys = self.keys[..., :keep, :]
-            self.values = self.values[..., :keep, :]
 
     def offload(self):
         super().offload()
@@ -171,54 +198,42 @@ class CompactedLayer(CacheLayerMixin):
                 t.to(self.device, non_blocking=True) for t in (self.prefix_keys, self.prefix_values, self.prefix_bias)
             )
 
-    def _apply_to_appended(self, fn) -> None:
-        if self.appended_length() > 0:
-            self.keys, self.values = fn(self.keys), fn(self.values)
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._apply_to_appended(lambda t: t.index_select(0, beam_idx.to(t.device)))
+class SharedContextSlidingLayer(ContextLayer):
+    """A sliding-window layer (e.g. Gemma3's local layers): not compacted, sliding attention as usual.
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._apply_to_appended(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._apply_to_appended(lambda t: t[indices, ...])
-
-
-class SharedContextSlidingLayer(DynamicSlidingWindowLayer):
-    """A sliding-window layer (e.g. Gemma3's local layers) that keeps its standard behaviour over the context.
-
-    Its context is the last ``sliding_window - 1`` tokens of the context, ``[1, H_kv, w, D]``, shared by every batch
-    row: a batch of ``B`` questions broadcasts it on the first update. ``reset()`` restores it.
+    Context storage: the last ``min(T, sliding_window - 1)`` context tokens, ``window_keys`` / ``window_values``
+    ``[1, H_kv, w, D]``, shared by every batch row. Appended tokens are kept whole (like the global layers' appended
+    tokens) rather than trimmed to the window, so that a left-padded batch sees, per row, exactly the tokens it would
+    see alone; the window itself is applied by the mask (position-aware, see ``attention.masks``).
     """
 
-    def __init__(self, sliding_window: int, context_keys: torch.Tensor, context_values: torch.Tensor, context_length: int):
-        super().__init__(sliding_window=sliding_window)
-        self.context_keys = context_keys
-        self.context_values = context_values
-        self.context_length = int(context_length)
-        self.reset()
+    is_sliding = True
 
-    def reset(self) -> None:
-        """Drop the appended tokens; the context window stays."""
-        self.lazy_initialization(self.context_keys, self.context_values)
-        self.keys, self.values = self.context_keys, self.context_values
-        self.cumulative_length = self.context_length
+    def __init__(self, sliding_window: int, window_keys: torch.Tensor, window_values: torch.Tensor, original_length: int):
+        super().__init__(original_length, window_keys.shape[1], window_keys.device)
+        self.sliding_window = int(sliding_window)
+        self.window_keys = window_keys
+        self.window_values = window_values
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        batch = key_states.shape[0]
-        if self.keys.shape[0] == 1 and batch > 1:
-            self.keys = self.keys.expand(batch, -1, -1, -1)
-            self.values = self.values.expand(batch, -1, -1, -1)
-        return super().update(key_states, value_states, *args, **kwargs)
+        """Append ``[B, H_kv, q, D]`` states; returns the window followed by every appended token, batch ``B``."""
+        self.append(key_states, value_states)
+        batch = self.keys.shape[0]
+        window_keys = self.window_keys.expand(batch, -1, -1, -1)
+        window_values = self.window_values.expand(batch, -1, -1, -1)
+        return torch.cat([window_keys, self.keys], dim=-2), torch.cat([window_values, self.values], dim=-2)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        window = self.window_keys.shape[-2]
+        return window + self.appended_length() + query_length, self.original_length - window
 
     def context_tensors(self) -> list[torch.Tensor]:
         """The context window (what ``save_pretrained`` writes)."""
-        return [self.context_keys, self.context_values]
+        return [self.window_keys, self.window_values]
 
     def nbytes(self) -> int:
-        """Bytes of the window held now (the context window before any update)."""
-        return _nbytes([self.keys, self.values])
+        return _nbytes(self.context_tensors()) + self.appended_nbytes()
 
     def full_nbytes(self) -> int:
         """A plain ``DynamicCache`` holds the same window for this layer."""
@@ -228,6 +243,4 @@ class SharedContextSlidingLayer(DynamicSlidingWindowLayer):
         return 0
 
     def fresh_copy(self) -> SharedContextSlidingLayer:
-        return SharedContextSlidingLayer(
-            self.sliding_window, self.context_keys, self.context_values, self.context_length
-        )
+        return SharedContextSlidingLayer(self.sliding_window, self.window_keys, self.window_values, self.original_length)
