@@ -1,0 +1,1 @@
+"""Evaluation data read offline from PyPI data packages, and their metrics."""

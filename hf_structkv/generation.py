@@ -1,0 +1,42 @@
+"""Inputs for ``model.generate`` on a pre-filled cache whose context tokens the caller may not hold."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+
+def generation_inputs(
+    cache: Cache, question_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """``input_ids`` / ``attention_mask`` for ``model.generate(**inputs, past_key_values=cache)``.
+
+    ``generate`` reads only the tokens after the cache's (logical) length and derives positions from the mask, so the
+    context part is a run of placeholder ids with mask 1; a left-padded batch of questions keeps its padding, which
+    then sits between the shared context and each question.
+
+    Args:
+        cache: a cache pre-filled with the context (``CompactedCache`` or ``DynamicCache``), nothing appended yet.
+        question_ids: ``[B, q]`` token ids (left padded for B > 1).
+        attention_mask: ``[B, q]`` tokenizer mask of the question tokens (default: all ones).
+
+    Returns:
+        ``{"input_ids": [B, T + q], "attention_mask": [B, T + q]}`` with ``T = cache.get_seq_length()``.
+    """
+    if not isinstance(question_ids, torch.Tensor) or question_ids.dim() != 2:
+        raise ValueError("question_ids must be a [batch, length] LongTensor (tokenizer(..., return_tensors='pt'))")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(question_ids)
+    if attention_mask.shape != question_ids.shape:
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)} but question_ids {tuple(question_ids.shape)}"
+        )
+    context_length = cache.get_seq_length()
+    if context_length == 0:
+        raise ValueError("cache is empty: prefill it with the context (or load a CompactedCache) first")
+    batch = question_ids.shape[0]
+    placeholders = question_ids.new_zeros(batch, context_length)
+    return {
+        "input_ids": torch.cat([placeholders, question_ids], dim=1),
+        "attention_mask": torch.cat([torch.ones_like(placeholders), attention_mask.to(question_ids.dtype)], dim=1),
+    }
