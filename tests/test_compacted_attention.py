@@ -1,0 +1,137 @@
+"""The torch reference of compacted attention and the registered mask function against brute force."""
+
+import pytest
+import torch
+from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
+
+from hf_structkv.attention.compacted_reference import compacted_attention
+from hf_structkv.attention.masks import structkv_mask
+
+
+def dense_reference(query, keys, values, bias, offsets, app_k, app_v, visible, scaling, softcap=None):
+    """float64 softmax over [prefix of head h ‖ appended], head by head, query head by query head."""
+    batch, n_q, q_len, _ = query.shape
+    n_kv = len(offsets) - 1
+    group = n_q // n_kv
+    out = torch.zeros(batch, n_q, q_len, values.shape[-1], dtype=torch.float64)
+    for b in range(batch):
+        for hq in range(n_q):
+            h = hq // group
+            a, e = offsets[h], offsets[h + 1]
+            k = torch.cat([keys[a:e], app_k[b, h]]).double()
+            v = torch.cat([values[a:e], app_v[b, h]]).double()
+            s = query[b, hq].double() @ k.T * scaling
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
+            s[:, : e - a] += bias[a:e].double()
+            s[:, e - a :] = s[:, e - a :].masked_fill(~visible[b, 0], float("-inf"))
+            out[b, hq] = torch.softmax(s, -1) @ v
+    return out.transpose(1, 2)
+
+
+def random_problem(lengths, n_q=6, q_len=3, n_app=5, batch=2, d=8, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n_kv = len(lengths)
+    offsets = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    total = offsets[-1]
+    return dict(
+        query=torch.randn(batch, n_q, q_len, d, generator=g).to(dtype),
+        prefix_keys=torch.randn(total, d, generator=g).to(dtype),
+        prefix_values=torch.randn(total, d, generator=g).to(dtype),
+        prefix_bias=torch.randn(total, generator=g),
+        prefix_offsets=offsets,
+        appended_keys=torch.randn(batch, n_kv, n_app, d, generator=g).to(dtype),
+        appended_values=torch.randn(batch, n_kv, n_app, d, generator=g).to(dtype),
+    )
+
+
+def causal_visible(batch, q_len, n_app):
+    q = torch.arange(q_len)[:, None]
+    k = torch.arange(n_app)[None]
+    return (k <= q + n_app - q_len).expand(batch, 1, q_len, n_app).clone()
+
+
+@pytest.mark.parametrize("lengths", [(4, 7), (1, 9, 3), (0, 5), (6,)])
+@pytest.mark.parametrize("use_none_mask", [True, False])
+def test_matches_dense_softmax(lengths, use_none_mask):
+    n_q = 2 * len(lengths)
+    p = random_problem(lengths, n_q=n_q)
+    visible = causal_visible(2, 3, 5)
+    if not use_none_mask:
+        visible[1, 0, :, :2] = False  # padding of row 1
+    got = compacted_attention(**p, appended_mask=None if use_none_mask else visible, scaling=0.3)
+    expected = dense_reference(
+        p["query"], p["prefix_keys"], p["prefix_values"], p["prefix_bias"], p["prefix_offsets"],
+        p["appended_keys"], p["appended_values"], visible, 0.3,
+    )
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_additive_mask_and_softcap():
+    p = random_problem((3, 4))
+    visible = causal_visible(2, 3, 5)
+    additive = torch.where(visible, 0.0, float("-inf"))
+    got = compacted_attention(**p, appended_mask=additive, scaling=0.5, softcap=2.0)
+    expected = dense_reference(
+        p["query"], p["prefix_keys"], p["prefix_values"], p["prefix_bias"], p["prefix_offsets"],
+        p["appended_keys"], p["appended_values"], visible, 0.5, softcap=2.0,
+    )
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs_keep_fp32_statistics(dtype):
+    p = random_problem((5, 2), dtype=dtype)
+    visible = causal_visible(2, 3, 5)
+    got = compacted_attention(**p, appended_mask=visible, scaling=0.35)
+    assert got.dtype == dtype
+    expected = dense_reference(
+        p["query"], p["prefix_keys"], p["prefix_values"], p["prefix_bias"], p["prefix_offsets"],
+        p["appended_keys"], p["appended_values"], visible, 0.35,
+    )
+    # Only the final cast to the input dtype loses precision.
+    torch.testing.assert_close(got.double(), expected.to(dtype).double(), atol=1e-2, rtol=1e-2)
+
+
+def test_bad_shapes_are_named():
+    p = random_problem((3, 4), n_q=5)
+    with pytest.raises(ValueError, match="5 query heads cannot be grouped over 2 KV heads"):
+        compacted_attention(**p, appended_mask=None, scaling=1.0)
+    p = random_problem((3, 4))
+    with pytest.raises(ValueError, match="attention mask covers 4 keys but 5 tokens are appended"):
+        compacted_attention(**p, appended_mask=torch.ones(2, 1, 3, 4, dtype=torch.bool), scaling=1.0)
+    p["appended_keys"] = p["appended_keys"][:, :1]
+    with pytest.raises(ValueError, match="appended keys have 1 KV heads, the prefix has 2"):
+        compacted_attention(**p, appended_mask=None, scaling=1.0)
+
+
+def test_mask_equals_sdpa_mask_without_padding_or_window():
+    mask_fn = sliding_window_causal_mask_function(4)
+    for padding in (None, torch.ones(2, 12, dtype=torch.bool)):
+        args = dict(batch_size=2, q_length=3, kv_length=9, q_offset=9, kv_offset=3, attention_mask=padding)
+        assert _same(structkv_mask(**args, mask_function=mask_fn, local_size=4), sdpa_mask(**args, mask_function=mask_fn, local_size=4))
+        assert _same(structkv_mask(**args), sdpa_mask(**args))
+
+
+def _same(a, b):
+    return (a is None and b is None) or torch.equal(a, b)
+
+
+def test_sliding_window_over_padding_counts_positions():
+    """Row 0 has 3 pads between its context and question: its window holds 4 real tokens, as when run alone."""
+    window, length = 4, 12
+    padding = torch.ones(2, length, dtype=torch.bool)
+    padding[0, 5:8] = False
+    mask = structkv_mask(
+        batch_size=2, q_length=4, kv_length=length, q_offset=length - 4, kv_offset=0,
+        mask_function=sliding_window_causal_mask_function(window), attention_mask=padding, local_size=window,
+    )
+    positions = padding.long().cumsum(-1) - 1
+    for b in range(2):
+        for qi in range(4):
+            q_slot = length - 4 + qi
+            for k in range(length):
+                distance = positions[b, q_slot] - positions[b, k]
+                expected = bool(padding[b, k]) and 0 <= distance < window
+                assert bool(mask[b, 0, qi, k]) == expected, (b, qi, k)
+    assert mask[0, 0, 0].sum() == window  # four real tokens, pads skipped
