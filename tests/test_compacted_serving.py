@@ -184,6 +184,18 @@ def test_batched_questions_equal_single_questions(arch):
             assert mine.data_ptr() == theirs.data_ptr()
 
 
+def test_generate_accepts_the_cache_spelling():
+    """transformers 5.x renames generate's past_key_values to cache: both reach the same cache."""
+    model = tiny_model("qwen3")
+    context, question = context_and_question()
+    compacted = CompactedCache.from_selection(prefill(model, context), random_selection(prefill(model, context), 0.3)[0])
+    hf_structkv.enable(model)
+    ids = torch.cat([torch.zeros(1, CONTEXT_LEN, dtype=torch.long), question], 1)
+    with torch.no_grad():
+        new = model.generate(ids, attention_mask=torch.ones_like(ids), cache=compacted.copy(), max_new_tokens=6, do_sample=False)
+    assert torch.equal(new[:, ids.shape[1] :], generate(model, ids, cache=compacted.copy(), n=6))
+
+
 def test_generation_does_not_touch_the_compacted_context():
     model = tiny_model("llama")
     context, question = context_and_question()
@@ -373,3 +385,18 @@ class TestFromSelectionRejectsBadInput:
 def test_enable_rejects_non_models():
     with pytest.raises(TypeError, match="model must be a transformers PreTrainedModel"):
         hf_structkv.enable(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_beam_search_over_a_shared_context(arch):
+    """Beam expansion and reordering act on the appended tokens; the shared context needs neither."""
+    model = tiny_model(arch)
+    context, question = context_and_question(seed=11)
+    full = torch.cat([context, question], 1)
+    kwargs = dict(max_new_tokens=6, do_sample=False, num_beams=3, num_return_sequences=2)
+    with torch.no_grad():
+        expected = model.generate(full, attention_mask=torch.ones_like(full), **kwargs)
+        cache = CompactedCache.from_selection(prefill(model, context), keep_all(prefill(model, context)))
+        hf_structkv.enable(model)
+        got = model.generate(full, attention_mask=torch.ones_like(full), past_key_values=cache, **kwargs)
+    assert torch.equal(got[:, full.shape[1] :], expected[:, full.shape[1] :])
