@@ -52,8 +52,10 @@ def compact(
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if not isinstance(ratio, (int, float)) or ratio < 1:
-        raise ValueError(f"ratio must be a number >= 1 (original / kept entries), got {ratio!r}")
+    if not isinstance(ratio, (int, float)) or not 1 <= ratio < math.inf:
+        raise ValueError(f"ratio must be a finite number >= 1 (original / kept entries), got {ratio!r}")
+    if not isinstance(sink_tokens, int) or sink_tokens < 0:
+        raise ValueError(f"sink_tokens must be an integer >= 0, got {sink_tokens!r}")
     if isinstance(context, str):
         context_ids = tokenizer(context, return_tensors="pt", add_special_tokens=False).input_ids
     else:

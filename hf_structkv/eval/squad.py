@@ -68,6 +68,9 @@ def normalize_answer(text: str) -> str:
 
 
 def contains_answer(prediction: str, answers: tuple[str, ...]) -> bool:
-    """Whether a normalised gold answer occurs in the normalised prediction (for free-form chat answers)."""
+    """Whether a normalised gold answer occurs in the normalised prediction (for free-form chat answers).
+
+    A gold answer that normalises to nothing (SQuAD has a few ``"."`` answers) matches no prediction.
+    """
     normalized = normalize_answer(prediction)
-    return any(normalize_answer(answer) in normalized for answer in answers)
+    return any(gold and gold in normalized for gold in map(normalize_answer, answers))

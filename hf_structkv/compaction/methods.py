@@ -1,0 +1,514 @@
+"""Per-KV-head compaction: ``compact_head(K, V, Q, t, method=...)`` -> `CompactedHead` (positions, biases, values).
+
+Every method is one small class behind the `HeadMethod` interface, registered by name in `HEAD_METHODS`. A calibrated
+method picks a support and then applies the shared final refit (`refit.py`); a query-free method evicts (bias 0,
+original values). Formulas and equation numbers follow the KV-Surgeon seed, restated in ``design/ALGORITHMS.md`` §1.
+All linear algebra runs in float64 on the inputs' device.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import ClassVar
+
+import torch
+
+from .refit import fit_multipliers, fit_values
+
+FLOAT = torch.float64
+
+
+@dataclass(frozen=True)
+class CompactedHead:
+    """One compacted KV head.
+
+    Attributes:
+        indices: ``[t]`` LongTensor, kept positions of the original cache, sorted ascending.
+        bias: ``[t]`` float32 logit biases ``log w_j`` added to the scaled logits before the softmax.
+        values: ``[t, D_v]`` values served for the kept entries (refit or original), in the input values' dtype.
+        train_loss: relative loss ``L / ‖O‖_F²`` (4) on the calibration queries, or None without queries.
+    """
+
+    indices: torch.Tensor
+    bias: torch.Tensor
+    values: torch.Tensor
+    train_loss: float | None = None
+
+
+def _as_matrix(name: str, tensor: object) -> torch.Tensor:
+    """Validate a non-empty, finite, floating 2-D tensor and return it detached in float64."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
+    if tensor.dim() != 2 or tensor.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty 2-D tensor [rows, dim], got shape {tuple(tensor.shape)}")
+    matrix = tensor.detach().to(FLOAT)
+    if not torch.isfinite(matrix).all():
+        raise ValueError(f"{name} has non-finite entries")
+    return matrix
+
+
+@dataclass(frozen=True)
+class HeadProblem:
+    """One KV head's compaction problem in float64; attention statistics are computed once, on first use.
+
+    Attributes:
+        keys: ``K [T, D]`` post-RoPE keys.
+        values: ``V [T, D_v]``.
+        queries: ``Q [N, D]`` calibration queries (for GQA the stacked queries of the group), or None (query-free).
+        scaling: logit scale (``1/sqrt(D)`` by default).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    queries: torch.Tensor | None
+    scaling: float
+
+    @classmethod
+    def build(
+        cls, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None, scaling: float | None = None
+    ) -> HeadProblem:
+        """Validate the inputs (shapes, dtypes, devices, finiteness) and cast them to float64."""
+        keys64, values64 = _as_matrix("keys", keys), _as_matrix("values", values)
+        if values64.shape[0] != keys64.shape[0]:
+            raise ValueError(f"values has {values64.shape[0]} rows, keys has {keys64.shape[0]}: one row per position")
+        queries64 = None if queries is None else _as_matrix("queries", queries)
+        if queries64 is not None and queries64.shape[1] != keys64.shape[1]:
+            raise ValueError(f"queries have dimension {queries64.shape[1]}, keys have {keys64.shape[1]}")
+        devices = {t.device for t in (keys64, values64, queries64) if t is not None}
+        if len(devices) > 1:
+            raise ValueError(f"keys, values and queries must be on one device, got {sorted(map(str, devices))}")
+        if scaling is None:
+            scaling = 1.0 / math.sqrt(keys64.shape[1])
+        elif not isinstance(scaling, numbers.Real) or not math.isfinite(scaling) or scaling <= 0:
+            raise ValueError(f"scaling must be a positive finite number, got {scaling!r}")
+        return cls(keys64, values64, queries64, float(scaling))
+
+    @property
+    def length(self) -> int:
+        """``T``, the number of cache entries."""
+        return self.keys.shape[0]
+
+    def logits(self, indices: torch.Tensor) -> torch.Tensor:
+        """Scaled logits ``Z[:, indices]`` ``[N, |indices|]``."""
+        if self.queries is None:
+            raise ValueError("this computation needs calibration queries, got queries=None")
+        return self.queries @ self.keys[indices].T * self.scaling
+
+    @cached_property
+    def _softmax(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(P [N, T], s [N])``: the attention and the row sums of ``exp(Z − rowmax Z)``."""
+        logits = self.logits(torch.arange(self.length, device=self.keys.device))
+        unnormalized = torch.exp(logits - logits.amax(dim=1, keepdim=True))
+        row_sums = unnormalized.sum(dim=1)
+        return unnormalized / row_sums[:, None], row_sums
+
+    @property
+    def attention(self) -> torch.Tensor:
+        """``P [N, T]`` = softmax of the logits over all entries."""
+        return self._softmax[0]
+
+    @property
+    def row_sums(self) -> torch.Tensor:
+        """``s [N]``, row sums of ``E = exp(Z − rowmax Z)`` (so ``P = diag(s)^{-1} E``)."""
+        return self._softmax[1]
+
+    @cached_property
+    def outputs(self) -> torch.Tensor:
+        """``O = P V`` ``[N, D_v]``."""
+        return self.attention @ self.values
+
+    @cached_property
+    def loo(self) -> torch.Tensor:
+        """Leave-one-out scores (13) with the 1e-3 floor, ``[T]``."""
+        return loo_scores(self.attention, self.values, self.outputs)
+
+    def unnormalized(self, indices: torch.Tensor) -> torch.Tensor:
+        """``E_S = exp(Z − rowmax Z)[:, indices]`` ``[N, |indices|]`` (row max over all ``T`` entries)."""
+        return self.attention[:, indices] * self.row_sums[:, None]
+
+    def compacted_attention(self, indices: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """``P̂ = diag(P_S w)^{-1} P_S diag(w)`` ``[N, t]``, ``w = exp(bias)``, as the stable softmax of ``Z_S + bias``."""
+        return torch.softmax(self.logits(indices) + bias, dim=1)
+
+    def relative_loss(self, head: CompactedHead) -> float:
+        """``L(S, w, V̂) / ‖O‖_F²`` (4) of ``head`` on this problem's queries (0 when both are zero)."""
+        indices = head.indices.to(self.keys.device)
+        approx = self.compacted_attention(indices, head.bias.to(self.keys.device, FLOAT))
+        error = (approx @ head.values.to(self.keys.device, FLOAT) - self.outputs).square().sum()
+        reference = self.outputs.square().sum()
+        if reference == 0:
+            return 0.0 if error == 0 else math.inf
+        return (error / reference).item()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Scores and the surrogate of KV-Surgeon (public for testing against brute force).
+
+
+def loo_scores(
+    attention: torch.Tensor, values: torch.Tensor, outputs: torch.Tensor, floor: float = 1e-3
+) -> torch.Tensor:
+    """Leave-one-out scores (13): ``s_j = Σ_i P_ij² / ((1 − P_ij)² + floor) · ‖v_j − o_i‖²``.
+
+    With ``floor=0`` this is the exact loss (4) of deleting ``j`` alone with unit multipliers and unchanged values.
+
+    Args:
+        attention: ``P [N, T]``.
+        values: ``V [T, D_v]``.
+        outputs: ``O [N, D_v]``.
+
+    Returns:
+        ``[T]``.
+    """
+    weight = attention.square() / ((1 - attention).square() + floor)
+    value_norms = values.square().sum(dim=1)
+    output_norms = outputs.square().sum(dim=1)
+    cross = ((weight.T @ outputs) * values).sum(dim=1)
+    return (value_norms * weight.sum(dim=0) + weight.T @ output_norms - 2 * cross).clamp_min(0)
+
+
+def ridge_solve(
+    attention: torch.Tensor, targets: torch.Tensor, ridge: float, retries: int = 3
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Minimiser of (9) on a support and its inverse Gram matrix (10): ``G = (P_SᵀP_S + λI)^{-1}``, ``B = G P_Sᵀ Y``.
+
+    Cholesky of ``P_SᵀP_S + λI``; on failure ``λ`` is multiplied by 10, at most ``retries`` times.
+
+    Args:
+        attention: ``P_S [N, m]``.
+        targets: ``Y [N, d_v + 1]``.
+        ridge: ``λ > 0``.
+
+    Returns:
+        ``(B [m, d_v + 1], G [m, m], λ used)``.
+    """
+    gram = attention.T @ attention
+    identity = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    for _ in range(retries + 1):
+        factor, info = torch.linalg.cholesky_ex(gram + ridge * identity)
+        if info.item() == 0:
+            inverse = torch.cholesky_inverse(factor)
+            return inverse @ (attention.T @ targets), inverse, ridge
+        ridge *= 10
+    raise torch.linalg.LinAlgError(f"Cholesky of the ridge Gram matrix failed up to λ = {ridge / 10:g}")
+
+
+def saliency(coefficients: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Compensated deletion cost (11) of every entry of the support: ``s_j = ‖B_j,:‖² / G_jj``.
+
+    Args:
+        coefficients: ``B [m, d_v + 1]``.
+        inverse: ``G [m, m]``.
+
+    Returns:
+        ``[m]``.
+    """
+    return coefficients.square().sum(dim=1) / inverse.diagonal()
+
+
+def _complement(size: int, block: torch.Tensor) -> torch.Tensor:
+    """Positions of ``range(size)`` not in ``block``, ascending, ``[size − |block|]``."""
+    keep = torch.ones(size, dtype=torch.bool, device=block.device)
+    keep[block] = False
+    return keep.nonzero().squeeze(1)
+
+
+def eliminate_block(
+    coefficients: torch.Tensor, inverse: torch.Tensor, block: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Delete the rows ``J = block`` from the support with the exact compensating update (14).
+
+    ``B ← B_R − G_RJ G_JJ^{-1} B_J``, ``G ← G_RR − G_RJ G_JJ^{-1} G_JR`` with ``R`` the remaining rows (kept in
+    their order): the minimiser of (9) on ``R`` and its inverse Gram matrix.
+
+    Args:
+        coefficients: ``B [m, d_v + 1]``.
+        inverse: ``G [m, m]``.
+        block: ``J``, LongTensor of distinct row positions in ``[0, m)``.
+
+    Returns:
+        ``(B [m − |J|, d_v + 1], G [m − |J|, m − |J|])``.
+    """
+    rest = _complement(inverse.shape[0], block)
+    cross = inverse[rest][:, block]
+    solved = torch.linalg.solve(inverse[block][:, block], torch.cat([coefficients[block], inverse[block][:, rest]], 1))
+    width = coefficients.shape[1]
+    reduced = inverse[rest][:, rest] - cross @ solved[:, width:]
+    return coefficients[rest] - cross @ solved[:, :width], (reduced + reduced.T) / 2
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Completing a selection: plain eviction or the shared final refit.
+
+
+def evict(problem: HeadProblem, indices: torch.Tensor) -> CompactedHead:
+    """Plain eviction on ``indices [t]``: bias 0, original values."""
+    bias = torch.zeros(indices.numel(), dtype=FLOAT, device=indices.device)
+    return CompactedHead(indices, bias, problem.values[indices])
+
+
+def refit_head(problem: HeadProblem, indices: torch.Tensor, bias_bound: float = 3.0) -> CompactedHead:
+    """Shared final refit on the support ``indices [t]``: multipliers (22) in ``[e^-β, e^β]``, then values (23).
+
+    The biases are rounded to float32, the dtype they are served in, before the value solve.
+    """
+    weights = fit_multipliers(problem.unnormalized(indices), problem.row_sums, bias_bound)
+    bias = weights.log().float().to(FLOAT)
+    values = fit_values(problem.compacted_attention(indices, bias), problem.outputs)
+    return CompactedHead(indices, bias, values)
+
+
+def _top(scores: torch.Tensor, count: int, largest: bool = True) -> torch.Tensor:
+    """Indices of the ``count`` largest (or smallest) ``scores``, ``[count]``."""
+    return torch.topk(scores, count, largest=largest).indices
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Methods: one small class each.
+
+
+class HeadMethod:
+    """Interface of a per-head compaction method.
+
+    Class attributes: ``name`` (registry key) and ``needs_queries``. Instances carry the hyperparameters (dataclass
+    fields) and ``refit``: whether the selection is completed by the shared final refit (needs ``bias_bound``) or
+    by plain eviction. A method implements `select`; one that does more than select-then-complete overrides `compact`.
+    """
+
+    name: ClassVar[str]
+    needs_queries: ClassVar[bool]
+    refit: bool
+
+    def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
+        """Kept positions, ``[budget]`` distinct indices in ``[0, T)`` (any order); ``1 <= budget < T``."""
+        raise NotImplementedError
+
+    def compact(self, problem: HeadProblem, budget: int, seed: int) -> CompactedHead:
+        """Select, sort, then refit or evict; returns float64 bias and values."""
+        indices = torch.sort(self.select(problem, budget, seed)).values
+        return refit_head(problem, indices, self.bias_bound) if self.refit else evict(problem, indices)
+
+
+HEAD_METHODS: dict[str, type[HeadMethod]] = {}
+
+
+def register(cls: type[HeadMethod]) -> type[HeadMethod]:
+    """Class decorator adding a method to `HEAD_METHODS` under its ``name``."""
+    HEAD_METHODS[cls.name] = cls
+    return cls
+
+
+@dataclass(frozen=True)
+class CalibratedMethod(HeadMethod):
+    """A selection rule scored on calibration queries, completed by the shared final refit (unless ``refit=False``)."""
+
+    needs_queries: ClassVar[bool] = True
+    refit: bool = True
+    bias_bound: float = 3.0
+
+    def __post_init__(self) -> None:
+        if not self.bias_bound > 0:
+            raise ValueError(f"bias_bound must be > 0, got {self.bias_bound!r}")
+
+
+@register
+@dataclass(frozen=True)
+class LeaveOneOut(CalibratedMethod):
+    """LOO baseline: the ``t`` largest leave-one-out scores (13)."""
+
+    name: ClassVar[str] = "loo"
+
+    def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
+        return _top(problem.loo, budget)
+
+
+@register
+@dataclass(frozen=True)
+class KVSurgeon(CalibratedMethod):
+    """KV-Surgeon, Algorithm 1: compensation-aware greedy block elimination on the quadratic surrogate (9).
+
+    Hyperparameters: ``pool_factor`` c, ``block_size`` n_b, ``relative_ridge`` λ0, ``mass_weight`` γ0,
+    ``fallback_threshold`` τ (heads with ``t > τT`` keep the top-``t`` LOO entries, bias 0, original values).
+    """
+
+    name: ClassVar[str] = "kv_surgeon"
+    pool_factor: float = 4.0
+    block_size: int = 32
+    relative_ridge: float = 0.01
+    mass_weight: float = 1.0
+    fallback_threshold: float = 0.3
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.pool_factor >= 1:
+            raise ValueError(f"pool_factor must be >= 1, got {self.pool_factor!r}")
+        if not isinstance(self.block_size, numbers.Integral) or self.block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
+        if not self.relative_ridge > 0:
+            raise ValueError(f"relative_ridge must be > 0, got {self.relative_ridge!r}")
+        if not self.mass_weight >= 0:
+            raise ValueError(f"mass_weight must be >= 0, got {self.mass_weight!r}")
+        if not self.fallback_threshold >= 0:
+            raise ValueError(f"fallback_threshold must be >= 0, got {self.fallback_threshold!r}")
+
+    def compact(self, problem: HeadProblem, budget: int, seed: int) -> CompactedHead:
+        if budget > self.fallback_threshold * problem.length:
+            return evict(problem, torch.sort(_top(problem.loo, budget)).values)
+        return super().compact(problem, budget, seed)
+
+    def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
+        pool = _top(problem.loo, min(problem.length, math.ceil(self.pool_factor * budget)))
+        coefficients, inverse = self.surrogate(problem, pool)
+        return pool[self.eliminate(coefficients, inverse, budget)]
+
+    def surrogate(self, problem: HeadProblem, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(B [m, d_v + 1], G [m, m])`` of (10) on the pool, ``Y = [O γ1]``, ``λ = λ0 tr(P_SᵀP_S) / m``."""
+        attention, outputs = problem.attention[:, pool], problem.outputs
+        gamma = self.mass_weight * outputs.square().sum(dim=1).mean().sqrt()
+        targets = torch.cat([outputs, gamma * outputs.new_ones(outputs.shape[0], 1)], dim=1)
+        ridge = max(self.relative_ridge * attention.square().sum().item() / pool.numel(), torch.finfo(FLOAT).eps)
+        coefficients, inverse, _ = ridge_solve(attention, targets, ridge)
+        return coefficients, inverse
+
+    def eliminate(self, coefficients: torch.Tensor, inverse: torch.Tensor, budget: int) -> torch.Tensor:
+        """Greedy block elimination (11), (14) until ``budget`` rows remain; returns the kept pool positions."""
+        kept = torch.arange(inverse.shape[0], device=inverse.device)
+        while kept.numel() > budget:
+            block = _top(saliency(coefficients, inverse), min(self.block_size, kept.numel() - budget), largest=False)
+            coefficients, inverse = eliminate_block(coefficients, inverse, block)
+            kept = kept[_complement(kept.numel(), block)]
+        return kept
+
+
+@register
+@dataclass(frozen=True)
+class KVSurgeonNoCompensation(KVSurgeon):
+    """Ablation "KV-Surgeon w/o compensation": rank the pool once by the saliency (11), keep the top ``t``."""
+
+    name: ClassVar[str] = "kv_surgeon_nocomp"
+
+    def eliminate(self, coefficients: torch.Tensor, inverse: torch.Tensor, budget: int) -> torch.Tensor:
+        return _top(saliency(coefficients, inverse), budget)
+
+
+@dataclass(frozen=True)
+class QueryFreeMethod(HeadMethod):
+    """A selection rule that needs no calibration queries and evicts (bias 0, original values)."""
+
+    needs_queries: ClassVar[bool] = False
+    refit: ClassVar[bool] = False
+
+
+@register
+@dataclass(frozen=True)
+class RandomSelection(QueryFreeMethod):
+    """``t`` positions drawn uniformly without replacement (seeded)."""
+
+    name: ClassVar[str] = "random"
+
+    def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randperm(problem.length, generator=generator)[:budget].to(problem.keys.device)
+
+
+@register
+@dataclass(frozen=True)
+class StreamingLLM(QueryFreeMethod):
+    """StreamingLLM: the first ``sink_tokens`` attention sinks and the most recent entries."""
+
+    name: ClassVar[str] = "streaming_llm"
+    sink_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sink_tokens, numbers.Integral) or self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
+
+    def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
+        sinks = min(self.sink_tokens, budget)
+        device = problem.keys.device
+        recent = torch.arange(problem.length - (budget - sinks), problem.length, device=device)
+        return torch.cat([torch.arange(sinks, device=device), recent])
+
+
+@register
+@dataclass(frozen=True)
+class KeyNorm(QueryFreeMethod):
+    """L2 key-norm heuristic: keep the ``t`` keys of smallest norm."""
+
+    name: ClassVar[str] = "key_norm"
+
+    def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
+        return _top(problem.keys.norm(dim=1), budget, largest=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Public entry points.
+
+
+def _check_budget(budget: object) -> int:
+    """Validate the budget: an integer >= 1."""
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral):
+        raise TypeError(f"budget must be an int >= 1, got {type(budget).__name__}")
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    return int(budget)
+
+
+def compact_head(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor | None,
+    budget: int,
+    method: str = "kv_surgeon",
+    scaling: float | None = None,
+    seed: int = 0,
+    **hparams: object,
+) -> CompactedHead:
+    """Compact one KV head to ``min(budget, T)`` entries.
+
+    Args:
+        keys: ``[T, D]`` post-RoPE keys of the head.
+        values: ``[T, D_v]``.
+        queries: ``[N, D]`` post-RoPE calibration queries (for GQA the stacked queries of the group); may be None
+            for query-free methods (then ``train_loss`` is None).
+        budget: kept entries ``t >= 1``; ``t >= T`` keeps everything (bias 0, values unchanged).
+        method: a key of `HEAD_METHODS`.
+        scaling: logit scale, default ``1/sqrt(D)``.
+        seed: for randomised methods.
+        **hparams: the method's hyperparameters (fields of its class, e.g. ``pool_factor=4`` or ``refit=False``).
+
+    Returns:
+        `CompactedHead` with float32 bias and values in ``values.dtype``, on the inputs' device.
+    """
+    if method not in HEAD_METHODS:
+        raise ValueError(f"method must be one of {sorted(HEAD_METHODS)}, got {method!r}")
+    rule = HEAD_METHODS[method](**hparams)
+    budget = _check_budget(budget)
+    if queries is None and rule.needs_queries:
+        raise ValueError(f"method {method!r} needs calibration queries, got queries=None")
+    problem = HeadProblem.build(keys, values, queries, scaling)
+    if budget >= problem.length:
+        head = evict(problem, torch.arange(problem.length, device=problem.keys.device))
+    else:
+        head = rule.compact(problem, budget, seed)
+    head = CompactedHead(head.indices, head.bias.float(), head.values.to(values.dtype))
+    return replace(head, train_loss=None if problem.queries is None else problem.relative_loss(head))
+
+
+def relative_loss(
+    head: CompactedHead,
+    keys: torch.Tensor,
+    queries: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float | None = None,
+) -> float:
+    """``L(S, w, V̂) / ‖O‖_F²`` (4) of ``head`` on ``queries [N, D]`` (e.g. held out), against the full ``keys [T, D]``
+    and ``values [T, D_v]`` the head was compacted from."""
+    if not isinstance(head, CompactedHead):
+        raise TypeError(f"head must be a CompactedHead, got {type(head).__name__}")
+    return HeadProblem.build(keys, values, queries, scaling).relative_loss(head)

@@ -1,0 +1,109 @@
+"""The shared final refit of a compacted head (KV-Surgeon seed §3.4 and appendix "Final refit", after Zweiger et al.).
+
+On a fixed support ``S`` of ``t`` kept entries, two ordered solves:
+
+1. multipliers ``w = argmin_{e^-β <= w_j <= e^β} ‖E_S w − s‖²`` (22, rows scaled by the original normalisers ``s``):
+   unconstrained least squares by QR, clamped to the box, then projected-gradient steps with step ``1/‖E_S‖₂²``;
+2. values ``V̂ = argmin ‖P̂ V̂ − O‖_F²`` (23) with ``P̂`` the attention over the kept entries with biases ``log w``.
+
+Every function here works on plain float64 tensors, so the same code serves every calibrated selection rule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def least_squares(matrix: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """Least-squares solution of ``matrix @ X ≈ rhs``.
+
+    A QR solve when ``matrix [N, k]`` is tall and numerically of full column rank (``|R_ii|`` above
+    ``eps · max(N, k) · max|R_ii|``, the default cut-off of ``torch.linalg.pinv``); otherwise (``N < k``, duplicate or
+    dependent columns) the minimum-norm solution through the pseudo-inverse.
+
+    Args:
+        matrix: ``[N, k]``.
+        rhs: ``[N, r]``.
+
+    Returns:
+        ``[k, r]``.
+    """
+    rows, cols = matrix.shape
+    if rows >= cols:
+        q, r = torch.linalg.qr(matrix)
+        diagonal = r.diagonal().abs()
+        if diagonal.min() > torch.finfo(matrix.dtype).eps * rows * diagonal.max():
+            return torch.linalg.solve_triangular(r, q.T @ rhs, upper=True)
+    return torch.linalg.pinv(matrix) @ rhs
+
+
+def spectral_norm_sq(matrix: torch.Tensor, iterations: int = 3) -> torch.Tensor:
+    """Estimate of ``‖matrix‖₂²`` (top eigenvalue of ``matrixᵀ matrix``) by power iteration from the all-ones vector.
+
+    Args:
+        matrix: ``[N, k]``.
+
+    Returns:
+        a scalar tensor (a lower bound of the true value; 0 for a zero matrix).
+    """
+    x = matrix.new_ones(matrix.shape[1])
+    for _ in range(iterations):
+        x = matrix.T @ (matrix @ x)
+        x = x / x.norm().clamp_min(torch.finfo(matrix.dtype).tiny)
+    return (matrix @ x).square().sum()
+
+
+def fit_multipliers(
+    unnormalized: torch.Tensor,
+    row_sums: torch.Tensor,
+    bias_bound: float = 3.0,
+    steps: int = 2,
+    power_iterations: int = 3,
+) -> torch.Tensor:
+    """Attention multipliers of the kept entries, ``argmin ‖E_S w − s‖²`` over the box ``[e^-β, e^β]`` (22).
+
+    Args:
+        unnormalized: ``E_S [N, t]``, ``exp(Z − rowmax Z)`` on the kept columns (row max over all ``T`` columns).
+        row_sums: ``s [N]``, the row sums of ``exp(Z − rowmax Z)`` over all ``T`` columns.
+        bias_bound: ``β``; the logit biases ``log w`` lie in ``[−β, β]``.
+        steps: projected-gradient steps after the clamped least-squares start.
+        power_iterations: power iterations estimating ``‖E_S‖₂²`` for the step size.
+
+    Returns:
+        ``w [t]`` inside the box.
+    """
+    low, high = math.exp(-bias_bound), math.exp(bias_bound)
+    weights = least_squares(unnormalized, row_sums[:, None]).squeeze(1).clamp(low, high)
+    if steps > 0:
+        lipschitz = spectral_norm_sq(unnormalized, power_iterations).clamp_min(torch.finfo(unnormalized.dtype).tiny)
+        for _ in range(steps):
+            gradient = unnormalized.T @ (unnormalized @ weights - row_sums)
+            weights = (weights - gradient / lipschitz).clamp(low, high)
+    return weights
+
+
+def fit_values(attention: torch.Tensor, outputs: torch.Tensor, relative_ridge: float = 1e-6) -> torch.Tensor:
+    """Refit values ``V̂ = argmin ‖P̂ V̂ − O‖_F²`` (23).
+
+    By least squares (`least_squares`); if that fails numerically, the normal equations
+    ``(P̂ᵀP̂ + relative_ridge · ā · I) V̂ = P̂ᵀ O`` by Cholesky, ``ā`` the mean diagonal of ``P̂ᵀP̂``.
+
+    Args:
+        attention: ``P̂ [N, t]``, the compacted attention (rows sum to one).
+        outputs: ``O [N, D_v]``, the original attention outputs.
+
+    Returns:
+        ``V̂ [t, D_v]``.
+    """
+    try:
+        solution = least_squares(attention, outputs)
+        if torch.isfinite(solution).all():
+            return solution
+    except torch.linalg.LinAlgError:
+        pass
+    gram = attention.T @ attention
+    ridge = relative_ridge * gram.diagonal().mean()
+    factor = torch.linalg.cholesky(gram + ridge * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device))
+    return torch.cholesky_solve(attention.T @ outputs, factor)

@@ -1,0 +1,273 @@
+"""Per-head compaction: KV-Surgeon formulas against brute force / closed forms, the refit, methods, degenerate inputs."""
+
+import math
+
+import pytest
+import torch
+
+from hf_structkv.compaction.methods import (
+    HEAD_METHODS,
+    CompactedHead,
+    compact_head,
+    eliminate_block,
+    loo_scores,
+    relative_loss,
+    ridge_solve,
+    saliency,
+)
+from hf_structkv.compaction.refit import fit_multipliers, fit_values
+
+F64 = torch.float64
+
+
+def random_head(seed, length=48, dim=8, queries=64, value_dim=6, temperature=2.0, dtype=F64):
+    """``(K [T, D], V [T, D_v], Q [N, D], Q_heldout [N, D])`` with peaked attention (query scale ``temperature``)."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(length, dim, generator=gen, dtype=F64)
+    values = torch.randn(length, value_dim, generator=gen, dtype=F64)
+    calib = temperature * torch.randn(queries, dim, generator=gen, dtype=F64)
+    heldout = temperature * torch.randn(queries, dim, generator=gen, dtype=F64)
+    return keys.to(dtype), values.to(dtype), calib.to(dtype), heldout.to(dtype)
+
+
+def attention_stats(keys, values, queries):
+    """``(P [N, T], O [N, D_v])`` of plain softmax attention with scale ``1/sqrt(D)``."""
+    attention = torch.softmax(queries @ keys.T / math.sqrt(keys.shape[1]), dim=1)
+    return attention, attention @ values
+
+
+def surrogate_problem(seed, length=30, queries=40, value_dim=5):
+    """``(P [N, T], Y [N, d_v + 1], λ)`` of the surrogate (9) on a random head, λ = 0.01 tr(PᵀP)/T."""
+    keys, values, calib, _ = random_head(seed, length=length, queries=queries, value_dim=value_dim)
+    attention, outputs = attention_stats(keys, values, calib)
+    gamma = outputs.square().sum(1).mean().sqrt()
+    targets = torch.cat([outputs, gamma * torch.ones(queries, 1, dtype=F64)], dim=1)
+    return attention, targets, 0.01 * attention.square().sum().item() / length
+
+
+def objective(attention, targets, ridge):
+    """``F(S)`` of (9) by a fresh solve on the columns ``attention [N, |S|]``."""
+    coefficients, _, _ = ridge_solve(attention, targets, ridge)
+    return ((targets - attention @ coefficients).square().sum() + ridge * coefficients.square().sum()).item()
+
+
+# --- the surrogate: (11), (14) ---------------------------------------------------------------------------------------
+
+
+def test_block_update_equals_fresh_solve_on_reduced_support():
+    attention, targets, ridge = surrogate_problem(0)
+    coefficients, inverse, used = ridge_solve(attention, targets, ridge)
+    assert used == ridge
+    support = torch.arange(attention.shape[1])
+    for block in ([3, 17, 5, 22], [0], [10, 11, 12, 1, 2, 20, 24]):  # positions within the current support
+        block = torch.tensor(block)
+        coefficients, inverse = eliminate_block(coefficients, inverse, block)
+        keep = torch.ones(support.numel(), dtype=torch.bool)
+        keep[block] = False
+        support = support[keep]
+        fresh_b, fresh_g, _ = ridge_solve(attention[:, support], targets, ridge)
+        torch.testing.assert_close(coefficients, fresh_b, rtol=1e-8, atol=1e-10)
+        torch.testing.assert_close(inverse, fresh_g, rtol=1e-8, atol=1e-8)
+
+
+def test_saliency_equals_objective_increase_of_single_deletion():
+    attention, targets, ridge = surrogate_problem(1)
+    coefficients, inverse, _ = ridge_solve(attention, targets, ridge)
+    base = objective(attention, targets, ridge)
+    columns = attention.shape[1]
+    increase = torch.tensor(
+        [objective(attention[:, [k for k in range(columns) if k != j]], targets, ridge) - base for j in range(columns)],
+        dtype=F64,
+    )
+    torch.testing.assert_close(saliency(coefficients, inverse), increase, rtol=1e-6, atol=1e-10)
+
+
+def test_loo_without_floor_is_exact_single_deletion_loss():
+    keys, values, calib, _ = random_head(2, length=20, queries=30)
+    attention, outputs = attention_stats(keys, values, calib)
+    logits = calib @ keys.T / math.sqrt(keys.shape[1])
+    exact = []
+    for j in range(keys.shape[0]):
+        masked = logits.clone()
+        masked[:, j] = -math.inf
+        exact.append((torch.softmax(masked, dim=1) @ values - outputs).square().sum())
+    scores = loo_scores(attention, values, outputs, floor=0.0)
+    torch.testing.assert_close(scores, torch.stack(exact), rtol=1e-9, atol=1e-12)
+
+
+# --- the shared final refit ------------------------------------------------------------------------------------------
+
+
+def refit_inputs(seed, kept=10):
+    """``(E_S [N, t], s [N], O [N, D_v], Z_S [N, t])`` on a random support of ``kept`` entries of a random head."""
+    keys, values, calib, _ = random_head(seed)
+    logits = calib @ keys.T / math.sqrt(keys.shape[1])
+    unnormalized = torch.exp(logits - logits.amax(1, keepdim=True))
+    support = torch.randperm(keys.shape[0], generator=torch.Generator().manual_seed(seed))[:kept]
+    outputs = torch.softmax(logits, 1) @ values
+    return unnormalized[:, support], unnormalized.sum(1), outputs, logits[:, support]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_multipliers_in_box_and_gradient_steps_do_not_increase_residual(seed):
+    unnormalized, row_sums, _, _ = refit_inputs(seed)
+    clamped = fit_multipliers(unnormalized, row_sums, bias_bound=3.0, steps=0)
+    refined = fit_multipliers(unnormalized, row_sums, bias_bound=3.0)
+    for weights in (clamped, refined):
+        assert weights.min() >= math.exp(-3) - 1e-15 and weights.max() <= math.exp(3) + 1e-12
+    residual_clamped, residual_refined = ((unnormalized @ w - row_sums).norm().item() for w in (clamped, refined))
+    assert residual_refined <= residual_clamped + 1e-12
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_refit_values_satisfy_normal_equations(seed):
+    unnormalized, row_sums, outputs, logits = refit_inputs(seed)
+    weights = fit_multipliers(unnormalized, row_sums)
+    attention = torch.softmax(logits + weights.log(), dim=1)
+    # softmax(Z_S + log w) is diag(P_S w)^{-1} P_S diag(w)
+    direct = unnormalized * weights / (unnormalized @ weights)[:, None]
+    torch.testing.assert_close(attention, direct)
+    values = fit_values(attention, outputs)
+    gradient = attention.T @ (attention @ values - outputs)
+    assert gradient.abs().max() <= 1e-10 * outputs.abs().max()
+
+
+def test_compact_head_refit_is_optimal_for_its_support_and_biases():
+    keys, values, calib, _ = random_head(5)
+    head = compact_head(keys, values, calib, 8, method="loo")
+    assert head.bias.abs().max() <= 3.0 + 1e-6
+    attention = torch.softmax(calib @ keys[head.indices].T / math.sqrt(8) + head.bias.double(), dim=1)
+    _, outputs = attention_stats(keys, values, calib)
+    gradient = attention.T @ (attention @ head.values - outputs)
+    assert gradient.abs().max() <= 1e-9
+    assert head.train_loss == pytest.approx(relative_loss(head, keys, calib, values))
+
+
+# --- methods end to end ----------------------------------------------------------------------------------------------
+
+
+def heldout_losses(seed, budget=6):
+    """Held-out relative losses of kv_surgeon, its plain eviction, random, loo with and without refit."""
+    keys, values, calib, heldout = random_head(seed, length=64, queries=96)
+    surgeon = compact_head(keys, values, calib, budget)
+    evicted = CompactedHead(surgeon.indices, torch.zeros(budget), values[surgeon.indices])
+    heads = {
+        "kv_surgeon": surgeon,
+        "eviction": evicted,
+        "random": compact_head(keys, values, calib, budget, method="random", seed=seed),
+        "loo": compact_head(keys, values, calib, budget, method="loo"),
+        "loo_norefit": compact_head(keys, values, calib, budget, method="loo", refit=False),
+    }
+    return {name: relative_loss(head, keys, heldout, values) for name, head in heads.items()}
+
+
+def test_kv_surgeon_beats_random_and_eviction_on_heldout_queries():
+    losses = [heldout_losses(seed) for seed in range(10)]
+    mean = {name: sum(row[name] for row in losses) / len(losses) for name in losses[0]}
+    assert mean["kv_surgeon"] < mean["random"]
+    assert mean["kv_surgeon"] < mean["eviction"]
+    assert mean["loo"] <= mean["loo_norefit"]
+
+
+def test_mild_compaction_fallback_keeps_top_loo_with_original_values():
+    keys, values, calib, _ = random_head(6, length=40, dtype=torch.float32)
+    head = compact_head(keys, values, calib, 13)  # 13 > 0.3 * 40
+    attention, outputs = attention_stats(keys.double(), values.double(), calib.double())
+    expected = torch.sort(torch.topk(loo_scores(attention, values.double(), outputs), 13).indices).values
+    assert torch.equal(head.indices, expected)
+    assert torch.equal(head.bias, torch.zeros(13))
+    assert torch.equal(head.values, values[expected])
+
+
+def test_kv_surgeon_below_threshold_refits():
+    keys, values, calib, _ = random_head(6, length=40)
+    head = compact_head(keys, values, calib, 12)  # 12 <= 0.3 * 40
+    assert head.bias.abs().max() > 0
+
+
+@pytest.mark.parametrize("method", sorted(HEAD_METHODS))
+@pytest.mark.parametrize("budget", [1, 5, 13, 47, 48, 100])
+def test_every_method_returns_sorted_distinct_indices(method, budget):
+    keys, values, calib, _ = random_head(7, dtype=torch.float32)
+    head = compact_head(keys, values, calib, budget, method=method)
+    kept = min(budget, keys.shape[0])
+    assert head.indices.dtype == torch.long and head.indices.shape == (kept,)
+    assert torch.all(head.indices[1:] > head.indices[:-1])
+    assert 0 <= head.indices.min() and head.indices.max() < keys.shape[0]
+    assert head.bias.dtype == torch.float32 and head.bias.shape == (kept,)
+    assert head.values.dtype == torch.float32 and head.values.shape == (kept, values.shape[1])
+    assert torch.isfinite(head.bias).all() and torch.isfinite(head.values).all()
+    if budget >= keys.shape[0]:
+        assert torch.equal(head.bias, torch.zeros(kept)) and torch.equal(head.values, values)
+
+
+def test_query_free_methods_accept_no_queries_and_random_is_seeded():
+    keys, values, _, _ = random_head(8)
+    head = compact_head(keys, values, None, 9, method="streaming_llm")
+    assert head.indices.tolist() == [0, 1, 2, 3, 43, 44, 45, 46, 47] and head.train_loss is None
+    norms = keys.norm(dim=1)
+    kept_norms = norms[compact_head(keys, values, None, 9, method="key_norm").indices]
+    assert kept_norms.max() <= torch.sort(norms).values[8]
+    first, again = (compact_head(keys, values, None, 9, method="random", seed=3) for _ in range(2))
+    assert torch.equal(first.indices, again.indices)
+
+
+# --- degenerate inputs -----------------------------------------------------------------------------------------------
+
+
+def degenerate_cases():
+    """``(name, keys, values, queries, budget)`` triples that stress rank and size corner cases."""
+    keys, values, calib, _ = random_head(9, length=40, queries=20)
+    duplicated = keys.clone()
+    duplicated[1::2] = duplicated[0::2]
+    flat_values = values.clone()
+    flat_values[::2] = flat_values[1::2]
+    return [
+        ("t=1", keys, values, calib, 1),
+        ("duplicate keys", duplicated, values, calib, 8),
+        ("all-equal keys", keys[:1].expand(40, -1).clone(), values, calib, 8),
+        ("N < t", keys, values, calib[:3], 11),
+        ("N = 1", keys, values, calib[:1], 6),
+        ("rank-deficient values", keys, flat_values[:, :1].expand(40, 6).clone(), calib, 8),
+        ("zero values", keys, torch.zeros_like(values), calib, 8),
+        ("bf16", keys.bfloat16(), values.bfloat16(), calib.bfloat16(), 8),
+        ("saturated attention", keys, values, 40 * calib, 8),
+    ]
+
+
+@pytest.mark.parametrize("method", sorted(HEAD_METHODS))
+@pytest.mark.parametrize("case", degenerate_cases(), ids=lambda case: case[0])
+def test_degenerate_inputs_give_finite_outputs(method, case):
+    _, keys, values, queries, budget = case
+    head = compact_head(keys, values, queries, budget, method=method)
+    assert head.indices.shape == (budget,) and torch.unique(head.indices).numel() == budget
+    assert head.values.shape == (budget, values.shape[1]) and head.values.dtype == values.dtype
+    assert torch.isfinite(head.bias).all() and torch.isfinite(head.values).all()
+    assert math.isfinite(head.train_loss)
+
+
+# --- bad input -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"method": "nope"}, ValueError, "kv_surgeon"),
+        ({"budget": 0}, ValueError, "budget"),
+        ({"budget": 2.5}, TypeError, "budget"),
+        ({"keys": torch.zeros(4, 8, 1)}, ValueError, "keys"),
+        ({"values": torch.zeros(5, 6)}, ValueError, "values"),
+        ({"queries": torch.zeros(3, 7)}, ValueError, "queries"),
+        ({"queries": None}, ValueError, "queries"),
+        ({"keys": torch.zeros(48, 8, dtype=torch.long)}, TypeError, "keys"),
+        ({"values": torch.full((48, 6), math.nan)}, ValueError, "values"),
+        ({"scaling": -1.0}, ValueError, "scaling"),
+        ({"pool_factor": 0.5}, ValueError, "pool_factor"),
+        ({"not_a_hyperparameter": 1}, TypeError, "not_a_hyperparameter"),
+    ],
+)
+def test_bad_input_raises_naming_the_argument(kwargs, error, match):
+    keys, values, calib, _ = random_head(10)
+    arguments = {"keys": keys, "values": values, "queries": calib, "budget": 4} | kwargs
+    with pytest.raises(error, match=match):
+        compact_head(**arguments)

@@ -1,0 +1,182 @@
+"""``compact``: prefill once, keep StreamingLLM positions per KV head, build a `CompactedCache` with metadata."""
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from hf_structkv.cache.compacted_layers import CompactedLayer, SharedContextSlidingLayer
+from hf_structkv.compaction import METHODS, compact, prefill_context
+from hf_structkv.compaction.pipeline import streaming_llm_positions
+from hf_structkv.hub import model_fingerprint, tokenizer_hash
+from hf_structkv.models import tiny_model
+
+
+def context_ids(length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 256, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+class FakeTokenizer:
+    """Whitespace-separated integers -> ids; records how it was called."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, text, return_tensors, add_special_tokens):
+        self.calls.append((return_tensors, add_special_tokens))
+        return type("Encoding", (), {"input_ids": torch.tensor([[int(t) for t in text.split()]])})
+
+    def get_vocab(self):
+        return {str(i): i for i in range(256)}
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+# ---------------------------------------------------------------------------------------------------- positions
+@pytest.mark.parametrize(
+    "length, budget, sinks, expected",
+    [
+        (10, 4, 2, [0, 1, 8, 9]),  # sinks + most recent
+        (10, 4, 0, [6, 7, 8, 9]),  # recent only
+        (10, 20, 4, list(range(10))),  # budget > length: everything
+        (10, 3, 5, [0, 1, 2]),  # sinks > budget: the first budget positions
+        (10, 0, 2, [0]),  # budget clamps to 1
+        (10, 5, 5, [0, 1, 2, 3, 4]),
+        (1, 1, 4, [0]),
+    ],
+)
+def test_streaming_llm_positions(length, budget, sinks, expected):
+    kept = streaming_llm_positions(length, budget, sinks)
+    assert kept.dtype == torch.long
+    assert kept.tolist() == expected
+
+
+@pytest.mark.parametrize("length, budget, sinks", [(100, 25, 4), (41, 10, 4), (7, 3, 1), (64, 16, 16)])
+def test_streaming_llm_positions_closed_form(length, budget, sinks):
+    kept = streaming_llm_positions(length, budget, sinks)
+    assert kept.tolist() == list(range(sinks)) + list(range(length - (budget - sinks), length))
+    assert kept.numel() == budget == torch.unique(kept).numel()
+
+
+# ---------------------------------------------------------------------------------------------------- prefill
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_prefill_context_equals_a_manual_prefill(arch):
+    model = tiny_model(arch)
+    ids = context_ids(20)
+    manual = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=manual)
+    cache = prefill_context(model, ids)
+    assert cache.get_seq_length() == 20
+    assert len(cache.layers) == model.config.num_hidden_layers
+    for mine, theirs in zip(cache.layers, manual.layers, strict=True):
+        assert type(mine) is type(theirs)
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+    if arch == "gemma3":  # layers 0 and 2 are sliding (window 8): they keep the last 7 tokens only
+        assert [type(layer) for layer in cache.layers] == [DynamicSlidingWindowLayer, DynamicLayer] * 2
+        assert [layer.keys.shape[-2] for layer in cache.layers] == [7, 20, 7, 20]
+    else:
+        assert all(layer.keys.shape == (1, 2, 20, 16) for layer in cache.layers)
+
+
+# ---------------------------------------------------------------------------------------------------- compact
+@pytest.mark.parametrize("length, ratio", [(40, 4.0), (41, 3), (37, 2.5), (9, 1)])
+def test_compact_keeps_sinks_and_recent_per_head(llama, length, ratio):
+    ids = context_ids(length, seed=length)
+    full = prefill_context(llama, ids)
+    cache = compact(llama, None, ids, ratio=ratio)
+    kept_per_head = math.floor(length / ratio)
+    expected = list(range(4)) + list(range(length - (kept_per_head - 4), length))
+    assert cache.original_length == length == cache.get_seq_length()
+    assert cache.head_lengths() == [[kept_per_head] * 2] * 2
+    for layer, source in zip(cache.layers, full.layers):
+        assert isinstance(layer, CompactedLayer)
+        offsets = layer.prefix_offsets.tolist()
+        for h in range(2):
+            rows = slice(offsets[h], offsets[h + 1])
+            torch.testing.assert_close(layer.prefix_keys[rows], source.keys[0, h, expected], rtol=0, atol=0)
+            torch.testing.assert_close(layer.prefix_values[rows], source.values[0, h, expected], rtol=0, atol=0)
+        assert torch.equal(layer.prefix_bias, torch.zeros(2 * kept_per_head))
+    kv_bytes = cache.nbytes() - cache.overhead_nbytes()
+    assert cache.full_nbytes() == sum(layer.keys.nbytes + layer.values.nbytes for layer in full.layers)
+    assert kv_bytes <= cache.full_nbytes() / ratio
+    assert kv_bytes == cache.full_nbytes() * kept_per_head // length
+
+
+def test_compact_keeps_at_least_one_entry(llama):
+    cache = compact(llama, None, context_ids(5), ratio=100, sink_tokens=2)
+    assert cache.head_lengths() == [[1, 1], [1, 1]]
+    layer = cache.layers[0]
+    full = prefill_context(llama, context_ids(5))
+    assert torch.equal(layer.prefix_keys[:1], full.layers[0].keys[0, 0, :1])
+
+
+def test_compact_metadata(llama):
+    cache = compact(llama, None, context_ids(16), ratio=2, sink_tokens=3)
+    metadata = cache.metadata
+    assert set(metadata) == {"fingerprint", "method", "hyperparameters", "calibration", "compaction_seconds"}
+    assert metadata["fingerprint"] == model_fingerprint(llama)
+    assert metadata["fingerprint"]["tokenizer_hash"] is None
+    assert metadata["method"] == "streaming_llm" == METHODS[0]
+    assert metadata["hyperparameters"] == {"ratio": 2.0, "sink_tokens": 3}
+    assert isinstance(metadata["hyperparameters"]["ratio"], float)
+    assert metadata["calibration"] == "none (query-free selection)"
+    assert 0 <= metadata["compaction_seconds"] < 60
+
+
+def test_compact_text_context_is_tokenized_without_special_tokens(llama):
+    tokenizer = FakeTokenizer()
+    ids = context_ids(24, seed=4)
+    from_text = compact(llama, tokenizer, " ".join(map(str, ids[0].tolist())), ratio=4)
+    assert tokenizer.calls == [("pt", False)]
+    from_ids = compact(llama, tokenizer, ids, ratio=4)
+    assert from_text.metadata["fingerprint"]["tokenizer_hash"] == tokenizer_hash(tokenizer)
+    for a, b in zip(from_text.layers, from_ids.layers):
+        assert all(torch.equal(x, y) for x, y in zip(a.context_tensors(), b.context_tensors()))
+
+
+def test_compact_leaves_sliding_layers_whole():
+    model = tiny_model("gemma3")
+    ids = context_ids(41)
+    cache = compact(model, None, ids, ratio=4)
+    full = prefill_context(model, ids)
+    assert cache.head_lengths() == [None, [10, 10], None, [10, 10]]
+    for layer, source in zip(cache.layers, full.layers):
+        if source.is_sliding:
+            assert isinstance(layer, SharedContextSlidingLayer) and layer.sliding_window == 8
+            assert torch.equal(layer.window_keys, source.keys) and torch.equal(layer.window_values, source.values)
+    compacted_kv = sum(layer.prefix_keys.nbytes + layer.prefix_values.nbytes for layer in cache.layers[1::2])
+    full_kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in full.layers[1::2])
+    assert compacted_kv <= full_kv / 4
+
+
+class TestCompactRejectsBadInput:
+    def test_unknown_method(self, llama):
+        with pytest.raises(ValueError, match=r"method must be one of \('streaming_llm',\), got 'h2o'"):
+            compact(llama, None, context_ids(8), method="h2o")
+
+    @pytest.mark.parametrize("ratio", [0.5, 0, -2, float("nan"), float("inf"), "4"])
+    def test_ratio(self, llama, ratio):
+        with pytest.raises(ValueError, match=r"ratio must be a finite number >= 1 \(original / kept entries\), got"):
+            compact(llama, None, context_ids(8), ratio=ratio)
+
+    @pytest.mark.parametrize("sinks", [-1, 2.0])
+    def test_sink_tokens(self, llama, sinks):
+        with pytest.raises(ValueError, match=r"sink_tokens must be an integer >= 0, got"):
+            compact(llama, None, context_ids(8), sink_tokens=sinks)
+
+    @pytest.mark.parametrize(
+        "ids", [torch.zeros(1, 0, dtype=torch.long), torch.randint(3, 256, (2, 8)), torch.randint(3, 256, (8,))]
+    )
+    def test_empty_batched_or_flat_context(self, llama, ids):
+        with pytest.raises(ValueError, match=r"context must be a non-empty text or a \[1, T\] tensor of token ids"):
+            compact(llama, None, ids)
+
+    def test_empty_text(self, llama):
+        with pytest.raises(ValueError, match="context must be a non-empty text"):
+            compact(llama, FakeTokenizer(), "")
