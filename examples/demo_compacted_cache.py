@@ -30,7 +30,7 @@ def answer(model, tokenizer, cache, question: str, max_new_tokens: int) -> tuple
     inputs = generation_inputs(cache, ids)
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False)
+        out = model.generate(**inputs, cache=cache, max_new_tokens=max_new_tokens, do_sample=False)
     text = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     return " ".join(text.split()), time.perf_counter() - start
 
@@ -56,10 +56,10 @@ def main() -> None:
     print(f"context: SQuAD dev article {document.title!r}, {args.paragraphs} paragraphs, {context_ids.shape[1]} tokens")
 
     start = time.perf_counter()
-    full = prefill_context(model, context_ids)
+    full = prefill_context(model, context_ids, chunk_tokens=1024, progress=True)
     full_seconds = time.perf_counter() - start
     start = time.perf_counter()
-    compacted = compact(model, tokenizer, context_ids, ratio=args.ratio)
+    compacted = compact(model, tokenizer, context_ids, ratio=args.ratio, progress=True)
     compact_seconds = time.perf_counter() - start
     compacted.metadata["question_suffix"] = suffix
     compacted.save_pretrained(args.out)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from .compaction.pipeline import METHODS
 from .prompts import document_chat_prompt, question_text
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,10 +39,11 @@ def read_context(args) -> str:
 def cmd_compact(args) -> int:
     from .compaction import compact
 
+    document = read_context(args)
     model, tokenizer = load_model(args.model, DTYPES[args.dtype])
-    context_text, question_suffix = document_chat_prompt(tokenizer, read_context(args))
+    context_text, question_suffix = document_chat_prompt(tokenizer, document)
     start = time.perf_counter()
-    cache = compact(model, tokenizer, context_text, ratio=args.ratio, method=args.method)
+    cache = compact(model, tokenizer, context_text, ratio=args.ratio, method=args.method, progress=True)
     seconds = time.perf_counter() - start
     cache.metadata["question_suffix"] = question_suffix
     cache.save_pretrained(args.out)
@@ -65,7 +67,7 @@ def cmd_generate(args) -> int:
         inputs = generation_inputs(cache, ids)
         start = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(**inputs, past_key_values=cache.copy(), max_new_tokens=args.max_new_tokens, do_sample=False)
+            out = model.generate(**inputs, cache=cache.copy(), max_new_tokens=args.max_new_tokens, do_sample=False)
         answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
         print(f"Q: {question!r}\nA: {answer.strip()}  ({time.perf_counter() - start:.1f} s)")
     return 0
@@ -103,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--squad-article", default="Normans", help="a SQuAD dev article title (default: Normans)")
     compact_p.add_argument("--squad-paragraphs", type=int, default=20, help="paragraphs of the article to use")
     compact_p.add_argument("--ratio", type=float, default=4.0, help="original / kept entries per KV head")
-    compact_p.add_argument("--method", default="streaming_llm", help="selection method (default: streaming_llm)")
+    compact_p.add_argument("--method", default="streaming_llm", choices=METHODS, help="per-head selection method")
     compact_p.add_argument("--out", required=True, help="folder to write cache.safetensors, config.json, README.md")
     compact_p.add_argument("--push", metavar="REPO_ID", help="also push to this Hub repository")
     compact_p.add_argument("--private", action="store_true", help="create the Hub repository private")

@@ -9,7 +9,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from hf_structkv.cache.compacted_layers import CompactedLayer, SharedContextSlidingLayer
 from hf_structkv.compaction import METHODS, compact, prefill_context
-from hf_structkv.compaction.pipeline import streaming_llm_positions
+from hf_structkv.compaction import compact_head
 from hf_structkv.hub import model_fingerprint, tokenizer_hash
 from hf_structkv.models import tiny_model
 
@@ -38,6 +38,11 @@ def llama():
 
 
 # ---------------------------------------------------------------------------------------------------- positions
+def streaming_llm_positions(length: int, budget: int, sinks: int) -> torch.Tensor:
+    keys = torch.randn(length, 4)
+    return compact_head(keys, keys, None, budget, method="streaming_llm", sink_tokens=sinks).indices
+
+
 @pytest.mark.parametrize(
     "length, budget, sinks, expected",
     [
@@ -45,7 +50,6 @@ def llama():
         (10, 4, 0, [6, 7, 8, 9]),  # recent only
         (10, 20, 4, list(range(10))),  # budget > length: everything
         (10, 3, 5, [0, 1, 2]),  # sinks > budget: the first budget positions
-        (10, 0, 2, [0]),  # budget clamps to 1
         (10, 5, 5, [0, 1, 2, 3, 4]),
         (1, 1, 4, [0]),
     ],
@@ -122,8 +126,8 @@ def test_compact_metadata(llama):
     assert set(metadata) == {"fingerprint", "method", "hyperparameters", "calibration", "compaction_seconds"}
     assert metadata["fingerprint"] == model_fingerprint(llama)
     assert metadata["fingerprint"]["tokenizer_hash"] is None
-    assert metadata["method"] == "streaming_llm" == METHODS[0]
-    assert metadata["hyperparameters"] == {"ratio": 2.0, "sink_tokens": 3}
+    assert metadata["method"] == "streaming_llm" and METHODS == ("key_norm", "random", "streaming_llm")
+    assert metadata["hyperparameters"] == {"ratio": 2.0, "seed": 0, "sink_tokens": 3}
     assert isinstance(metadata["hyperparameters"]["ratio"], float)
     assert metadata["calibration"] == "none (query-free selection)"
     assert 0 <= metadata["compaction_seconds"] < 60
@@ -157,7 +161,7 @@ def test_compact_leaves_sliding_layers_whole():
 
 class TestCompactRejectsBadInput:
     def test_unknown_method(self, llama):
-        with pytest.raises(ValueError, match=r"method must be one of \('streaming_llm',\), got 'h2o'"):
+        with pytest.raises(ValueError, match=r"method must be one of \('key_norm', 'random', 'streaming_llm'\) .*got 'h2o'"):
             compact(llama, None, context_ids(8), method="h2o")
 
     @pytest.mark.parametrize("ratio", [0.5, 0, -2, float("nan"), float("inf"), "4"])
