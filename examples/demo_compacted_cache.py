@@ -66,11 +66,15 @@ def main() -> None:
     start = time.perf_counter()
     loaded = CompactedCache.load(args.out, model=model, tokenizer=tokenizer)
     load_seconds = time.perf_counter() - start
-    print(f"prefill (full cache) {full_seconds:.1f} s | compact (prefill + select) {compact_seconds:.1f} s | "
-          f"load {load_seconds:.2f} s from {args.out}")
+    print(
+        f"prefill (full cache) {full_seconds:.1f} s | compact (prefill + select) {compact_seconds:.1f} s | "
+        f"load {load_seconds:.2f} s from {args.out}"
+    )
     full_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in full.layers)
-    print(f"stored bytes: full DynamicCache {full_bytes:,} | compacted {loaded.nbytes():,} "
-          f"({full_bytes / loaded.nbytes():.2f}x smaller; biases + offsets {loaded.overhead_nbytes():,})")
+    print(
+        f"stored bytes: full DynamicCache {full_bytes:,} | compacted {loaded.nbytes():,} "
+        f"({full_bytes / loaded.nbytes():.2f}x smaller; biases + offsets {loaded.overhead_nbytes():,})"
+    )
     print(f"method {loaded.metadata['method']} at ratio {args.ratio} (query-free; calibrated KV-Surgeon is next)\n")
 
     hf_structkv.enable(model)  # load(model=...) already did; explicit for readers
@@ -80,8 +84,9 @@ def main() -> None:
         full_answer, full_time = answer(model, tokenizer, copy.deepcopy(full), text, args.max_new_tokens)
         comp_answer, comp_time = answer(model, tokenizer, loaded.copy(), text, args.max_new_tokens)
         print(f"Q: {item.question}   (gold: {item.answers[0]!r})")
-        print(f"  full      [{'ok ' if contains_answer(full_answer, item.answers) else 'no '}] {full_time:4.1f} s  {full_answer}")
-        print(f"  compacted [{'ok ' if contains_answer(comp_answer, item.answers) else 'no '}] {comp_time:4.1f} s  {comp_answer}")
+        for name, reply, seconds in (("full", full_answer, full_time), ("compacted", comp_answer, comp_time)):
+            verdict = "ok " if contains_answer(reply, item.answers) else "no "
+            print(f"  {name:<9} [{verdict}] {seconds:4.1f} s  {reply}")
 
 
 if __name__ == "__main__":

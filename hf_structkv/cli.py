@@ -48,7 +48,9 @@ def cmd_compact(args) -> int:
     cache.metadata["question_suffix"] = question_suffix
     cache.save_pretrained(args.out)
     print(f"compacted {cache.original_length} tokens in {seconds:.1f} s -> {args.out}")
-    print(f"stored {cache.nbytes():,} bytes vs {cache.full_nbytes():,} full ({cache.full_nbytes() / cache.nbytes():.2f}x)")
+    print(
+        f"stored {cache.nbytes():,} bytes vs {cache.full_nbytes():,} full ({cache.full_nbytes() / cache.nbytes():.2f}x)"
+    )
     if args.push:
         print("pushed:", cache.push_to_hub(args.push, private=args.private))
     return 0

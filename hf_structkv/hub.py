@@ -5,7 +5,8 @@ executes code:
 
 * ``cache.safetensors``: the context tensors only (never appended tokens). For a compacted layer ``i``:
   ``layers.{i}.keys`` ``[N, D]``, ``layers.{i}.values`` ``[N, D_v]`` (cache dtype), ``layers.{i}.bias`` ``[N]`` FP32,
-  ``layers.{i}.offsets`` ``[H_kv + 1]`` int64; for a sliding-window layer: ``layers.{i}.window_keys`` ``[1, H_kv, w, D]``
+  ``layers.{i}.offsets`` ``[H_kv + 1]`` int64; for a sliding-window layer:
+  ``layers.{i}.window_keys`` ``[1, H_kv, w, D]``
   and ``layers.{i}.window_values`` ``[1, H_kv, w, D_v]``.
 * ``config.json``: ``format_version``, ``hf_structkv_version``, ``original_length``, ``dtype``, ``layers`` (one
   description per layer: ``{"type": "compacted", "head_lengths": [...]}`` or ``{"type": "sliding",
@@ -398,8 +399,10 @@ def _check_layer_description(i: int, desc: Any, original_length: int) -> None:
     kind = desc.get("type") if isinstance(desc, dict) else None
     if kind == "compacted":
         lengths = desc.get("head_lengths")
-        if not isinstance(lengths, list) or not lengths or not all(
-            _is_int(n) and 0 <= n <= original_length for n in lengths
+        if (
+            not isinstance(lengths, list)
+            or not lengths
+            or not all(_is_int(n) and 0 <= n <= original_length for n in lengths)
         ):
             raise ValueError(
                 f"layers[{i}].head_lengths in {CONFIG_NAME} must list one kept-entry count in "
@@ -454,7 +457,11 @@ def _check_compacted_layer(
 
 
 def _check_sliding_layer(
-    i: int, desc: dict[str, Any], tensors: dict[str, torch.Tensor], dtype: torch.dtype, original_length: int,
+    i: int,
+    desc: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    original_length: int,
     fingerprint: dict[str, Any],
 ) -> None:
     """Shapes of a sliding layer's window: ``[1, H_kv, w, D]`` keys and ``[1, H_kv, w, D_v]`` values with
@@ -462,7 +469,9 @@ def _check_sliding_layer(
     prefix = f"layers.{i}."
     window = min(original_length, desc["sliding_window"] - 1)
     heads = fingerprint["num_key_value_heads"]
-    _check_tensor(prefix + "window_keys", tensors[prefix + "window_keys"], (1, heads, window, fingerprint["head_dim"]), dtype)
+    _check_tensor(
+        prefix + "window_keys", tensors[prefix + "window_keys"], (1, heads, window, fingerprint["head_dim"]), dtype
+    )
     _check_tensor(prefix + "window_values", tensors[prefix + "window_values"], (1, heads, window, None), dtype)
 
 
@@ -617,8 +626,10 @@ def _markdown_items(value: Any) -> str:
     if value is None or value == {}:
         return "not recorded"
     if isinstance(value, dict):
-        return "\n".join(f"- **{key}**: {json.dumps(item) if not isinstance(item, str) else item}"
-                         for key, item in sorted(value.items()))
+        return "\n".join(
+            f"- **{key}**: {json.dumps(item) if not isinstance(item, str) else item}"
+            for key, item in sorted(value.items())
+        )
     return str(value)
 
 

@@ -1,4 +1,4 @@
-"""Per-head compaction: KV-Surgeon formulas against brute force / closed forms, the refit, methods, degenerate inputs."""
+"""Per-head compaction: KV-Surgeon formulas against brute force / closed forms, refit, methods, degenerate inputs."""
 
 import math
 

@@ -61,8 +61,15 @@ def test_matches_dense_softmax(lengths, use_none_mask):
         visible[1, 0, :, :2] = False  # padding of row 1
     got = compacted_attention(**p, appended_mask=None if use_none_mask else visible, scaling=0.3)
     expected = dense_reference(
-        p["query"], p["prefix_keys"], p["prefix_values"], p["prefix_bias"], p["prefix_offsets"],
-        p["appended_keys"], p["appended_values"], visible, 0.3,
+        p["query"],
+        p["prefix_keys"],
+        p["prefix_values"],
+        p["prefix_bias"],
+        p["prefix_offsets"],
+        p["appended_keys"],
+        p["appended_values"],
+        visible,
+        0.3,
     )
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
 
@@ -73,8 +80,16 @@ def test_additive_mask_and_softcap():
     additive = torch.where(visible, 0.0, float("-inf"))
     got = compacted_attention(**p, appended_mask=additive, scaling=0.5, softcap=2.0)
     expected = dense_reference(
-        p["query"], p["prefix_keys"], p["prefix_values"], p["prefix_bias"], p["prefix_offsets"],
-        p["appended_keys"], p["appended_values"], visible, 0.5, softcap=2.0,
+        p["query"],
+        p["prefix_keys"],
+        p["prefix_values"],
+        p["prefix_bias"],
+        p["prefix_offsets"],
+        p["appended_keys"],
+        p["appended_values"],
+        visible,
+        0.5,
+        softcap=2.0,
     )
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
 
@@ -86,8 +101,15 @@ def test_low_precision_inputs_keep_fp32_statistics(dtype):
     got = compacted_attention(**p, appended_mask=visible, scaling=0.35)
     assert got.dtype == dtype
     expected = dense_reference(
-        p["query"], p["prefix_keys"], p["prefix_values"], p["prefix_bias"], p["prefix_offsets"],
-        p["appended_keys"], p["appended_values"], visible, 0.35,
+        p["query"],
+        p["prefix_keys"],
+        p["prefix_values"],
+        p["prefix_bias"],
+        p["prefix_offsets"],
+        p["appended_keys"],
+        p["appended_values"],
+        visible,
+        0.35,
     )
     # Only the final cast to the input dtype loses precision.
     torch.testing.assert_close(got.double(), expected.to(dtype).double(), atol=1e-2, rtol=1e-2)
@@ -109,7 +131,10 @@ def test_mask_equals_sdpa_mask_without_padding_or_window():
     mask_fn = sliding_window_causal_mask_function(4)
     for padding in (None, torch.ones(2, 12, dtype=torch.bool)):
         args = dict(batch_size=2, q_length=3, kv_length=9, q_offset=9, kv_offset=3, attention_mask=padding)
-        assert _same(structkv_mask(**args, mask_function=mask_fn, local_size=4), sdpa_mask(**args, mask_function=mask_fn, local_size=4))
+        assert _same(
+            structkv_mask(**args, mask_function=mask_fn, local_size=4),
+            sdpa_mask(**args, mask_function=mask_fn, local_size=4),
+        )
         assert _same(structkv_mask(**args), sdpa_mask(**args))
 
 
@@ -123,8 +148,14 @@ def test_sliding_window_over_padding_counts_positions():
     padding = torch.ones(2, length, dtype=torch.bool)
     padding[0, 5:8] = False
     mask = structkv_mask(
-        batch_size=2, q_length=4, kv_length=length, q_offset=length - 4, kv_offset=0,
-        mask_function=sliding_window_causal_mask_function(window), attention_mask=padding, local_size=window,
+        batch_size=2,
+        q_length=4,
+        kv_length=length,
+        q_offset=length - 4,
+        kv_offset=0,
+        mask_function=sliding_window_causal_mask_function(window),
+        attention_mask=padding,
+        local_size=window,
     )
     positions = padding.long().cumsum(-1) - 1
     for b in range(2):

@@ -188,11 +188,15 @@ def test_generate_accepts_the_cache_spelling():
     """transformers 5.x renames generate's past_key_values to cache: both reach the same cache."""
     model = tiny_model("qwen3")
     context, question = context_and_question()
-    compacted = CompactedCache.from_selection(prefill(model, context), random_selection(prefill(model, context), 0.3)[0])
+    compacted = CompactedCache.from_selection(
+        prefill(model, context), random_selection(prefill(model, context), 0.3)[0]
+    )
     hf_structkv.enable(model)
     ids = torch.cat([torch.zeros(1, CONTEXT_LEN, dtype=torch.long), question], 1)
     with torch.no_grad():
-        new = model.generate(ids, attention_mask=torch.ones_like(ids), cache=compacted.copy(), max_new_tokens=6, do_sample=False)
+        new = model.generate(
+            ids, attention_mask=torch.ones_like(ids), cache=compacted.copy(), max_new_tokens=6, do_sample=False
+        )
     assert torch.equal(new[:, ids.shape[1] :], generate(model, ids, cache=compacted.copy(), n=6))
 
 

@@ -8,8 +8,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from hf_structkv.cache.compacted_layers import CompactedLayer, SharedContextSlidingLayer
-from hf_structkv.compaction import METHODS, compact, prefill_context
-from hf_structkv.compaction import compact_head
+from hf_structkv.compaction import METHODS, compact, compact_head, prefill_context
 from hf_structkv.hub import model_fingerprint, tokenizer_hash
 from hf_structkv.models import tiny_model
 
@@ -161,7 +160,9 @@ def test_compact_leaves_sliding_layers_whole():
 
 class TestCompactRejectsBadInput:
     def test_unknown_method(self, llama):
-        with pytest.raises(ValueError, match=r"method must be one of \('key_norm', 'random', 'streaming_llm'\) .*got 'h2o'"):
+        with pytest.raises(
+            ValueError, match=r"method must be one of \('key_norm', 'random', 'streaming_llm'\) .*got 'h2o'"
+        ):
             compact(llama, None, context_ids(8), method="h2o")
 
     @pytest.mark.parametrize("ratio", [0.5, 0, -2, float("nan"), float("inf"), "4"])

@@ -40,9 +40,18 @@ TOKENIZER = FakeTokenizer({"</s>": 1, "a": 3, "b": 4})
 
 def tiny_llama(dtype: torch.dtype = torch.float32, **overrides) -> LlamaForCausalLM:
     fields = dict(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, attn_implementation="sdpa",
-        pad_token_id=0, eos_token_id=1, bos_token_id=2,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        attn_implementation="sdpa",
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(**{**fields, **overrides})).to(dtype).eval()
@@ -154,8 +163,13 @@ def test_loaded_cache_generates_like_the_original(saved):
     def generate(prefix_ids: torch.Tensor, source: CompactedCache):
         ids = torch.cat([prefix_ids, question], dim=1)
         return model.generate(
-            ids, attention_mask=torch.ones_like(ids), past_key_values=source.copy(), max_new_tokens=5,
-            do_sample=False, return_dict_in_generate=True, output_logits=True,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=source.copy(),
+            max_new_tokens=5,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_logits=True,
         )
 
     original, reloaded = generate(context_ids(), cache), generate(context_ids(), loaded)
@@ -182,7 +196,12 @@ def test_bf16_round_trip(tmp_path):
     assert_same_context(cache, loaded)
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
     keys, values, bias, offsets = loaded.layers[0].context_tensors()
-    assert (keys.dtype, values.dtype, bias.dtype, offsets.dtype) == (torch.bfloat16, torch.bfloat16, torch.float32, torch.int64)
+    assert (keys.dtype, values.dtype, bias.dtype, offsets.dtype) == (
+        torch.bfloat16,
+        torch.bfloat16,
+        torch.float32,
+        torch.int64,
+    )
 
 
 def test_gemma3_sliding_layers_round_trip(tmp_path):
@@ -200,7 +219,9 @@ def test_gemma3_sliding_layers_round_trip(tmp_path):
     assert loaded.layers[0].context_tensors()[0].shape == (1, 2, window - 1, 16)
     ids = torch.cat([context_ids(), torch.tensor([[5, 6, 7]])], dim=1)
     outputs = [
-        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=c.copy(), max_new_tokens=4, do_sample=False)
+        model.generate(
+            ids, attention_mask=torch.ones_like(ids), past_key_values=c.copy(), max_new_tokens=4, do_sample=False
+        )
         for c in (cache, loaded)
     ]
     assert torch.equal(*outputs)
@@ -271,13 +292,28 @@ def test_wrong_tensor_set(saved, edit, message):
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda t: t.update({"layers.0.offsets": torch.tensor([0, 9, 14])}), r"layers\.0\.offsets is \[0, 9, 14\].*needs \[0, 5, 14\]"),
+        (
+            lambda t: t.update({"layers.0.offsets": torch.tensor([0, 9, 14])}),
+            r"layers\.0\.offsets is \[0, 9, 14\].*needs \[0, 5, 14\]",
+        ),
         (lambda t: t.update({"layers.0.offsets": torch.tensor([1, 5, 14])}), r"layers\.0\.offsets is \[1, 5, 14\]"),
-        (lambda t: t.update({"layers.0.offsets": torch.tensor([0, 5, 14], dtype=torch.int32)}), r"layers\.0\.offsets has dtype torch\.int32"),
-        (lambda t: t.update({"layers.1.keys": t["layers.1.keys"][:-1]}), r"layers\.1\.keys has shape \(13, 16\), expected \(14, 16\)"),
+        (
+            lambda t: t.update({"layers.0.offsets": torch.tensor([0, 5, 14], dtype=torch.int32)}),
+            r"layers\.0\.offsets has dtype torch\.int32",
+        ),
+        (
+            lambda t: t.update({"layers.1.keys": t["layers.1.keys"][:-1]}),
+            r"layers\.1\.keys has shape \(13, 16\), expected \(14, 16\)",
+        ),
         (lambda t: t.update({"layers.1.values": t["layers.1.values"][:-2]}), r"layers\.1\.values has shape \(12, 16\)"),
-        (lambda t: t.update({"layers.0.bias": t["layers.0.bias"].half()}), r"layers\.0\.bias has dtype torch\.float16, expected torch\.float32"),
-        (lambda t: t.update({"layers.0.keys": t["layers.0.keys"].double()}), r"layers\.0\.keys has dtype torch\.float64"),
+        (
+            lambda t: t.update({"layers.0.bias": t["layers.0.bias"].half()}),
+            r"layers\.0\.bias has dtype torch\.float16, expected torch\.float32",
+        ),
+        (
+            lambda t: t.update({"layers.0.keys": t["layers.0.keys"].double()}),
+            r"layers\.0\.keys has dtype torch\.float64",
+        ),
     ],
     ids=["offsets-vs-lengths", "offsets-start", "offsets-dtype", "key-rows", "value-rows", "bias-dtype", "keys-dtype"],
 )
@@ -307,7 +343,10 @@ def test_unknown_format_version(saved):
     [
         (dict(num_key_value_heads=4), r"num_key_value_heads is 2 in the cache's fingerprint but 4 in the given model"),
         (dict(num_hidden_layers=3), r"num_hidden_layers is 2 in the cache's fingerprint but 3"),
-        (dict(rope_parameters={"rope_type": "default", "rope_theta": 500000.0}), r"rope_parameters is .*10000\.0.* but .*500000\.0"),
+        (
+            dict(rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+            r"rope_parameters is .*10000\.0.* but .*500000\.0",
+        ),
     ],
     ids=["kv-heads", "layers", "rope"],
 )
@@ -436,7 +475,11 @@ def test_model_card_front_matter_names_the_base_model(saved):
 def test_fingerprint_fields():
     fingerprint = model_fingerprint(tiny_llama())
     assert fingerprint["architecture"] == "LlamaForCausalLM"
-    assert (fingerprint["num_hidden_layers"], fingerprint["num_attention_heads"], fingerprint["num_key_value_heads"]) == (2, 4, 2)
+    assert (
+        fingerprint["num_hidden_layers"],
+        fingerprint["num_attention_heads"],
+        fingerprint["num_key_value_heads"],
+    ) == (2, 4, 2)
     assert (fingerprint["head_dim"], fingerprint["hidden_size"]) == (16, 64)
     assert fingerprint["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
     assert fingerprint["tokenizer_hash"] is None

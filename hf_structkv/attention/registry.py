@@ -42,7 +42,9 @@ def structkv_attention(
     """
     prefix_layer = kwargs.pop(PREFIX_KWARG, None)
     if prefix_layer is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     if dropout and module.training:
         raise ValueError("a compacted cache is for inference: put the model in eval mode (dropout must be 0)")
     if kwargs.get("sliding_window") is not None:

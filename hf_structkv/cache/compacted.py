@@ -1,4 +1,4 @@
-"""`CompactedCache`: a reusable context's KV cache, compacted per KV head, served to an unmodified transformers model."""
+"""`CompactedCache`: a reusable context's KV cache compacted per KV head, served to unmodified transformers models."""
 
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ class CompactedCache(Cache):
             with the cache.
     """
 
-    def __init__(self, layers: Sequence[CompactedLayer | SharedContextSlidingLayer], metadata: dict[str, Any] | None = None):
+    def __init__(
+        self, layers: Sequence[CompactedLayer | SharedContextSlidingLayer], metadata: dict[str, Any] | None = None
+    ):
         if not layers:
             raise ValueError("layers must hold one layer per model layer, got none")
         lengths = {layer.original_length for layer in layers}
@@ -67,7 +69,9 @@ class CompactedCache(Cache):
             metadata: stored with the cache (see ``CompactedCache``).
         """
         if not isinstance(cache, Cache):
-            raise TypeError(f"cache must be a transformers Cache prefilled with the context, got {type(cache).__name__}")
+            raise TypeError(
+                f"cache must be a transformers Cache prefilled with the context, got {type(cache).__name__}"
+            )
         if len(indices) != len(cache.layers):
             raise ValueError(f"indices has {len(indices)} layers, the cache has {len(cache.layers)}")
         original_length = cache.get_seq_length()
@@ -153,11 +157,15 @@ class CompactedCache(Cache):
         """
         from ..hub import load_compacted_cache
 
-        return load_compacted_cache(cls, path_or_repo_id, revision=revision, model=model, tokenizer=tokenizer, token=token)
+        return load_compacted_cache(
+            cls, path_or_repo_id, revision=revision, model=model, tokenizer=tokenizer, token=token
+        )
 
     from_pretrained = load
 
-    def push_to_hub(self, repo_id: str, private: bool | None = None, token: str | None = None, revision: str | None = None) -> str:
+    def push_to_hub(
+        self, repo_id: str, private: bool | None = None, token: str | None = None, revision: str | None = None
+    ) -> str:
         """Upload the saved form of this cache (with its model card) to a Hub repository; returns the commit URL."""
         from ..hub import push_compacted_cache
 
@@ -210,7 +218,9 @@ def _select_layer(
             raise ValueError(f"{where} holds a position twice; each kept entry must be distinct")
         t = idx.numel()
         kept_keys.append(keys[h, idx])
-        kept_values.append(_per_head_tensor(head_values, h, (t, values.shape[-1]), f"values[{layer_idx}][{h}]", values[h, idx]))
+        kept_values.append(
+            _per_head_tensor(head_values, h, (t, values.shape[-1]), f"values[{layer_idx}][{h}]", values[h, idx])
+        )
         bias = _per_head_tensor(head_biases, h, (t,), f"biases[{layer_idx}][{h}]", torch.zeros(t, device=keys.device))
         kept_bias.append(bias.to(torch.float32))
         lengths.append(t)

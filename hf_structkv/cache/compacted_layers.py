@@ -210,7 +210,9 @@ class SharedContextSlidingLayer(ContextLayer):
 
     is_sliding = True
 
-    def __init__(self, sliding_window: int, window_keys: torch.Tensor, window_values: torch.Tensor, original_length: int):
+    def __init__(
+        self, sliding_window: int, window_keys: torch.Tensor, window_values: torch.Tensor, original_length: int
+    ):
         super().__init__(original_length, window_keys.shape[1], window_keys.device)
         self.sliding_window = int(sliding_window)
         self.window_keys = window_keys
@@ -243,4 +245,6 @@ class SharedContextSlidingLayer(ContextLayer):
         return 0
 
     def fresh_copy(self) -> SharedContextSlidingLayer:
-        return SharedContextSlidingLayer(self.sliding_window, self.window_keys, self.window_values, self.original_length)
+        return SharedContextSlidingLayer(
+            self.sliding_window, self.window_keys, self.window_values, self.original_length
+        )

@@ -132,7 +132,7 @@ class HeadProblem:
         return self.attention[:, indices] * self.row_sums[:, None]
 
     def compacted_attention(self, indices: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """``P̂ = diag(P_S w)^{-1} P_S diag(w)`` ``[N, t]``, ``w = exp(bias)``, as the stable softmax of ``Z_S + bias``."""
+        """``P̂ = diag(P_S w)^{-1} P_S diag(w)`` ``[N, t]``, ``w = exp(bias)``: the stable softmax of ``Z_S + bias``."""
         return torch.softmax(self.logits(indices) + bias, dim=1)
 
     def relative_loss(self, head: CompactedHead) -> float:

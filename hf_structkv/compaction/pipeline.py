@@ -80,7 +80,9 @@ def compact(
         **hparams: the method's hyper-parameters (e.g. ``sink_tokens=4`` for StreamingLLM).
     """
     if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS} (calibrated methods are not in the pipeline yet), got {method!r}")
+        raise ValueError(
+            f"method must be one of {METHODS} (calibrated methods are not in the pipeline yet), got {method!r}"
+        )
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 1 <= ratio < math.inf:
         raise ValueError(f"ratio must be a finite number >= 1 (original / kept entries), got {ratio!r}")
     HEAD_METHODS[method](**hparams)  # validate the hyper-parameters before the long prefill
