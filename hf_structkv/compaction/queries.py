@@ -1,0 +1,178 @@
+"""Calibration queries: the post-RoPE query vectors each global attention layer receives, grouped per KV head.
+
+`capture_queries` runs one forward with a recording attention function, registered with transformers'
+``AttentionInterface`` under ``RECORD_NAME`` at call time (never at import). It records ``query`` and delegates to
+the attention the model ran before (so an hf_structkv-enabled model keeps serving its `CompactedCache`); the model's
+attention implementation is restored afterwards, also when the forward raises. `repeat_pass_queries` is the "-fast"
+calibration tier: the queries of the second copy in ``context + instruction + context``, capped per KV head.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+__all__ = ["RECORD_NAME", "capture_queries", "repeat_pass_queries", "subsample_queries"]
+
+RECORD_NAME = "hf_structkv_record"
+DEFAULT_CAP = 50_000
+DEFAULT_INSTRUCTION = "Repeat the text above verbatim."
+
+Positions = slice | torch.Tensor | None
+
+
+@dataclass
+class _Recorder:
+    """Where the recording attention puts the queries of the forward in progress."""
+
+    delegate: Callable
+    positions: slice | torch.Tensor
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+_ACTIVE: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("hf_structkv_query_recorder", default=None)
+
+
+def _group_by_kv_head(query: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """``[H_q, n, D]`` -> ``[H_kv, g * n, D]``: KV head ``h`` stacks query heads ``h*g .. (h+1)*g - 1``, head-major."""
+    n_q_heads, n, dim = query.shape
+    return query.reshape(n_kv_heads, (n_q_heads // n_kv_heads) * n, dim)
+
+
+def recording_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention registered as ``RECORD_NAME``: records the query of a global layer, then runs the delegate.
+
+    Args:
+        query: ``[1, H_q, q, D]``, post-RoPE (and post q-norm where the model has one); key / value:
+            ``[1, H_kv, n, D]``. Layers with a ``sliding_window`` are not recorded.
+
+    Returns:
+        Whatever the delegate (the model's previous attention function) returns.
+    """
+    recorder = _ACTIVE.get()
+    if recorder is None:
+        raise RuntimeError(f"{RECORD_NAME!r} attention runs only inside hf_structkv's capture_queries")
+    if kwargs.get("sliding_window") is None:
+        if query.shape[0] != 1:
+            raise ValueError(f"capture_queries records a single sequence, got a batch of {query.shape[0]}")
+        selected = query[0][:, recorder.positions].detach()
+        recorder.queries[module.layer_idx] = _group_by_kv_head(selected, key.shape[1])
+    return recorder.delegate(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_recording(previous: str) -> Callable:
+    """Register ``RECORD_NAME`` with ``previous``'s mask function; returns ``previous``'s attention function."""
+    if previous not in ALL_ATTENTION_FUNCTIONS or previous not in ALL_MASK_ATTENTION_FUNCTIONS:
+        raise ValueError(
+            f"cannot record queries under attention implementation {previous!r}: it needs both an attention and a "
+            "mask function registered with transformers (e.g. 'sdpa' or hf_structkv's); switch the model first"
+        )
+    AttentionInterface.register(RECORD_NAME, recording_attention)
+    AttentionMaskInterface.register(RECORD_NAME, ALL_MASK_ATTENTION_FUNCTIONS[previous])
+    return ALL_ATTENTION_FUNCTIONS[previous]
+
+
+def _check_positions(positions: Positions) -> slice | torch.Tensor:
+    """``None`` -> every position; a tensor must be 1-D integer indices into the new tokens."""
+    if positions is None:
+        return slice(None)
+    if isinstance(positions, torch.Tensor) and (positions.dim() != 1 or positions.is_floating_point()):
+        raise ValueError(f"positions must be a 1-D integer tensor, got shape {tuple(positions.shape)}")
+    if not isinstance(positions, (slice, torch.Tensor)):
+        raise TypeError(f"positions must be a slice, a 1-D integer tensor or None, got {type(positions).__name__}")
+    return positions
+
+
+def capture_queries(
+    model: PreTrainedModel, input_ids: torch.Tensor, positions: Positions = None, cache=None
+) -> dict[int, torch.Tensor]:
+    """Run ``model`` once on ``input_ids [1, L]`` and return the queries of every global attention layer.
+
+    Args:
+        positions: which of the ``L`` new tokens to keep (a slice or 1-D indices); ``None`` keeps all.
+        cache: a prefilled cache to continue (updated in place), e.g. from `prefill_context` or a `CompactedCache`.
+
+    Returns:
+        ``{layer_idx: [H_kv, g * P, D]}`` for each non-sliding layer, ``g = H_q / H_kv`` and ``P`` selected
+        positions: the queries exactly as the attention function receives them (post-RoPE, post q/k-norm), the
+        ``g`` query heads of a KV head stacked head-major (rows ``j*P .. (j+1)*P - 1`` are query head ``h*g + j``).
+    """
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must be [1, L], got shape {tuple(input_ids.shape)}")
+    previous = model.config._attn_implementation
+    recorder = _Recorder(delegate=_register_recording(previous), positions=_check_positions(positions))
+    token = _ACTIVE.set(recorder)
+    try:
+        model.set_attn_implementation(RECORD_NAME)
+        with torch.no_grad():
+            model(input_ids.to(model.device), cache=cache, use_cache=cache is not None)
+    finally:
+        model.set_attn_implementation(previous)
+        _ACTIVE.reset(token)
+    return recorder.queries
+
+
+def subsample_queries(queries: torch.Tensor, cap: int = DEFAULT_CAP, seed: int = 0) -> torch.Tensor:
+    """Seeded random subsample without replacement, kept in the original order: ``[N, D] -> [min(N, cap), D]``."""
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise ValueError(f"cap must be a positive int, got {cap!r}")
+    n = queries.shape[0]
+    if n <= cap:
+        return queries
+    kept = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:cap].sort().values
+    return queries[kept.to(queries.device)]
+
+
+def _instruction_ids(
+    tokenizer: PreTrainedTokenizerBase | None, instruction: str, instruction_ids: torch.Tensor | None
+) -> torch.Tensor:
+    """The instruction prompt as ids ``[1, P]``: ``instruction_ids`` if given, else ``instruction`` tokenized as is."""
+    if instruction_ids is not None:
+        return instruction_ids.reshape(1, -1)
+    if tokenizer is None:
+        raise ValueError("repeat_pass_queries needs a tokenizer, or the prompt as instruction_ids [1, P]")
+    return tokenizer(instruction, return_tensors="pt", add_special_tokens=False).input_ids
+
+
+def repeat_pass_queries(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    context_ids: torch.Tensor,
+    cap: int = DEFAULT_CAP,
+    seed: int = 0,
+    instruction: str = DEFAULT_INSTRUCTION,
+    instruction_ids: torch.Tensor | None = None,
+) -> dict[int, torch.Tensor]:
+    """"-fast" calibration: queries of the second copy in one forward over ``context + instruction + context``.
+
+    Args:
+        context_ids: ``[1, T]``.
+        cap: at most this many queries per KV head, drawn with `subsample_queries` (the same draw for every head).
+        instruction_ids: ``[1, P]`` or ``[P]``; replaces ``instruction`` (then ``tokenizer`` may be ``None``).
+
+    Returns:
+        ``{layer_idx: [H_kv, min(g * T, cap), D]}`` for each global layer.
+    """
+    if context_ids.dim() != 2 or context_ids.shape[0] != 1 or context_ids.shape[1] == 0:
+        raise ValueError(f"context_ids must be [1, T] with T > 0, got shape {tuple(context_ids.shape)}")
+    prompt = _instruction_ids(tokenizer, instruction, instruction_ids).to(context_ids)
+    sequence = torch.cat([context_ids, prompt, context_ids], dim=1)
+    second_copy = slice(context_ids.shape[1] + prompt.shape[1], None)
+    queries = capture_queries(model, sequence, positions=second_copy)
+    return {
+        layer: torch.stack([subsample_queries(head, cap, seed) for head in per_head])
+        for layer, per_head in queries.items()
+    }
