@@ -156,7 +156,7 @@ def repeat_pass_queries(
     instruction: str = DEFAULT_INSTRUCTION,
     instruction_ids: torch.Tensor | None = None,
 ) -> dict[int, torch.Tensor]:
-    """"-fast" calibration: queries of the second copy in one forward over ``context + instruction + context``.
+    """Repeat-pass ("-fast") calibration: queries of the second copy in one forward over ``context + prompt + context``.
 
     Args:
         context_ids: ``[1, T]``.

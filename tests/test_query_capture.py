@@ -1,0 +1,199 @@
+"""Calibration queries: `capture_queries`, `subsample_queries` and the repeat-pass tier on tiny models."""
+
+import sys
+
+import pytest
+import torch
+
+import hf_structkv
+from hf_structkv.compaction import compact, prefill_context
+from hf_structkv.compaction.queries import (
+    _ACTIVE,
+    capture_queries,
+    repeat_pass_queries,
+    subsample_queries,
+)
+from hf_structkv.models import tiny_model
+
+N_Q_HEADS, N_KV_HEADS, HEAD_DIM = 4, 2, 16
+GROUP = N_Q_HEADS // N_KV_HEADS
+
+
+def token_ids(length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 256, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def global_layers(model) -> list[int]:
+    types = getattr(model.config, "layer_types", None) or ["full_attention"] * model.config.num_hidden_layers
+    return [i for i, kind in enumerate(types) if kind == "full_attention"]
+
+
+def reference_queries(model, input_ids: torch.Tensor, layer: int, cache=None) -> torch.Tensor:
+    """``[1, H_q, L, D]`` recomputed from the layer's attention input: q_proj, q_norm (if any), the model's RoPE."""
+    attn = model.model.layers[layer].self_attn
+    seen = {}
+
+    def grab(module, args, kwargs):
+        seen["hidden"], seen["rope"] = kwargs["hidden_states"], kwargs["position_embeddings"]
+
+    handle = attn.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(input_ids, cache=cache, use_cache=cache is not None)
+    finally:
+        handle.remove()
+    hidden, (cos, sin) = seen["hidden"], seen["rope"]
+    with torch.no_grad():
+        query = attn.q_proj(hidden).view(1, hidden.shape[1], -1, HEAD_DIM)
+        if hasattr(attn, "q_norm"):
+            query = attn.q_norm(query)
+        rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        query, _ = rotary(query.transpose(1, 2), query.transpose(1, 2), cos, sin)
+    return query
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_queries_match_recomputation_and_are_grouped_per_kv_head(arch):
+    model = tiny_model(arch)
+    ids = token_ids(10)
+    captured = capture_queries(model, ids)
+    for layer in global_layers(model):
+        reference = reference_queries(model, ids, layer)[0]  # [H_q, L, D]
+        got = captured[layer]
+        assert got.shape == (N_KV_HEADS, GROUP * 10, HEAD_DIM)
+        for h in range(N_KV_HEADS):
+            for j in range(GROUP):
+                torch.testing.assert_close(got[h, j * 10 : (j + 1) * 10], reference[h * GROUP + j], atol=1e-6, rtol=0)
+
+
+def test_queries_continue_a_prefilled_cache():
+    model = tiny_model("qwen3")
+    context, question = token_ids(12), token_ids(5, seed=1)
+    captured = capture_queries(model, question, cache=prefill_context(model, context))
+    reference = reference_queries(model, question, 1, cache=prefill_context(model, context))[0]
+    torch.testing.assert_close(captured[1], reference.reshape(N_KV_HEADS, GROUP * 5, HEAD_DIM), atol=1e-6, rtol=0)
+
+
+def test_gemma3_records_only_full_attention_layers():
+    model = tiny_model("gemma3")
+    assert sorted(capture_queries(model, token_ids(12))) == global_layers(model) == [1, 3]
+
+
+@pytest.mark.parametrize("positions", [slice(3, 8), torch.tensor([0, 4, 9]), torch.tensor([7])])
+def test_positions_select_the_same_queries_as_the_full_capture(positions):
+    model = tiny_model("llama")
+    ids = token_ids(10)
+    full, selected = capture_queries(model, ids), capture_queries(model, ids, positions=positions)
+    kept = torch.arange(10)[positions]
+    for layer, queries in full.items():
+        expected = queries.reshape(N_KV_HEADS, GROUP, 10, HEAD_DIM)[:, :, kept].reshape(N_KV_HEADS, -1, HEAD_DIM)
+        assert torch.equal(selected[layer], expected)
+
+
+def test_attention_implementation_is_restored_also_when_the_forward_raises():
+    model = tiny_model("llama")
+    capture_queries(model, token_ids(4))
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(IndexError):
+        capture_queries(model, torch.tensor([[3, 10_000]]))  # outside the vocabulary
+    assert model.config._attn_implementation == "sdpa"
+    assert _ACTIVE.get() is None
+    hf_structkv.enable(model)
+    capture_queries(model, token_ids(4))
+    assert hf_structkv.is_enabled(model)
+
+
+def test_rejects_batches_and_bad_positions():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"\[1, L\]"):
+        capture_queries(model, token_ids(8).repeat(2, 1))
+    with pytest.raises(ValueError, match="1-D integer"):
+        capture_queries(model, token_ids(8), positions=torch.tensor([[1]]))
+
+
+def test_enabled_model_serves_a_compacted_cache_while_recording():
+    model = tiny_model("qwen2")
+    context, question = token_ids(24), token_ids(6, seed=1)
+    compacted = compact(model, None, context, ratio=3)
+    hf_structkv.enable(model)
+    with torch.no_grad():
+        expected = model(question, cache=compacted.copy()).logits
+    seen = []
+    handle = model.register_forward_hook(lambda module, args, output: seen.append(output.logits))
+    try:
+        captured = capture_queries(model, question, cache=compacted.copy())
+    finally:
+        handle.remove()
+    torch.testing.assert_close(seen[0], expected, atol=1e-6, rtol=0)
+    assert sorted(captured) == [0, 1]
+    assert hf_structkv.is_enabled(model)
+
+
+# ---------------------------------------------------------------------------------------------------- subsample
+def test_subsample_is_seeded_capped_and_without_duplicates():
+    queries = torch.arange(1000, dtype=torch.float32)[:, None].repeat(1, 3)  # row i is [i, i, i]
+    first, again, other = (subsample_queries(queries, cap=100, seed=s) for s in (0, 0, 1))
+    assert first.shape == (100, 3)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    rows = first[:, 0].long()
+    assert rows.unique().numel() == 100
+    assert torch.equal(first, queries[rows])
+
+
+def test_subsample_below_cap_returns_everything():
+    queries = torch.randn(7, 4)
+    assert torch.equal(subsample_queries(queries, cap=7), queries)
+    assert torch.equal(subsample_queries(queries), queries)
+    with pytest.raises(ValueError, match="cap"):
+        subsample_queries(queries, cap=0)
+
+
+# ---------------------------------------------------------------------------------------------------- repeat pass
+INSTRUCTION = torch.tensor([[11, 12, 13, 14, 15]])
+
+
+def test_repeat_pass_records_the_second_copy_of_the_context():
+    model = tiny_model("qwen3")
+    context = token_ids(12)
+    got = repeat_pass_queries(model, None, context, instruction_ids=INSTRUCTION)
+    sequence = torch.cat([context, INSTRUCTION, context], 1)
+    expected = capture_queries(model, sequence, positions=torch.arange(17, 29))
+    assert sorted(got) == sorted(expected) == [0, 1]
+    for layer in got:
+        assert got[layer].shape == (N_KV_HEADS, GROUP * 12, HEAD_DIM)
+        assert torch.equal(got[layer], expected[layer])
+
+
+def test_repeat_pass_caps_each_kv_head_with_the_seeded_subsample():
+    model = tiny_model("gemma3")
+    context = token_ids(12)
+    got = repeat_pass_queries(model, None, context, cap=10, seed=3, instruction_ids=INSTRUCTION)
+    full = repeat_pass_queries(model, None, context, instruction_ids=INSTRUCTION)
+    for layer in (1, 3):
+        assert got[layer].shape == (N_KV_HEADS, 10, HEAD_DIM)
+        for h in range(N_KV_HEADS):
+            assert torch.equal(got[layer][h], subsample_queries(full[layer][h], cap=10, seed=3))
+
+
+class FakeTokenizer:
+    """Whitespace-separated integers -> ids; records the add_special_tokens flag."""
+
+    def __init__(self):
+        self.special = []
+
+    def __call__(self, text, return_tensors, add_special_tokens):
+        self.special.append(add_special_tokens)
+        return type("Encoding", (), {"input_ids": torch.tensor([[int(t) for t in text.split()]])})
+
+
+def test_repeat_pass_tokenizes_the_instruction_without_special_tokens():
+    model = tiny_model("llama")
+    context, tokenizer = token_ids(6), FakeTokenizer()
+    got = repeat_pass_queries(model, tokenizer, context, instruction="11 12 13 14 15")
+    expected = repeat_pass_queries(model, None, context, instruction_ids=INSTRUCTION)
+    assert tokenizer.special == [False]
+    for layer in expected:
+        assert torch.equal(got[layer], expected[layer])
+    with pytest.raises(ValueError, match="tokenizer"):
+        repeat_pass_queries(model, None, context)
