@@ -8,8 +8,20 @@ from hf_structkv.attention.compacted_reference import compacted_attention
 from hf_structkv.attention.masks import structkv_mask
 
 
-def dense_reference(query, keys, values, bias, offsets, app_k, app_v, visible, scaling, softcap=None):
+def dense_reference(problem, visible, scaling, softcap=None):
     """float64 softmax over [prefix of head h ‖ appended], head by head, query head by query head."""
+    query, keys, values, bias, offsets, app_k, app_v = (
+        problem[name]
+        for name in (
+            "query",
+            "prefix_keys",
+            "prefix_values",
+            "prefix_bias",
+            "prefix_offsets",
+            "appended_keys",
+            "appended_values",
+        )
+    )
     batch, n_q, q_len, _ = query.shape
     n_kv = len(offsets) - 1
     group = n_q // n_kv
@@ -60,17 +72,7 @@ def test_matches_dense_softmax(lengths, use_none_mask):
     if not use_none_mask:
         visible[1, 0, :, :2] = False  # padding of row 1
     got = compacted_attention(**p, appended_mask=None if use_none_mask else visible, scaling=0.3)
-    expected = dense_reference(
-        p["query"],
-        p["prefix_keys"],
-        p["prefix_values"],
-        p["prefix_bias"],
-        p["prefix_offsets"],
-        p["appended_keys"],
-        p["appended_values"],
-        visible,
-        0.3,
-    )
+    expected = dense_reference(p, visible, 0.3)
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -79,18 +81,7 @@ def test_additive_mask_and_softcap():
     visible = causal_visible(2, 3, 5)
     additive = torch.where(visible, 0.0, float("-inf"))
     got = compacted_attention(**p, appended_mask=additive, scaling=0.5, softcap=2.0)
-    expected = dense_reference(
-        p["query"],
-        p["prefix_keys"],
-        p["prefix_values"],
-        p["prefix_bias"],
-        p["prefix_offsets"],
-        p["appended_keys"],
-        p["appended_values"],
-        visible,
-        0.5,
-        softcap=2.0,
-    )
+    expected = dense_reference(p, visible, 0.5, softcap=2.0)
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -100,17 +91,7 @@ def test_low_precision_inputs_keep_fp32_statistics(dtype):
     visible = causal_visible(2, 3, 5)
     got = compacted_attention(**p, appended_mask=visible, scaling=0.35)
     assert got.dtype == dtype
-    expected = dense_reference(
-        p["query"],
-        p["prefix_keys"],
-        p["prefix_values"],
-        p["prefix_bias"],
-        p["prefix_offsets"],
-        p["appended_keys"],
-        p["appended_values"],
-        visible,
-        0.35,
-    )
+    expected = dense_reference(p, visible, 0.35)
     # Only the final cast to the input dtype loses precision.
     torch.testing.assert_close(got.double(), expected.to(dtype).double(), atol=1e-2, rtol=1e-2)
 

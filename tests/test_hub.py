@@ -10,7 +10,7 @@ import pytest
 import torch
 from huggingface_hub import CommitInfo, HfApi
 from safetensors.torch import load_file, save_file
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaForCausalLM
 
 import hf_structkv
 from hf_structkv import CompactedCache
@@ -39,22 +39,7 @@ TOKENIZER = FakeTokenizer({"</s>": 1, "a": 3, "b": 4})
 
 
 def tiny_llama(dtype: torch.dtype = torch.float32, **overrides) -> LlamaForCausalLM:
-    fields = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        attn_implementation="sdpa",
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**{**fields, **overrides})).to(dtype).eval()
+    return tiny_model("llama", dtype=dtype, **overrides)
 
 
 def context_ids(length: int = CONTEXT_LEN) -> torch.Tensor:
