@@ -7,6 +7,8 @@ appended part and leaves the context as it was loaded.
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -61,6 +63,26 @@ class ContextLayer(CacheLayerMixin):
 
     def appended_nbytes(self) -> int:
         return 0 if self.keys is None else _nbytes([self.keys, self.values])
+
+    @abstractmethod
+    def context_tensors(self) -> list[torch.Tensor]:
+        """Everything stored for the context (what ``save_pretrained`` writes)."""
+
+    @abstractmethod
+    def full_nbytes(self) -> int:
+        """Bytes of the same tokens in a plain ``DynamicCache``."""
+
+    @abstractmethod
+    def fresh_copy(self) -> ContextLayer:
+        """A layer sharing this layer's context tensors, with nothing appended."""
+
+    def nbytes(self) -> int:
+        """Bytes of the stored context tensors and of the appended tokens."""
+        return _nbytes(self.context_tensors()) + self.appended_nbytes()
+
+    def overhead_nbytes(self) -> int:
+        """Bytes stored beyond keys and values (none unless a subclass stores more)."""
+        return 0
 
     def reset(self) -> None:
         """Drop the appended tokens; the context stays."""
@@ -159,12 +181,8 @@ class CompactedLayer(ContextLayer):
         return self.appended_length() + query_length, self.original_length
 
     def context_tensors(self) -> list[torch.Tensor]:
-        """Everything stored for the compacted context (what ``save_pretrained`` writes)."""
+        """Keys, values, biases and offsets of the compacted context."""
         return [self.prefix_keys, self.prefix_values, self.prefix_bias, self.prefix_offsets]
-
-    def nbytes(self) -> int:
-        """Bytes of the stored context tensors (keys, values, biases, offsets) and of the appended tokens."""
-        return _nbytes(self.context_tensors()) + self.appended_nbytes()
 
     def full_nbytes(self) -> int:
         """Bytes of the same tokens in a plain ``DynamicLayer`` (original context at batch 1, plus appended)."""
@@ -231,18 +249,12 @@ class SharedContextSlidingLayer(ContextLayer):
         return window + self.appended_length() + query_length, self.original_length - window
 
     def context_tensors(self) -> list[torch.Tensor]:
-        """The context window (what ``save_pretrained`` writes)."""
+        """The context window."""
         return [self.window_keys, self.window_values]
-
-    def nbytes(self) -> int:
-        return _nbytes(self.context_tensors()) + self.appended_nbytes()
 
     def full_nbytes(self) -> int:
         """A plain ``DynamicCache`` holds the same window for this layer."""
         return self.nbytes()
-
-    def overhead_nbytes(self) -> int:
-        return 0
 
     def fresh_copy(self) -> SharedContextSlidingLayer:
         return SharedContextSlidingLayer(
