@@ -8,7 +8,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from hf_structkv.cache.compacted_layers import CompactedLayer, SharedContextSlidingLayer
-from hf_structkv.compaction import METHODS, compact, compact_head, prefill_context
+from hf_structkv.compaction import HEAD_METHODS, METHODS, compact, compact_head, prefill_context
 from hf_structkv.hub import model_fingerprint, tokenizer_hash
 from hf_structkv.models import tiny_model
 
@@ -125,7 +125,7 @@ def test_compact_metadata(llama):
     assert set(metadata) == {"fingerprint", "method", "hyperparameters", "calibration", "compaction_seconds"}
     assert metadata["fingerprint"] == model_fingerprint(llama)
     assert metadata["fingerprint"]["tokenizer_hash"] is None
-    assert metadata["method"] == "streaming_llm" and METHODS == ("key_norm", "random", "streaming_llm")
+    assert metadata["method"] == "streaming_llm" and METHODS == tuple(sorted(HEAD_METHODS))
     assert metadata["hyperparameters"] == {"ratio": 2.0, "seed": 0, "sink_tokens": 3}
     assert isinstance(metadata["hyperparameters"]["ratio"], float)
     assert metadata["calibration"] == "none (query-free selection)"
@@ -160,10 +160,8 @@ def test_compact_leaves_sliding_layers_whole():
 
 class TestCompactRejectsBadInput:
     def test_unknown_method(self, llama):
-        with pytest.raises(
-            ValueError, match=r"method must be one of \('key_norm', 'random', 'streaming_llm'\) .*got 'h2o'"
-        ):
-            compact(llama, None, context_ids(8), method="h2o")
+        with pytest.raises(ValueError, match=r"method must be one of \(.*'kv_surgeon'.*\), got 'nope'"):
+            compact(llama, None, context_ids(8), method="nope")
 
     @pytest.mark.parametrize("ratio", [0.5, 0, -2, float("nan"), float("inf"), "4"])
     def test_ratio(self, llama, ratio):
@@ -185,3 +183,85 @@ class TestCompactRejectsBadInput:
     def test_empty_text(self, llama):
         with pytest.raises(ValueError, match="context must be a non-empty text"):
             compact(llama, FakeTokenizer(), "")
+
+
+# ---------------------------------------------------------------------------------------------------- calibrated
+INSTRUCTION = "Repeat the text above verbatim."
+
+
+class WordTokenizer:
+    """Just enough tokenizer for the repeat prompt on tiny models: one id per character, and a vocabulary hash."""
+
+    def __call__(self, text, return_tensors=None, add_special_tokens=False):
+        ids = torch.tensor([[3 + ord(ch) % 250 for ch in text]])
+        return type("Encoding", (), {"input_ids": ids})()
+
+    def get_vocab(self):
+        return {chr(i): 3 + i % 250 for i in range(256)}
+
+    all_special_tokens = []
+
+
+def test_kv_surgeon_pipeline_records_calibration_and_heldout_quality():
+    model = tiny_model("llama")
+    cache = compact(model, WordTokenizer(), context_ids(40), ratio=4, method="kv_surgeon", heldout_fraction=0.2)
+    assert cache.head_lengths() == [[10, 10], [10, 10]]
+    calibration = cache.metadata["calibration"]
+    assert calibration["queries"] == "repeat" and calibration["on_policy"] is True
+    losses = cache.metadata["quality"]["heldout_relative_loss_per_layer"]
+    assert set(losses) == {"0", "1"} and all(0 <= v < 1 for v in losses.values())
+    full = prefill_context(model, context_ids(40))
+    layer = cache.layers[0]
+    kept = layer.prefix_offsets[1]
+    assert layer.prefix_bias.abs().max() > 0  # multipliers were fitted
+    assert not torch.equal(layer.prefix_values[:kept], full.layers[0].values[0, 0, : int(kept)])
+
+
+def test_on_policy_layer_is_fitted_to_queries_with_earlier_layers_compacted():
+    """Layer 1 of the pipeline's cache equals compacting layer 1 against the repeat-pass queries that run through the
+    pipeline's compacted layer 0 (and layer 0 equals the off-policy fit, whose queries come from the full cache)."""
+    from hf_structkv.compaction.pipeline import _Selection, _split_queries
+    from hf_structkv.compaction.queries import repeat_pass_queries
+
+    model, tokenizer, ids = tiny_model("qwen2"), WordTokenizer(), context_ids(40)
+    on = compact(model, tokenizer, ids, ratio=4, method="kv_surgeon", on_policy=True)
+    off = compact(model, tokenizer, ids, ratio=4, method="kv_surgeon", on_policy=False)
+    for mine, theirs in zip(on.layers[0].context_tensors(), off.layers[0].context_tensors()):
+        assert torch.equal(mine, theirs)
+    full = prefill_context(model, ids)
+    selection = _Selection.keep_everything(full)
+    layer0 = on.layers[0]
+    offsets = layer0.prefix_offsets.tolist()
+    # Layer 0's kept positions: match its kept keys against the full cache's keys.
+    kept_keys = [layer0.prefix_keys[offsets[h] : offsets[h + 1]] for h in range(2)]
+    selection.indices[0] = [
+        (kept_keys[h][:, None] == full.layers[0].keys[0, h][None]).all(-1).int().argmax(-1) for h in range(2)
+    ]
+    selection.biases[0] = [layer0.prefix_bias[offsets[h] : offsets[h + 1]] for h in range(2)]
+    selection.values[0] = [layer0.prefix_values[offsets[h] : offsets[h + 1]] for h in range(2)]
+    queries = repeat_pass_queries(model, tokenizer, ids, cap=None, context_cache=selection.build(full))
+    fit, _ = _split_queries(queries[1], 0.1, 50_000, 0)
+    for h in range(2):
+        expected = compact_head(full.layers[1].keys[0, h], full.layers[1].values[0, h], fit[h], 10, "kv_surgeon")
+        a, b = on.layers[1].prefix_offsets[h], on.layers[1].prefix_offsets[h + 1]
+        torch.testing.assert_close(on.layers[1].prefix_bias[a:b], expected.bias)
+        torch.testing.assert_close(on.layers[1].prefix_values[a:b], expected.values)
+    assert not torch.equal(on.layers[1].prefix_bias, off.layers[1].prefix_bias)
+
+
+def test_calibrated_compaction_skips_sliding_layers_and_uses_the_model_scale():
+    from hf_structkv.compaction.pipeline import _attention_scalings
+
+    model = tiny_model("gemma3", query_pre_attn_scalar=64)
+    scalings = _attention_scalings(model)
+    assert scalings == {i: 64**-0.5 for i in range(4)}
+    cache = compact(model, WordTokenizer(), context_ids(40), ratio=4, method="loo", on_policy=False)
+    assert cache.head_lengths() == [None, [10, 10], None, [10, 10]]
+    assert set(cache.metadata["quality"]["heldout_relative_loss_per_layer"]) == {"1", "3"}
+
+
+def test_calibrated_method_rejects_unknown_query_tier():
+    with pytest.raises(ValueError, match=r"queries must be one of \('repeat',\) for method 'kv_surgeon'"):
+        compact(tiny_model("llama"), WordTokenizer(), context_ids(8), method="kv_surgeon", queries="self_study")
+    with pytest.raises(ValueError, match=r"heldout_fraction must be in \[0, 1\)"):
+        compact(tiny_model("llama"), WordTokenizer(), context_ids(8), method="kv_surgeon", heldout_fraction=1.0)

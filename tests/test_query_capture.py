@@ -165,6 +165,18 @@ def test_repeat_pass_records_the_second_copy_of_the_context():
         assert torch.equal(got[layer], expected[layer])
 
 
+def test_repeat_pass_continuing_a_context_cache_equals_the_single_pass():
+    model = tiny_model("llama")
+    context = token_ids(12)
+    one_pass = repeat_pass_queries(model, None, context, instruction_ids=INSTRUCTION, cap=None)
+    cached = prefill_context(model, context)
+    continued = repeat_pass_queries(model, None, context, instruction_ids=INSTRUCTION, cap=None, context_cache=cached)
+    for layer in one_pass:
+        torch.testing.assert_close(continued[layer], one_pass[layer], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="context_cache holds 29 tokens, the context has 12"):
+        repeat_pass_queries(model, None, context, instruction_ids=INSTRUCTION, context_cache=cached)
+
+
 def test_repeat_pass_caps_each_kv_head_with_the_seeded_subsample():
     model = tiny_model("gemma3")
     context = token_ids(12)

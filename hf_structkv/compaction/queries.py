@@ -151,17 +151,22 @@ def repeat_pass_queries(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase | None,
     context_ids: torch.Tensor,
-    cap: int = DEFAULT_CAP,
+    cap: int | None = DEFAULT_CAP,
     seed: int = 0,
     instruction: str = DEFAULT_INSTRUCTION,
     instruction_ids: torch.Tensor | None = None,
+    context_cache=None,
 ) -> dict[int, torch.Tensor]:
     """Repeat-pass ("-fast") calibration: queries of the second copy in one forward over ``context + prompt + context``.
 
     Args:
         context_ids: ``[1, T]``.
-        cap: at most this many queries per KV head, drawn with `subsample_queries` (the same draw for every head).
+        cap: at most this many queries per KV head, drawn with `subsample_queries` (the same draw for every head);
+            ``None`` keeps them all.
         instruction_ids: ``[1, P]`` or ``[P]``; replaces ``instruction`` (then ``tokenizer`` may be ``None``).
+        context_cache: a cache already holding the first copy of the context (e.g. a `CompactedCache` whose earlier
+            layers are compacted, for on-policy calibration); only ``prompt + context`` is then run, continuing it
+            in place (pass a copy to keep it).
 
     Returns:
         ``{layer_idx: [H_kv, min(g * T, cap), D]}`` for each global layer.
@@ -169,9 +174,19 @@ def repeat_pass_queries(
     if context_ids.dim() != 2 or context_ids.shape[0] != 1 or context_ids.shape[1] == 0:
         raise ValueError(f"context_ids must be [1, T] with T > 0, got shape {tuple(context_ids.shape)}")
     prompt = _instruction_ids(tokenizer, instruction, instruction_ids).to(context_ids)
-    sequence = torch.cat([context_ids, prompt, context_ids], dim=1)
-    second_copy = slice(context_ids.shape[1] + prompt.shape[1], None)
-    queries = capture_queries(model, sequence, positions=second_copy)
+    if context_cache is None:
+        sequence = torch.cat([context_ids, prompt, context_ids], dim=1)
+        second_copy = slice(context_ids.shape[1] + prompt.shape[1], None)
+    else:
+        if context_cache.get_seq_length() != context_ids.shape[1]:
+            raise ValueError(
+                f"context_cache holds {context_cache.get_seq_length()} tokens, the context has {context_ids.shape[1]}"
+            )
+        sequence = torch.cat([prompt, context_ids], dim=1)
+        second_copy = slice(prompt.shape[1], None)
+    queries = capture_queries(model, sequence, positions=second_copy, cache=context_cache)
+    if cap is None:
+        return queries
     return {
         layer: torch.stack([subsample_queries(head, cap, seed) for head in per_head])
         for layer, per_head in queries.items()
