@@ -447,6 +447,244 @@ class KeyNorm(QueryFreeMethod):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Ported baselines (seed §4.1, appendix "Ported baselines"): each keeps its published selection score, computed on the
+# shared calibration queries, and (calibrated ones) serves its support with the shared final refit.
+
+
+def obcache_scores(attention: torch.Tensor, values: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+    """OBCache saliency, the Optimal-Brain-Damage diagonal ``H_jj = Σ_i P_ij² ‖v_j − o_i‖²`` (seed appendix §7.1).
+
+    The second-order truncation of the exact single-deletion score (13): the factor ``(1 − P_ij)^{-2}`` is dropped.
+
+    Args:
+        attention: ``P [N, T]``.
+        values: ``V [T, D_v]``.
+        outputs: ``O [N, D_v]``.
+
+    Returns:
+        ``[T]``.
+    """
+    weight = attention.square()
+    cross = ((weight.T @ outputs) * values).sum(dim=1)
+    scores = values.square().sum(dim=1) * weight.sum(dim=0) + weight.T @ outputs.square().sum(dim=1) - 2 * cross
+    return scores.clamp_min(0)
+
+
+def omp_select(columns: torch.Tensor, target: torch.Tensor, count: int, per_step: int = 1) -> torch.Tensor:
+    """Orthogonal matching pursuit: ``count`` columns of ``columns`` that greedily reconstruct ``target``.
+
+    Each step scores every unselected column by its correlation with the residual, ``⟨a_j, r⟩ / ‖a_j‖`` (signed:
+    the columns are nonnegative and the coefficients are to be positive multipliers), in one matrix-vector product,
+    takes the ``per_step`` best, then refits the target by unconstrained least squares on all selected columns
+    (``r = target − A_S A_S⁺ target``, kept as a projection on an incrementally grown orthonormal basis, classical
+    Gram–Schmidt applied twice; a column already in the span of the selected ones adds no direction). With
+    ``per_step = 1`` this is textbook OMP; ``per_step > 1`` is the cheap-solver setting (several keys per step, fewer
+    correlation passes).
+
+    Args:
+        columns: ``A [N, T]``.
+        target: ``[N]``.
+        count: ``1 <= count <= T``.
+        per_step: columns selected per correlation pass.
+
+    Returns:
+        ``[count]`` distinct column indices in the order they were selected.
+    """
+    rows, length = columns.shape
+    norms = columns.norm(dim=0)
+    inverse_norms = torch.where(norms > 0, 1 / norms.clamp_min(torch.finfo(columns.dtype).tiny), 0)
+    basis = columns.new_zeros(rows, min(rows, count))
+    rank = 0
+    residual = target.clone()
+    available = torch.ones(length, dtype=torch.bool, device=columns.device)
+    selected: list[torch.Tensor] = []
+    remaining = count
+    while remaining > 0:
+        correlation = (columns.T @ residual * inverse_norms).masked_fill(~available, -math.inf)
+        block = _top(correlation, min(per_step, remaining))
+        available[block] = False
+        selected.append(block)
+        remaining -= block.numel()
+        for j in block.tolist():  # Gram–Schmidt of the new columns: part of the greedy step
+            if rank == basis.shape[1] or norms[j] == 0:
+                continue
+            span = basis[:, :rank]
+            direction = columns[:, j] - span @ (span.T @ columns[:, j])
+            direction = direction - span @ (span.T @ direction)
+            length_j = direction.norm()
+            if length_j > 1e-8 * norms[j]:
+                direction = direction / length_j
+                basis[:, rank] = direction
+                rank += 1
+                residual = residual - direction * (direction @ residual)
+    return torch.cat(selected)
+
+
+@register
+@dataclass(frozen=True)
+class AttentionMatchingHAK(CalibratedMethod):
+    """AM-HAK (Zweiger et al., "highest attention keys"): the ``t`` largest RMS attentions ``sqrt(mean_i P_ij²)``."""
+
+    name: ClassVar[str] = "am_hak"
+
+    def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
+        return _top(problem.attention.square().mean(dim=0).sqrt(), budget)
+
+
+@register
+@dataclass(frozen=True)
+class AttentionMatchingOMP(CalibratedMethod):
+    """AM-OMP (Zweiger et al.): OMP (`omp_select`) on the attention mass.
+
+    Columns ``E = exp(Z − rowmax Z)`` and target the row sums ``s``, the mass regression of the shared multiplier
+    fit (22): the selected keys' reweighted unnormalised attention reproduces the mass of the full cache. The
+    per-step refit is unconstrained least squares (no NNLS); the positive multipliers come from the final refit.
+    ``keys_per_step > 1`` selects several keys per correlation pass (the AM-OMP-CS / "fast" setting).
+    """
+
+    name: ClassVar[str] = "am_omp"
+    keys_per_step: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.keys_per_step, numbers.Integral) or self.keys_per_step < 1:
+            raise ValueError(f"keys_per_step must be an integer >= 1, got {self.keys_per_step!r}")
+
+    def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
+        columns = problem.unnormalized(torch.arange(problem.length, device=problem.keys.device))
+        return omp_select(columns, problem.row_sums, budget, self.keys_per_step)
+
+
+@register
+@dataclass(frozen=True)
+class HeavyHitters(CalibratedMethod):
+    """H2O ported: the ``t`` largest accumulated attentions ``Σ_i P_ij`` over the calibration queries.
+
+    ``recent_tokens`` (default 0: the seed's port keeps only the selection score) reserves
+    ``min(recent_tokens, t)`` of the budget for the most recent positions, H2O's recent window.
+    """
+
+    name: ClassVar[str] = "h2o"
+    recent_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.recent_tokens, numbers.Integral) or self.recent_tokens < 0:
+            raise ValueError(f"recent_tokens must be an integer >= 0, got {self.recent_tokens!r}")
+
+    def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
+        recent = min(self.recent_tokens, budget)
+        older = problem.length - recent
+        heavy = _top(problem.attention[:, :older].sum(dim=0), budget - recent)
+        return torch.cat([heavy, torch.arange(older, problem.length, device=problem.keys.device)])
+
+
+@register
+@dataclass(frozen=True)
+class OBCache(CalibratedMethod):
+    """OBCache ported: the ``t`` largest second-order saliencies `obcache_scores`, aggregated over the calibration
+    queries (which replace the published observation window of the last 64 prompt tokens)."""
+
+    name: ClassVar[str] = "obcache"
+
+    def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
+        return _top(obcache_scores(problem.attention, problem.values, problem.outputs), budget)
+
+
+@register
+@dataclass(frozen=True)
+class KVzip(CalibratedMethod):
+    """KVzip ported: the ``t`` largest maximum attentions ``max_i P_ij`` received during the repeat pass (the
+    calibration queries); the shared per-head budgets replace KVzip's global threshold."""
+
+    name: ClassVar[str] = "kvzip"
+
+    def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
+        return _top(problem.attention.amax(dim=0), budget)
+
+
+@register
+@dataclass(frozen=True)
+class KVMerger(CalibratedMethod):
+    """KVMerger ported: merge runs of similar adjacent keys into ``t`` groups, keep one pivot per group.
+
+    Groups: cut the sequence at the ``t − 1`` adjacent pairs of lowest key cosine similarity, so ``t`` contiguous
+    groups remain. This equals greedily merging the most similar adjacent pair until ``t`` groups remain, with the
+    similarity of two neighbouring groups that of the two keys at their boundary (KVMerger's thresholded run rule,
+    with the threshold set by the budget). Pivot: the group's entry of largest accumulated attention ``Σ_i P_ij``
+    (lowest position on ties). Merged value: the group's values averaged with weights ``Σ_i P_ij`` (uniform where
+    the group's attention underflows to zero). With the refit (default) the value solve (23) replaces the merged
+    values, so the merge only decides the support; ``refit=False`` serves the pivots with the merged values and
+    bias 0.
+    """
+
+    name: ClassVar[str] = "kvmerger"
+
+    def groups(self, problem: HeadProblem, budget: int) -> torch.Tensor:
+        """Group of every position, ``[T]`` LongTensor, nondecreasing from 0 to ``budget − 1``."""
+        keys = problem.keys
+        similarity = torch.nn.functional.cosine_similarity(keys[:-1], keys[1:], dim=1)
+        starts = torch.zeros(problem.length, dtype=torch.long, device=keys.device)
+        starts[_top(similarity, budget - 1, largest=False) + 1] = 1
+        return starts.cumsum(dim=0)
+
+    def merge(self, problem: HeadProblem, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(pivots [t] ascending, merged values [t, D_v])``."""
+        group = self.groups(problem, budget)
+        scores = problem.attention.sum(dim=0)
+        best = scores.new_full((budget,), -math.inf).scatter_reduce(0, group, scores, "amax")
+        positions = torch.arange(problem.length, device=scores.device)
+        is_best = scores == best[group]
+        pivots = positions.new_full((budget,), problem.length)
+        pivots = pivots.scatter_reduce(0, group[is_best], positions[is_best], "amin")
+        totals = scores.new_zeros(budget).index_add(0, group, scores)
+        weights = torch.where(totals[group] > 0, scores, torch.ones_like(scores))
+        totals = scores.new_zeros(budget).index_add(0, group, weights)
+        merged = problem.values.new_zeros(budget, problem.values.shape[1]).index_add(
+            0, group, weights[:, None] * problem.values
+        )
+        return pivots, merged / totals[:, None]
+
+    def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
+        return self.merge(problem, budget)[0]
+
+    def compact(self, problem: HeadProblem, budget: int, seed: int) -> CompactedHead:
+        pivots, merged = self.merge(problem, budget)
+        if self.refit:
+            return refit_head(problem, pivots, self.bias_bound)
+        return CompactedHead(pivots, torch.zeros(budget, dtype=FLOAT, device=pivots.device), merged)
+
+
+@register
+@dataclass(frozen=True)
+class QFilters(HeadMethod):
+    """Q-Filters (Godey et al.): keep the ``t`` keys of largest projection ``⟨k_j, u⟩`` on the principal query
+    direction ``u``, evicting (bias 0, original values, no refit).
+
+    ``u`` is the top right singular vector of ``Q`` (top eigenvector of ``QᵀQ``, not centred), signed so that
+    ``Σ_i ⟨q_i, u⟩ >= 0``; then ``E_q⟨q, k⟩ ∝ ⟨k, u⟩`` along that direction, so the kept keys are those the
+    queries are expected to attend to most. Published Q-Filters estimate ``u`` once per model on generic text;
+    lacking a per-model filter file, this port estimates it per head from the calibration queries, hence
+    ``needs_queries``. Selection never reads the attention.
+    """
+
+    name: ClassVar[str] = "q_filters"
+    needs_queries: ClassVar[bool] = True
+    refit: ClassVar[bool] = False
+
+    def direction(self, problem: HeadProblem) -> torch.Tensor:
+        """``u [D]``, unit norm."""
+        queries = problem.queries
+        if queries is None:
+            raise ValueError("q_filters needs calibration queries to estimate its filter, got queries=None")
+        direction = torch.linalg.eigh(queries.T @ queries).eigenvectors[:, -1]
+        return -direction if (queries @ direction).sum() < 0 else direction
+
+    def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
+        return _top(problem.keys @ self.direction(problem), budget)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Public entry points.
 
 
