@@ -43,7 +43,16 @@ def cmd_compact(args) -> int:
     model, tokenizer = load_model(args.model, DTYPES[args.dtype])
     context_text, question_suffix = document_chat_prompt(tokenizer, document)
     start = time.perf_counter()
-    cache = compact(model, tokenizer, context_text, ratio=args.ratio, method=args.method, progress=True)
+    cache = compact(
+        model,
+        tokenizer,
+        context_text,
+        ratio=args.ratio,
+        method=args.method,
+        on_policy=args.on_policy,
+        query_cap=args.query_cap,
+        progress=True,
+    )
     seconds = time.perf_counter() - start
     cache.metadata["question_suffix"] = question_suffix
     cache.save_pretrained(args.out)
@@ -106,8 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--context-file", help="UTF-8 text file holding the context")
     source.add_argument("--squad-article", default="Normans", help="a SQuAD dev article title (default: Normans)")
     compact_p.add_argument("--squad-paragraphs", type=int, default=20, help="paragraphs of the article to use")
-    compact_p.add_argument("--ratio", type=float, default=4.0, help="original / kept entries per KV head")
-    compact_p.add_argument("--method", default="streaming_llm", choices=METHODS, help="per-head selection method")
+    compact_p.add_argument("--ratio", type=float, default=8.0, help="original / kept entries per KV head")
+    compact_p.add_argument("--method", default="kv_surgeon", choices=METHODS, help="per-head compaction method")
+    compact_p.add_argument(
+        "--on-policy",
+        action="store_true",
+        help="calibrate layer l with layers < l already compacted (the paper's setting; one forward per layer)",
+    )
+    compact_p.add_argument("--query-cap", type=int, default=4096, help="calibration queries per KV head")
     compact_p.add_argument("--out", required=True, help="folder to write cache.safetensors, config.json, README.md")
     compact_p.add_argument("--push", metavar="REPO_ID", help="also push to this Hub repository")
     compact_p.add_argument("--private", action="store_true", help="create the Hub repository private")

@@ -67,6 +67,8 @@ def compacted(tmp_path_factory):
                 "--squad-paragraphs",
                 "--ratio",
                 "--method",
+                "--on-policy",
+                "--query-cap",
                 "--out",
                 "--push",
                 "--private",
@@ -112,7 +114,8 @@ def test_bad_arguments_exit_2(capsys, argv, message):
 def test_parser_defaults():
     args = build_parser().parse_args(["compact", "--out", "o"])
     assert (args.model, args.dtype, args.squad_article, args.squad_paragraphs) == ("default", "float32", "Normans", 20)
-    assert (args.ratio, args.method, args.context_file) == (4.0, "streaming_llm", None)
+    assert (args.ratio, args.method, args.context_file) == (8.0, "kv_surgeon", None)
+    assert (args.on_policy, args.query_cap) == (False, 4096)
     assert (args.push, args.private) == (None, False)
     args = build_parser().parse_args(["generate", "--cache", "c", "--question", "a", "--question", "b"])
     assert args.question == ["a", "b"] and args.max_new_tokens == 48
@@ -158,7 +161,9 @@ def test_compact_writes_the_cache_and_prints_its_bytes(compacted, default_model)
     assert cache.original_length == length
     assert cache.head_lengths() == [[length // 4] * 2] * 24
     assert cache.metadata["question_suffix"] == suffix
-    assert cache.metadata["method"] == "streaming_llm" and cache.metadata["hyperparameters"]["ratio"] == 4.0
+    assert cache.metadata["method"] == "kv_surgeon" and cache.metadata["hyperparameters"]["ratio"] == 4.0
+    assert cache.metadata["calibration"]["on_policy"] is False
+    assert 0 <= cache.metadata["quality"]["heldout_relative_loss_mean"] < 1
     assert number(r"compacted (\d+) tokens in [\d.]+ s -> ", printed) == length
     assert printed.splitlines()[0].endswith(f"-> {folder}")
     assert number(r"stored ([\d,]+) bytes", printed) == cache.nbytes()
@@ -176,7 +181,7 @@ def test_info_prints_metadata_length_and_bytes(compacted, capsys):
     head, _, tail = printed.partition("original length")
     config = json.loads(head)
     assert "layers" not in config
-    assert config["original_length"] == cache.original_length and config["method"] == "streaming_llm"
+    assert config["original_length"] == cache.original_length and config["method"] == "kv_surgeon"
     assert config["fingerprint"]["num_hidden_layers"] == 24
     assert number(r"original length\s+(\d+)", printed) == cache.original_length
     assert number(r"kept entries \(global layers, all heads\) ([\d,]+)", printed) == 48 * (cache.original_length // 4)

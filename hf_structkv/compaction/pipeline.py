@@ -45,7 +45,7 @@ def prefill_context(
     step = ids.shape[1] if chunk_tokens is None else chunk_tokens
     with torch.no_grad(), tqdm(total=ids.shape[1], desc="prefill", unit="tok", disable=not progress) as bar:
         for start in range(0, ids.shape[1], step):
-            model(ids[:, start : start + step], cache=cache, use_cache=True)
+            model(ids[:, start : start + step], cache=cache, use_cache=True, logits_to_keep=1)
             bar.update(min(step, ids.shape[1] - start))
     return cache
 

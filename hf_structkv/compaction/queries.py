@@ -118,7 +118,7 @@ def capture_queries(
     try:
         model.set_attn_implementation(RECORD_NAME)
         with torch.no_grad():
-            model(input_ids.to(model.device), cache=cache, use_cache=cache is not None)
+            model(input_ids.to(model.device), cache=cache, use_cache=cache is not None, logits_to_keep=1)
     finally:
         model.set_attn_implementation(previous)
         _ACTIVE.reset(token)
