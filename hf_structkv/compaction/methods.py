@@ -52,6 +52,12 @@ def _as_matrix(name: str, tensor: object) -> torch.Tensor:
     return matrix
 
 
+def _check_int(name: str, value: object, minimum: int) -> None:
+    """A hyper-parameter that must be an integer >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class HeadProblem:
     """One KV head's compaction problem in float64; attention statistics are computed once, on first use.
@@ -347,8 +353,7 @@ class KVSurgeon(CalibratedMethod):
         super().__post_init__()
         if not self.pool_factor >= 1:
             raise ValueError(f"pool_factor must be >= 1, got {self.pool_factor!r}")
-        if not isinstance(self.block_size, numbers.Integral) or self.block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
+        _check_int("block_size", self.block_size, 1)
         if not self.relative_ridge > 0:
             raise ValueError(f"relative_ridge must be > 0, got {self.relative_ridge!r}")
         if not self.mass_weight >= 0:
@@ -425,8 +430,7 @@ class StreamingLLM(QueryFreeMethod):
     sink_tokens: int = 4
 
     def __post_init__(self) -> None:
-        if not isinstance(self.sink_tokens, numbers.Integral) or self.sink_tokens < 0:
-            raise ValueError(f"sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
+        _check_int("sink_tokens", self.sink_tokens, 0)
 
     def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
         sinks = min(self.sink_tokens, budget)
@@ -547,8 +551,7 @@ class AttentionMatchingOMP(CalibratedMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.keys_per_step, numbers.Integral) or self.keys_per_step < 1:
-            raise ValueError(f"keys_per_step must be an integer >= 1, got {self.keys_per_step!r}")
+        _check_int("keys_per_step", self.keys_per_step, 1)
 
     def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
         columns = problem.unnormalized(torch.arange(problem.length, device=problem.keys.device))
@@ -569,8 +572,7 @@ class HeavyHitters(CalibratedMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.recent_tokens, numbers.Integral) or self.recent_tokens < 0:
-            raise ValueError(f"recent_tokens must be an integer >= 0, got {self.recent_tokens!r}")
+        _check_int("recent_tokens", self.recent_tokens, 0)
 
     def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
         recent = min(self.recent_tokens, budget)
