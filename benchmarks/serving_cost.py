@@ -71,7 +71,7 @@ def main() -> None:
         }
     ]
     for ratio in args.ratios:
-        compacted = compact(model, tokenizer, context_ids, ratio=ratio)
+        compacted = compact(model, tokenizer, context_ids, ratio=ratio, method="streaming_llm")
         hf_structkv.enable(model)
         rows.append(
             {

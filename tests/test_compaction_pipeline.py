@@ -92,7 +92,7 @@ def test_prefill_context_equals_a_manual_prefill(arch):
 def test_compact_keeps_sinks_and_recent_per_head(llama, length, ratio):
     ids = context_ids(length, seed=length)
     full = prefill_context(llama, ids)
-    cache = compact(llama, None, ids, ratio=ratio)
+    cache = compact(llama, None, ids, method="streaming_llm", ratio=ratio)
     kept_per_head = math.floor(length / ratio)
     expected = list(range(4)) + list(range(length - (kept_per_head - 4), length))
     assert cache.original_length == length == cache.get_seq_length()
@@ -112,7 +112,7 @@ def test_compact_keeps_sinks_and_recent_per_head(llama, length, ratio):
 
 
 def test_compact_keeps_at_least_one_entry(llama):
-    cache = compact(llama, None, context_ids(5), ratio=100, sink_tokens=2)
+    cache = compact(llama, None, context_ids(5), method="streaming_llm", ratio=100, sink_tokens=2)
     assert cache.head_lengths() == [[1, 1], [1, 1]]
     layer = cache.layers[0]
     full = prefill_context(llama, context_ids(5))
@@ -120,7 +120,7 @@ def test_compact_keeps_at_least_one_entry(llama):
 
 
 def test_compact_metadata(llama):
-    cache = compact(llama, None, context_ids(16), ratio=2, sink_tokens=3)
+    cache = compact(llama, None, context_ids(16), method="streaming_llm", ratio=2, sink_tokens=3)
     metadata = cache.metadata
     assert set(metadata) == {"fingerprint", "method", "hyperparameters", "calibration", "compaction_seconds"}
     assert metadata["fingerprint"] == model_fingerprint(llama)
@@ -135,9 +135,9 @@ def test_compact_metadata(llama):
 def test_compact_text_context_is_tokenized_without_special_tokens(llama):
     tokenizer = FakeTokenizer()
     ids = context_ids(24, seed=4)
-    from_text = compact(llama, tokenizer, " ".join(map(str, ids[0].tolist())), ratio=4)
+    from_text = compact(llama, tokenizer, " ".join(map(str, ids[0].tolist())), method="streaming_llm", ratio=4)
     assert tokenizer.calls == [("pt", False)]
-    from_ids = compact(llama, tokenizer, ids, ratio=4)
+    from_ids = compact(llama, tokenizer, ids, method="streaming_llm", ratio=4)
     assert from_text.metadata["fingerprint"]["tokenizer_hash"] == tokenizer_hash(tokenizer)
     for a, b in zip(from_text.layers, from_ids.layers):
         assert all(torch.equal(x, y) for x, y in zip(a.context_tensors(), b.context_tensors()))
@@ -146,7 +146,7 @@ def test_compact_text_context_is_tokenized_without_special_tokens(llama):
 def test_compact_leaves_sliding_layers_whole():
     model = tiny_model("gemma3")
     ids = context_ids(41)
-    cache = compact(model, None, ids, ratio=4)
+    cache = compact(model, None, ids, method="streaming_llm", ratio=4)
     full = prefill_context(model, ids)
     assert cache.head_lengths() == [None, [10, 10], None, [10, 10]]
     for layer, source in zip(cache.layers, full.layers):
@@ -166,23 +166,23 @@ class TestCompactRejectsBadInput:
     @pytest.mark.parametrize("ratio", [0.5, 0, -2, float("nan"), float("inf"), "4"])
     def test_ratio(self, llama, ratio):
         with pytest.raises(ValueError, match=r"ratio must be a finite number >= 1 \(original / kept entries\), got"):
-            compact(llama, None, context_ids(8), ratio=ratio)
+            compact(llama, None, context_ids(8), method="streaming_llm", ratio=ratio)
 
     @pytest.mark.parametrize("sinks", [-1, 2.0])
     def test_sink_tokens(self, llama, sinks):
         with pytest.raises(ValueError, match=r"sink_tokens must be an integer >= 0, got"):
-            compact(llama, None, context_ids(8), sink_tokens=sinks)
+            compact(llama, None, context_ids(8), method="streaming_llm", sink_tokens=sinks)
 
     @pytest.mark.parametrize(
         "ids", [torch.zeros(1, 0, dtype=torch.long), torch.randint(3, 256, (2, 8)), torch.randint(3, 256, (8,))]
     )
     def test_empty_batched_or_flat_context(self, llama, ids):
         with pytest.raises(ValueError, match=r"context must be a non-empty text or a \[1, T\] tensor of token ids"):
-            compact(llama, None, ids)
+            compact(llama, None, ids, method="streaming_llm")
 
     def test_empty_text(self, llama):
         with pytest.raises(ValueError, match="context must be a non-empty text"):
-            compact(llama, FakeTokenizer(), "")
+            compact(llama, FakeTokenizer(), "", method="streaming_llm")
 
 
 # ---------------------------------------------------------------------------------------------------- calibrated
@@ -265,3 +265,12 @@ def test_calibrated_method_rejects_unknown_query_tier():
         compact(tiny_model("llama"), WordTokenizer(), context_ids(8), method="kv_surgeon", queries="self_study")
     with pytest.raises(ValueError, match=r"heldout_fraction must be in \[0, 1\)"):
         compact(tiny_model("llama"), WordTokenizer(), context_ids(8), method="kv_surgeon", heldout_fraction=1.0)
+
+
+def test_defaults_are_on_policy_kv_surgeon_at_ratio_50():
+    cache = compact(tiny_model("llama"), WordTokenizer(), context_ids(100))
+    assert cache.metadata["method"] == "kv_surgeon"
+    assert cache.metadata["hyperparameters"]["ratio"] == 50.0
+    assert cache.metadata["calibration"]["on_policy"] is True
+    assert cache.metadata["calibration"]["query_cap_per_head"] == 50_000
+    assert cache.head_lengths() == [[2, 2], [2, 2]]

@@ -47,7 +47,7 @@ def test_keep_everything_generates_like_dynamic_cache(default_model, document_pr
 def test_compacted_cache_is_smaller_and_answers(default_model, document_prompt, tmp_path):
     model, tokenizer = default_model
     context_ids, question_ids = document_prompt
-    cache = compact(model, tokenizer, context_ids, ratio=4.0)
+    cache = compact(model, tokenizer, context_ids, ratio=4.0, method="streaming_llm")
     assert cache.nbytes() - cache.overhead_nbytes() <= cache.full_nbytes() / 4.0 + 1
     cache.save_pretrained(tmp_path)
     loaded = CompactedCache.load(tmp_path, model=model, tokenizer=tokenizer)

@@ -114,7 +114,7 @@ def test_rejects_batches_and_bad_positions():
 def test_enabled_model_serves_a_compacted_cache_while_recording():
     model = tiny_model("qwen2")
     context, question = token_ids(24), token_ids(6, seed=1)
-    compacted = compact(model, None, context, ratio=3)
+    compacted = compact(model, None, context, ratio=3, method="streaming_llm")
     hf_structkv.enable(model)
     with torch.no_grad():
         expected = model(question, cache=compacted.copy()).logits
