@@ -1,0 +1,109 @@
+"""Plain-torch reference attention over the disjoint partitions of a mixed-precision cache layer (PASK B.5, eq. 15).
+
+A layer's visible keys live in exactly one of: a high-precision store (BF16, or the model dtype), a packed INT4 store
+(codes and FP16 scales per token x KV-head row, dequantised here, inside attention) and the recent region (the
+newest tokens, the current step's included). Each partition yields FP32 softmax statistics; they are merged exactly
+with `merge_partitions`. This defines correctness for the Triton mixed-precision kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..quant.int4 import dequantize_int4
+from .partitions import PartitionStats, merge_partitions, partition_stats
+
+
+@dataclass(frozen=True)
+class DensePartition:
+    """Keys and values held as floating-point tensors.
+
+    Attributes:
+        keys: ``[B, H_kv, n, D]``; values: ``[B, H_kv, n, D_v]``.
+        visible: bool ``[B, q, n]`` (True = the query row sees the entry).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    visible: torch.Tensor
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[1]
+
+    def float_keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys.float(), self.values.float()
+
+
+@dataclass(frozen=True)
+class Int4Partition:
+    """Keys and values held as packed INT4 codes with one FP16 scale per token x KV-head row (`quantize_int4`).
+
+    Attributes:
+        key_codes: uint8 ``[B, H_kv, n, ceil(D/2)]``; key_scales: fp16 ``[B, H_kv, n, 1]``.
+        value_codes / value_scales: the same for values (``D_v``).
+        head_dim / value_dim: ``D`` and ``D_v`` (unpadded).
+        visible: bool ``[B, q, n]``.
+    """
+
+    key_codes: torch.Tensor
+    key_scales: torch.Tensor
+    value_codes: torch.Tensor
+    value_scales: torch.Tensor
+    head_dim: int
+    value_dim: int
+    visible: torch.Tensor
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.key_codes.shape[1]
+
+    def float_keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = dequantize_int4(self.key_codes, self.key_scales, self.head_dim)
+        values = dequantize_int4(self.value_codes, self.value_scales, self.value_dim)
+        return keys, values
+
+
+def _stats(
+    grouped_query: torch.Tensor, part: DensePartition | Int4Partition, scaling: float, softcap: float | None
+) -> PartitionStats:
+    """FP32 statistics of one partition for ``grouped_query`` ``[B, H_kv, g, q, D]``."""
+    keys, values = part.float_keys_values()  # [B, H_kv, n, D], [B, H_kv, n, D_v]
+    scores = (grouped_query @ keys.unsqueeze(2).transpose(-1, -2)) * scaling  # [B, H_kv, g, q, n]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~part.visible[:, None, None], float("-inf"))
+    return partition_stats(scores, values.unsqueeze(2))
+
+
+def mixed_precision_attention(
+    query: torch.Tensor,
+    partitions: list[DensePartition | Int4Partition],
+    scaling: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Softmax attention over disjoint key partitions, merged with shared FP32 statistics (eq. 15).
+
+    Args:
+        query: ``[B, H_q, q, D]`` post-RoPE queries; ``H_q`` a multiple of ``H_kv`` (GQA: query head ``i`` reads KV
+            head ``i // (H_q / H_kv)``; keys are never repeated).
+        partitions: each visible key in exactly one partition; empty partitions (``n = 0``) contribute nothing.
+        scaling: logit scale; softcap: optional tanh soft-capping.
+
+    Returns:
+        ``[B, q, H_q, D_v]`` in ``query.dtype``; a row that sees no key gets zeros.
+    """
+    if not partitions:
+        raise ValueError("partitions must hold at least one partition")
+    batch, n_q_heads, q_len, head_dim = query.shape
+    n_kv_heads = partitions[0].num_kv_heads
+    if any(part.num_kv_heads != n_kv_heads for part in partitions) or n_q_heads % n_kv_heads:
+        raise ValueError(
+            f"{n_q_heads} query heads cannot be grouped over the partitions' KV heads "
+            f"{[part.num_kv_heads for part in partitions]}"
+        )
+    grouped = query.float().view(batch, n_kv_heads, n_q_heads // n_kv_heads, q_len, head_dim)
+    out = merge_partitions([_stats(grouped, part, scaling, softcap) for part in partitions])  # [B, H_kv, g, q, D_v]
+    return out.reshape(batch, n_q_heads, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)

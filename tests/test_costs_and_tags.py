@@ -1,0 +1,65 @@
+"""Layer groups and payload costs (PASK A.2, B.3) and structural-tag vocabulary / fallback chain (B.1)."""
+
+import pytest
+
+from hf_structkv.models import tiny_model
+from hf_structkv.policy.costs import Action, GroupCosts, layer_groups
+from hf_structkv.structure.tags import StructuralTag
+
+
+@pytest.mark.parametrize(
+    ("layers", "bounds"), [(36, (12, 24)), (40, (14, 27)), (32, (11, 22)), (24, (8, 16)), (1, (1, 1)), (2, (1, 2))]
+)
+def test_layer_groups_match_the_papers_ranges(layers, bounds):
+    lower, middle, upper = layer_groups(layers)
+    assert (lower.stop, middle.stop, upper.stop) == (*bounds, layers)
+    assert lower.start == 0 and middle.start == lower.stop and upper.start == middle.stop
+
+
+def test_costs_by_the_formulas_with_odd_padding():
+    costs = GroupCosts.from_dims([2, 2, 1, 4], [64, 64, 5, 3])  # groups [0,2), [2,3), [3,4)
+    assert costs.elements == (2 * 2 * 64 * 2, 2 * 5, 2 * 4 * 3)
+    assert costs.rows == (8, 2, 8) and costs.padding == (0, 2, 8)
+    assert costs.cost(Action.H, 0) == 16 * 512 and costs.cost(Action.R, 1) == 0
+    assert costs.cost(Action.L, 1) == 4 * 10 + 16 * 2 + 4 * 2
+    assert costs.full == 16 * (512 + 10 + 24)
+    assert costs.total((Action.H, Action.L, Action.R)) == 16 * 512 + 80
+    assert costs.group_of_layer(2) == 1
+    with pytest.raises(ValueError, match="outside"):
+        costs.group_of_layer(4)
+
+
+def test_costs_from_a_model_config():
+    model = tiny_model("llama")  # 2 layers, 2 KV heads of 16
+    costs = GroupCosts.from_config(model.config)
+    assert costs.elements == (64, 64, 0) and costs.full == 2048
+
+
+def test_bad_dimensions_are_named():
+    with pytest.raises(ValueError, match="num_layers"):
+        layer_groups(0)
+    with pytest.raises(ValueError, match="kv_heads and head_dims"):
+        GroupCosts.from_dims([2], [4, 4])
+
+
+def test_tag_fallback_chain_and_protection():
+    tag = StructuralTag("schema_bearing", "dispatch_key", "critical", "no_lookahead").validate()
+    assert tag.fallback_keys() == (
+        "schema_bearing|dispatch_key|critical|no_lookahead",
+        "schema_bearing|dispatch_key|critical",
+        "schema_bearing|dispatch_key",
+        "schema_bearing",
+    )
+    assert tag.protects and StructuralTag.from_key(tag.fallback_keys()[0]) == tag
+    assert StructuralTag("pure_scaffold", "scaffold_separator", "boundary", "lookahead_critical").protects
+    assert not StructuralTag("pure_scaffold", "scaffold_separator", "boundary", "no_lookahead").protects
+
+
+def test_tag_vocabulary_is_checked_per_family():
+    StructuralTag("schema_bearing", "projection", "stable", "no_lookahead").validate("sql")
+    with pytest.raises(ValueError, match="state must be one of"):
+        StructuralTag("schema_bearing", "required", "stable", "no_lookahead").validate()
+    with pytest.raises(ValueError, match="family"):
+        StructuralTag("schema_bearing", "required", "boundary", "no_lookahead").validate("yaml")
+    with pytest.raises(ValueError, match="four"):
+        StructuralTag.from_key("a|b")

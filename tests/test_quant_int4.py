@@ -1,0 +1,115 @@
+"""INT4 row quantisation (PASK B.5): brute-force codes, packing layout, error bound, edge rows, bad input."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_structkv.quant import SMALLEST_FP16, dequantize_int4, quantize_int4, unpack_int4
+
+
+def brute_force(row: list[float]) -> tuple[list[int], float]:
+    """One row, element by element: the FP16 scale and the signed codes."""
+    peak = max(abs(x) for x in row)
+    if peak == 0:
+        return [0] * len(row), 1.0
+    scale = max(float(torch.tensor(peak / 7.0, dtype=torch.float32).to(torch.float16)), SMALLEST_FP16)
+    codes = []
+    for x in row:
+        q = x / float(torch.tensor(scale, dtype=torch.float16))
+        r = round(float(torch.tensor(q, dtype=torch.float32)))  # Python's round: half to even, as torch.round
+        codes.append(max(-7, min(7, r)))
+    return codes, scale
+
+
+@pytest.mark.parametrize("d", [1, 2, 7, 16, 33])
+def test_codes_and_scales_equal_brute_force(d):
+    x = torch.randn(5, d) * torch.logspace(-3, 2, 5).unsqueeze(1)
+    codes, scales = quantize_int4(x)
+    assert codes.dtype == torch.uint8 and codes.shape == (5, math.ceil(d / 2))
+    assert scales.dtype == torch.float16 and scales.shape == (5, 1)
+    signed = unpack_int4(codes, d)
+    for i in range(5):
+        want_codes, want_scale = brute_force(x[i].tolist())
+        assert signed[i].tolist() == want_codes
+        assert float(scales[i]) == want_scale
+
+
+def test_packing_layout_low_nibble_first_twos_complement():
+    # scale 1: codes equal the values
+    x = torch.tensor([[7.0, -7.0, 1.0, -1.0, 0.0]])
+    codes, scales = quantize_int4(x)
+    assert float(scales) == 1.0
+    assert codes.tolist() == [[0x97, 0xF1, 0x00]]  # (7 | -7<<4), (1 | -1<<4), (0 | pad 0)
+
+
+def test_zero_rows_get_zero_codes_and_unit_scale():
+    codes, scales = quantize_int4(torch.zeros(2, 3, 5, dtype=torch.bfloat16))
+    assert not codes.any() and bool((scales == 1).all())
+    assert not dequantize_int4(codes, scales, 5).any()
+
+
+def test_round_half_to_even_ties():
+    # peak 7 -> scale 1; 2.5 -> 2, 3.5 -> 4, -0.5 -> 0
+    x = torch.tensor([[7.0, 2.5, 3.5, -0.5]])
+    assert unpack_int4(quantize_int4(x)[0], 4).tolist() == [[7, 2, 4, 0]]
+
+
+def test_tiny_rows_use_the_smallest_fp16_scale():
+    x = torch.tensor([[1e-9, -3e-9]])
+    _, scales = quantize_int4(x)
+    assert float(scales) == SMALLEST_FP16
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(
+        st.lists(st.floats(min_value=-1e4, max_value=1e4, allow_nan=False, width=32), min_size=1, max_size=9),
+        min_size=1,
+        max_size=4,
+    ).filter(lambda rows: len({len(r) for r in rows}) == 1),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+)
+def test_round_trip_codes_exact_and_error_within_half_a_scale(rows, dtype):
+    x = torch.tensor(rows, dtype=torch.float32).to(dtype)
+    d = x.shape[-1]
+    codes, scales = quantize_int4(x)
+    recon = dequantize_int4(codes, scales, d)
+    err = (recon - x.float()).abs()
+    peak = x.float().abs().amax(-1, keepdim=True)
+    # Outside FP16 subnormals the FP16 scale is within 2^-11 of peak / 7, so the peak never saturates by more than
+    # a sliver and every element is within half a step; tiny rows (scale in the subnormals) are tested separately.
+    normal = (peak / 7 >= 2.0**-14).squeeze(-1)
+    assert bool((err[normal] <= scales[normal].float() / 2 * (1 + 1e-5)).all())
+    again, rescales = quantize_int4(recon)
+    assert torch.equal(unpack_int4(again, d)[normal], unpack_int4(codes, d)[normal])
+    assert torch.equal(rescales[normal], scales[normal])
+
+
+def test_subnormal_scales_saturate_within_one_step():
+    x = torch.tensor([[1e-6, -2e-7, 5e-7]])
+    codes, scales = quantize_int4(x)
+    err = (dequantize_int4(codes, scales, 3) - x).abs()
+    # FP16 rounding of a subnormal scale is off by up to half a subnormal step (2^-25); the peak saturates at
+    # code 7 by up to 7 such half steps.
+    assert bool((err <= scales.float() / 2 + 7 * 2.0**-25).all())
+
+
+def test_bad_input_is_named():
+    with pytest.raises(TypeError, match="x must be a floating-point"):
+        quantize_int4(torch.ones(2, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="finite"):
+        quantize_int4(torch.tensor([[float("nan"), 1.0]]))
+    with pytest.raises(ValueError, match="non-empty last dimension"):
+        quantize_int4(torch.ones(2, 0))
+    codes, scales = quantize_int4(torch.ones(2, 4))
+    with pytest.raises(ValueError, match="ceil"):
+        dequantize_int4(codes, scales, 5)
+    with pytest.raises(TypeError, match="uint8"):
+        dequantize_int4(codes.to(torch.int8), scales, 4)
+    with pytest.raises(TypeError, match="fp16"):
+        dequantize_int4(codes, scales.float(), 4)
+    with pytest.raises(ValueError, match="scales must have shape"):
+        dequantize_int4(codes, scales[:1], 4)
