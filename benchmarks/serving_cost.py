@@ -58,7 +58,7 @@ def main() -> None:
     question = question_text(document.questions[0].question, suffix)
     question_ids = tokenizer(question, return_tensors="pt", add_special_tokens=False).input_ids
 
-    full = prefill_context(model, context_ids, chunk_tokens=1024)
+    full = prefill_context(model, context_ids, prefill_chunk_tokens=1024)
     full_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in full.layers)
     rows = [
         {

@@ -61,7 +61,7 @@ def main() -> None:
     context_text, suffix = document_chat_prompt(tokenizer, document.text)
     context_ids = tokenizer(context_text, return_tensors="pt", add_special_tokens=False).input_ids
 
-    full = prefill_context(model, context_ids, chunk_tokens=1024)
+    full = prefill_context(model, context_ids, prefill_chunk_tokens=1024)
     results = [
         {
             "cache": "full",

@@ -61,7 +61,7 @@ def main() -> None:
     print(f"context: SQuAD dev article {document.title!r}, {args.paragraphs} paragraphs, {context_ids.shape[1]} tokens")
 
     start = time.perf_counter()
-    full = prefill_context(model, context_ids, chunk_tokens=1024, progress=True)
+    full = prefill_context(model, context_ids, prefill_chunk_tokens=1024, progress=True)
     full_seconds = time.perf_counter() - start
     start = time.perf_counter()
     compacted = compact(

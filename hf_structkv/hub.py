@@ -291,8 +291,10 @@ def load_compacted_cache(
     return cache
 
 
-def _resolve_folder(path_or_repo_id: str | os.PathLike, revision: str | None, token: str | None) -> Path:
-    """The local folder, else a snapshot of the Hub repository holding only the cache files."""
+def _resolve_folder(
+    path_or_repo_id: str | os.PathLike, revision: str | None, token: str | None, files: tuple[str, ...] = CACHE_FILES
+) -> Path:
+    """The local folder, else a snapshot of the Hub repository holding only ``files`` (by default the cache files)."""
     if Path(path_or_repo_id).is_dir():
         return Path(path_or_repo_id)
     repo_id = str(path_or_repo_id)
@@ -305,18 +307,18 @@ def _resolve_folder(path_or_repo_id: str | os.PathLike, revision: str | None, to
             repo_id,
             revision=revision,
             token=token,
-            allow_patterns=list(CACHE_FILES),
+            allow_patterns=list(files),
             library_name="hf_structkv",
             library_version=__version__,
         )
     )
 
 
-def _read_config(folder: Path) -> dict[str, Any]:
-    """Parse ``config.json`` (a JSON object)."""
-    path = folder / CONFIG_NAME
+def _read_config(folder: Path, name: str = CONFIG_NAME, what: str = "compacted cache") -> dict[str, Any]:
+    """Parse ``folder / name`` (``config.json``; a JSON object) of a saved ``what``."""
+    path = folder / name
     if not path.is_file():
-        raise ValueError(f"{folder} is not a saved compacted cache: {CONFIG_NAME} is missing")
+        raise ValueError(f"{folder} is not a saved {what}: {name} is missing")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -484,12 +486,12 @@ def _check_tensor(name: str, tensor: torch.Tensor, shape: tuple[int | None, ...]
         raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {wanted} from {CONFIG_NAME}")
 
 
-def _check_same_model(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """The model-structure fields of the cache's fingerprint equal the model's; names the first that differs."""
+def _check_same_model(saved: dict[str, Any], current: dict[str, Any], what: str = "cache") -> None:
+    """The model-structure fields of the ``what``'s fingerprint equal the model's; names the first that differs."""
     for field in STRUCTURE_FIELDS:
         if saved[field] != current[field]:
             raise ValueError(
-                f"this cache was built for another model: {field} is {saved[field]!r} in the cache's fingerprint "
+                f"this {what} was built for another model: {field} is {saved[field]!r} in the {what}'s fingerprint "
                 f"but {current[field]!r} in the given model ({current['architecture']})"
             )
 
@@ -544,9 +546,35 @@ def push_compacted_cache(
     Returns:
         The URL of the upload commit.
     """
+    return _upload_folder(
+        lambda folder: _write_cache_folder(cache, folder, repo_id=repo_id),
+        CACHE_FILES,
+        f"Upload compacted KV cache ({cache.original_length}-token context) with hf_structkv",
+        repo_id,
+        private=private,
+        token=token,
+        revision=revision,
+    )
+
+
+def _upload_folder(
+    write: Callable[[Path], Any],
+    files: tuple[str, ...],
+    commit_message: str,
+    repo_id: str,
+    private: bool | None,
+    token: str | None,
+    revision: str | None,
+) -> str:
+    """Write ``files`` into a temporary folder through ``write(folder)`` and upload them to the Hub model repository
+    ``repo_id`` (created if needed; ``private`` applies only then; branch ``revision`` created if given).
+
+    Returns:
+        The URL of the upload commit.
+    """
     api = huggingface_hub.HfApi(token=token)
     with tempfile.TemporaryDirectory(prefix="hf_structkv_push_") as tmp:
-        _write_cache_folder(cache, Path(tmp), repo_id=repo_id)
+        write(Path(tmp))
         api.create_repo(repo_id, private=private, exist_ok=True)
         if revision is not None:
             api.create_branch(repo_id, branch=revision, exist_ok=True)
@@ -554,8 +582,8 @@ def push_compacted_cache(
             repo_id=repo_id,
             folder_path=tmp,
             revision=revision,
-            allow_patterns=list(CACHE_FILES),
-            commit_message=f"Upload compacted KV cache ({cache.original_length}-token context) with hf_structkv",
+            allow_patterns=list(files),
+            commit_message=commit_message,
         )
     return str(commit.commit_url)
 

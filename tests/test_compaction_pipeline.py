@@ -87,6 +87,22 @@ def test_prefill_context_equals_a_manual_prefill(arch):
         assert all(layer.keys.shape == (1, 2, 20, 16) for layer in cache.layers)
 
 
+@pytest.mark.parametrize("prefill_chunk_tokens", [1, 7, 20, 64])
+def test_prefill_in_pieces_equals_one_forward(llama, prefill_chunk_tokens):
+    ids = context_ids(20, seed=2)
+    whole = prefill_context(llama, ids)
+    pieces = prefill_context(llama, ids, prefill_chunk_tokens=prefill_chunk_tokens)
+    for a, b in zip(whole.layers, pieces.layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_prefill_rejects_bad_piece_sizes(llama, bad):
+    with pytest.raises(ValueError, match="prefill_chunk_tokens must be a positive int or None"):
+        prefill_context(llama, context_ids(8), prefill_chunk_tokens=bad)
+
+
 # ---------------------------------------------------------------------------------------------------- compact
 @pytest.mark.parametrize("length, ratio", [(40, 4.0), (41, 3), (37, 2.5), (9, 1)])
 def test_compact_keeps_sinks_and_recent_per_head(llama, length, ratio):
@@ -122,13 +138,25 @@ def test_compact_keeps_at_least_one_entry(llama):
 def test_compact_metadata(llama):
     cache = compact(llama, None, context_ids(16), method="streaming_llm", ratio=2, sink_tokens=3)
     metadata = cache.metadata
-    assert set(metadata) == {"fingerprint", "method", "hyperparameters", "calibration", "compaction_seconds"}
+    assert set(metadata) == {
+        "fingerprint",
+        "method",
+        "hyperparameters",
+        "calibration",
+        "budgets",
+        "chunking",
+        "prefill_chunk_tokens",
+        "compaction_seconds",
+    }
     assert metadata["fingerprint"] == model_fingerprint(llama)
     assert metadata["fingerprint"]["tokenizer_hash"] is None
     assert metadata["method"] == "streaming_llm" and METHODS == tuple(sorted(HEAD_METHODS))
     assert metadata["hyperparameters"] == {"ratio": 2.0, "seed": 0, "sink_tokens": 3}
     assert isinstance(metadata["hyperparameters"]["ratio"], float)
     assert metadata["calibration"] == "none (query-free selection)"
+    assert metadata["budgets"] == {"source": "uniform", "rule": "max(1, floor(chunk_length / ratio)) per KV head"}
+    assert metadata["chunking"] == {"chunk_tokens": None, "document_lengths": [16], "chunk_spans": [[0, 16]]}
+    assert metadata["prefill_chunk_tokens"] == 1024
     assert 0 <= metadata["compaction_seconds"] < 60
 
 
@@ -261,8 +289,13 @@ def test_calibrated_compaction_skips_sliding_layers_and_uses_the_model_scale():
 
 
 def test_calibrated_method_rejects_unknown_query_tier():
-    with pytest.raises(ValueError, match=r"queries must be one of \('repeat',\) for method 'kv_surgeon'"):
-        compact(tiny_model("llama"), WordTokenizer(), context_ids(8), method="kv_surgeon", queries="self_study")
+    match = r"queries must be one of \('repeat', 'self_study'\) for method 'kv_surgeon', got 'ruler'"
+    with pytest.raises(ValueError, match=match):
+        compact(tiny_model("llama"), WordTokenizer(), context_ids(8), method="kv_surgeon", queries="ruler")
+    with pytest.raises(ValueError, match="needs the tokenizer for its calibration prompts"):
+        compact(tiny_model("llama"), None, context_ids(8), method="kv_surgeon")
+    with pytest.raises(TypeError, match="self_study must be a SelfStudy or None"):
+        compact(tiny_model("llama"), WordTokenizer(), context_ids(8), self_study={"answer_tokens": 4})
     with pytest.raises(ValueError, match=r"heldout_fraction must be in \[0, 1\)"):
         compact(tiny_model("llama"), WordTokenizer(), context_ids(8), method="kv_surgeon", heldout_fraction=1.0)
 
@@ -274,3 +307,90 @@ def test_defaults_are_on_policy_kv_surgeon_at_ratio_50():
     assert cache.metadata["calibration"]["on_policy"] is True
     assert cache.metadata["calibration"]["query_cap_per_head"] == 50_000
     assert cache.head_lengths() == [[2, 2], [2, 2]]
+
+
+# ---------------------------------------------------------------------------------------------------- budgets
+class FakeBudgets:
+    """Stands in for ``HeadBudgets``: head h of every layer keeps ``shares[h] * length / ratio`` entries (floored)."""
+
+    def __init__(self, shares=(0.5, 1.5), layers=(0, 1)):
+        self.shares, self.layers, self.calls = shares, layers, []
+
+    def token_budgets(self, ratio, length):
+        self.calls.append((ratio, length))
+        return {layer: [math.floor(share * length / ratio) for share in self.shares] for layer in self.layers}
+
+
+def test_head_budgets_set_each_heads_kept_entries(llama):
+    budgets = FakeBudgets()
+    ids = context_ids(40, seed=5)
+    cache = compact(llama, None, ids, ratio=4, method="streaming_llm", budgets=budgets, sink_tokens=2)
+    assert budgets.calls == [(4, 40)]
+    assert cache.head_lengths() == [[5, 15], [5, 15]]
+    full = prefill_context(llama, ids)
+    for layer, source in zip(cache.layers, full.layers):
+        offsets = layer.prefix_offsets.tolist()
+        for h, kept in enumerate((5, 15)):
+            expected = [0, 1, *range(40 - (kept - 2), 40)]
+            assert torch.equal(layer.prefix_keys[offsets[h] : offsets[h + 1]], source.keys[0, h, expected])
+    assert cache.metadata["budgets"] == {"source": "FakeBudgets", "kept_per_chunk": [{"0": [5, 15], "1": [5, 15]}]}
+
+
+def test_head_budgets_drive_calibrated_methods_and_zero_counts_keep_one_entry():
+    model = tiny_model("qwen2")
+    cache = compact(model, WordTokenizer(), context_ids(40), ratio=8, budgets=FakeBudgets(shares=(0.0, 2.0)))
+    assert cache.head_lengths() == [[1, 10], [1, 10]]
+    assert cache.metadata["budgets"]["kept_per_chunk"] == [{"0": [1, 10], "1": [1, 10]}]
+
+
+def test_budgets_from_a_saved_file_go_through_head_budgets_load(llama, tmp_path, monkeypatch):
+    import sys
+    import types
+
+    loaded = []
+
+    class HeadBudgets:
+        @staticmethod
+        def load(path, model):
+            loaded.append((path, model))
+            budgets = FakeBudgets()
+            budgets.provenance = {"kind": "fake"}
+            return budgets
+
+    monkeypatch.setitem(sys.modules, "hf_structkv.compaction.budgets", types.SimpleNamespace(HeadBudgets=HeadBudgets))
+    path = tmp_path / "budgets"
+    path.mkdir()
+    cache = compact(llama, None, context_ids(40), ratio=4, method="streaming_llm", budgets=str(path))
+    assert loaded == [(str(path), llama)] and cache.head_lengths() == [[5, 15], [5, 15]]
+    record = cache.metadata["budgets"]
+    assert (record["source"], record["path"], record["provenance"]) == ("HeadBudgets.load", str(path), {"kind": "fake"})
+
+
+def test_budgets_from_a_real_head_budgets_file(llama, tmp_path):
+    from hf_structkv.compaction.budgets import HeadBudgets
+
+    HeadBudgets.uniform(llama).save_pretrained(tmp_path / "uniform")
+    ids = context_ids(40)
+    from_file = compact(llama, None, ids, ratio=4, method="streaming_llm", budgets=tmp_path / "uniform")
+    uniform = compact(llama, None, ids, ratio=4, method="streaming_llm")
+    assert from_file.head_lengths() == uniform.head_lengths() == [[10, 10], [10, 10]]
+    assert from_file.metadata["budgets"]["provenance"] == {"kind": "uniform"}
+
+
+class TestBudgetsRejectBadInput:
+    def test_not_a_budget(self, llama):
+        with pytest.raises(TypeError, match=r"budgets must be 'uniform', a HeadBudgets .* got int"):
+            compact(llama, None, context_ids(8), method="streaming_llm", budgets=3)
+
+    def test_missing_file(self, llama, tmp_path):
+        with pytest.raises(ValueError, match="is neither an existing folder nor a Hub repository id"):
+            compact(llama, None, context_ids(8), method="streaming_llm", budgets=str(tmp_path / "nope.json"))
+
+    @pytest.mark.parametrize("budgets", [FakeBudgets(shares=(1.0,)), FakeBudgets(layers=(0,))])
+    def test_budgets_of_another_model(self, llama, budgets):
+        with pytest.raises(ValueError, match="must give 2 counts for global layer .*another model"):
+            compact(llama, None, context_ids(8), method="streaming_llm", budgets=budgets)
+
+    def test_negative_counts(self, llama):
+        with pytest.raises(ValueError, match=r"counts \[-4, 12\]; need ints >= 0"):
+            compact(llama, None, context_ids(8), ratio=1, method="streaming_llm", budgets=FakeBudgets((-0.5, 1.5)))

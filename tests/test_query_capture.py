@@ -9,8 +9,13 @@ import hf_structkv
 from hf_structkv.compaction import compact, prefill_context
 from hf_structkv.compaction.queries import (
     _ACTIVE,
+    Conversation,
+    branch_cache,
+    cap_queries,
     capture_queries,
+    conversation_queries,
     repeat_pass_queries,
+    repetition_conversation,
     subsample_queries,
 )
 from hf_structkv.models import tiny_model
@@ -174,8 +179,12 @@ def test_repeat_pass_continuing_a_context_cache_equals_the_single_pass():
     continued = repeat_pass_queries(model, None, context, instruction_ids=INSTRUCTION, cap=None, context_cache=cached)
     for layer in one_pass:
         torch.testing.assert_close(continued[layer], one_pass[layer], atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="context_cache holds 29 tokens, the context has 12"):
-        repeat_pass_queries(model, None, context, instruction_ids=INSTRUCTION, context_cache=cached)
+    assert cached.get_seq_length() == 12  # the pass ran on a copy
+    again = repeat_pass_queries(model, None, context, instruction_ids=INSTRUCTION, cap=None, context_cache=cached)
+    assert all(torch.equal(again[layer], continued[layer]) for layer in again)
+    longer = prefill_context(model, token_ids(13))
+    with pytest.raises(ValueError, match="context_cache holds 13 tokens, the context has 12"):
+        repeat_pass_queries(model, None, context, instruction_ids=INSTRUCTION, context_cache=longer)
 
 
 def test_repeat_pass_caps_each_kv_head_with_the_seeded_subsample():
@@ -210,3 +219,60 @@ def test_repeat_pass_tokenizes_the_instruction_without_special_tokens():
         assert torch.equal(got[layer], expected[layer])
     with pytest.raises(ValueError, match="tokenizer"):
         repeat_pass_queries(model, None, context)
+
+
+# ---------------------------------------------------------------------------------------------------- conversations
+def test_conversation_queries_are_the_answer_tokens_of_each_conversation_in_order():
+    model = tiny_model("qwen3")
+    context = token_ids(10)
+    first = Conversation("a", torch.tensor([11, 12]), torch.tensor([40, 41, 42]))
+    empty = Conversation("b", torch.tensor([13]), torch.zeros(0, dtype=torch.long))
+    second = Conversation("c", torch.tensor([14, 15, 16]), torch.tensor([50, 51]))
+    got = conversation_queries(model, context, [first, empty, second])
+    one = capture_queries(model, torch.tensor([[*context[0], 11, 12, 40, 41, 42]]), positions=slice(12, None))
+    two = capture_queries(model, torch.tensor([[*context[0], 14, 15, 16, 50, 51]]), positions=slice(13, None))
+    for layer in (0, 1):
+        assert got[layer].shape == (N_KV_HEADS, GROUP * 5, HEAD_DIM)
+        assert torch.equal(got[layer], torch.cat([one[layer], two[layer]], dim=1))
+    cached = conversation_queries(model, context, [first, second], context_cache=prefill_context(model, context))
+    for layer in (0, 1):
+        torch.testing.assert_close(cached[layer], got[layer], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="no conversation has answer tokens"):
+        conversation_queries(model, context, [empty])
+
+
+def test_conversation_continues_a_compacted_cache_without_touching_it():
+    model = tiny_model("llama")
+    context = token_ids(24)
+    compacted = compact(model, None, context, ratio=3, method="streaming_llm")
+    hf_structkv.enable(model)
+    turn = Conversation("q", torch.tensor([7, 8]), torch.tensor([9, 10, 11]))
+    got = conversation_queries(model, context, [turn], context_cache=compacted)
+    expected = capture_queries(
+        model, torch.tensor([[7, 8, 9, 10, 11]]), positions=slice(2, None), cache=compacted.copy()
+    )
+    assert all(torch.equal(got[layer], expected[layer]) for layer in got)
+    assert compacted.get_seq_length() == 24 and branch_cache(compacted).get_seq_length() == 24
+    full = prefill_context(model, context)
+    copied = branch_cache(full)
+    assert copied is not full and torch.equal(copied.layers[0].keys, full.layers[0].keys)
+    assert copied.layers[0].keys.data_ptr() != full.layers[0].keys.data_ptr()
+
+
+def test_repetition_conversation_answers_with_the_text():
+    turn = repetition_conversation(None, token_ids(6), instruction_ids=INSTRUCTION)
+    assert turn.name == "repetition"
+    assert torch.equal(turn.prompt_ids, INSTRUCTION[0]) and torch.equal(turn.answer_ids, token_ids(6)[0])
+    with pytest.raises(ValueError, match=r"Conversation.answer_ids must be a 1-D tensor of token ids"):
+        Conversation("x", torch.tensor([1]), torch.ones(2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"Conversation.prompt_ids must be a 1-D tensor of token ids"):
+        Conversation("x", torch.tensor([1.0]), torch.tensor([1]))
+
+
+def test_cap_queries_subsamples_every_head_with_one_draw():
+    queries = {3: torch.arange(2 * 30 * 2, dtype=torch.float32).reshape(2, 30, 2)}
+    capped = cap_queries(queries, cap=7, seed=5)
+    assert capped[3].shape == (2, 7, 2)
+    for h in range(2):
+        assert torch.equal(capped[3][h], subsample_queries(queries[3][h], cap=7, seed=5))
+    assert cap_queries(queries, cap=None) is queries

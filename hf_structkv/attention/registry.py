@@ -14,8 +14,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..cache.compacted_layers import PREFIX_KWARG
-from .compacted_reference import compacted_attention
+from ..cache.mixed_precision import MIXED_KWARG
+from .backend import compacted_attention_for
 from .masks import structkv_mask
+from .mixed_reference import mixed_precision_attention
 
 ATTENTION_NAME = "hf_structkv"
 
@@ -35,11 +37,23 @@ def structkv_attention(
     Args:
         query: ``[B, H_q, q, D]``; key / value: ``[B, H_kv, n, D]`` as returned by the cache layer's ``update``.
         attention_mask: the mask built by the registered mask function (``None``, boolean or additive 4D).
-        kwargs: the model's attention kwargs; a `CompactedLayer` puts itself under ``"compacted_prefix"``.
+        kwargs: the model's attention kwargs; a `CompactedLayer` puts itself under ``"compacted_prefix"``, a
+            `MixedPrecisionLayer` under ``"mixed_precision_layer"``.
 
     Returns:
         ``([B, q, H_q, D_v], None)``.
     """
+    mixed_layer = kwargs.pop(MIXED_KWARG, None)
+    if mixed_layer is not None:
+        if dropout and module.training:
+            raise ValueError("a mixed-precision cache is for inference: put the model in eval mode (dropout must be 0)")
+        out = mixed_precision_attention(
+            query,
+            mixed_layer.partitions(attention_mask, query.shape[-2]),
+            scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
+            softcap=kwargs.get("softcap"),
+        )
+        return out, None
     prefix_layer = kwargs.pop(PREFIX_KWARG, None)
     if prefix_layer is None:
         return sdpa_attention_forward(
@@ -52,7 +66,7 @@ def structkv_attention(
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("attention sinks (s_aux) are not supported with a compacted cache")
     prefix_keys, prefix_values, prefix_bias, offsets = prefix_layer.read_prefix()
-    out = compacted_attention(
+    out = compacted_attention_for(query)(
         query,
         prefix_keys,
         prefix_values,

@@ -1,20 +1,30 @@
 """Offline compaction: per-head methods (`compact_head`) and the end-to-end `compact(...)` pipeline."""
 
+from .chunks import chunk_spans, context_documents
 from .methods import HEAD_METHODS, CompactedHead, HeadMethod, compact_head, register, relative_loss
-from .pipeline import METHODS, compact, prefill_context
-from .queries import capture_queries, repeat_pass_queries, subsample_queries
+from .pipeline import METHODS, QUERY_TIERS, compact, prefill_context
+from .queries import Conversation, capture_queries, conversation_queries, repeat_pass_queries, subsample_queries
+from .self_study import SelfStudy, self_study_conversations, self_study_queries
 
 __all__ = [
     "HEAD_METHODS",
     "METHODS",
+    "QUERY_TIERS",
     "CompactedHead",
+    "Conversation",
     "HeadMethod",
+    "SelfStudy",
     "capture_queries",
+    "chunk_spans",
     "compact",
+    "context_documents",
+    "conversation_queries",
     "compact_head",
     "prefill_context",
     "register",
     "relative_loss",
     "repeat_pass_queries",
+    "self_study_conversations",
+    "self_study_queries",
     "subsample_queries",
 ]

@@ -2,15 +2,18 @@
 `CompactedCache`.
 
 Query-free methods (StreamingLLM, key norm, random) select from the prefilled cache alone. Calibrated methods
-(KV-Surgeon, LOO, ...) fit each head to calibration queries from the repeat pass (``queries="repeat"``: the queries
-of a second copy of the context, after a "repeat the text" prompt); with ``on_policy=True`` layer ``l`` is fitted to
-the queries it receives when layers ``< l`` are already compacted. A held-out share of the queries, never used for
-fitting, measures each head's relative loss (eq. 4), recorded in the cache's metadata.
+(KV-Surgeon, LOO, ...) fit each head to calibration queries: ``queries="repeat"`` records the queries of a second copy
+of the context after a "repeat the text" prompt; ``queries="self_study"`` adds the answers the model generates about
+the context (`self_study.py`). With ``on_policy=True`` layer ``l`` is fitted to the queries it receives when layers
+``< l`` are already compacted. A held-out share of the queries, never used for fitting, measures each head's relative
+loss (eq. 4), recorded in the cache's metadata. A long context can be compacted chunk by chunk (``chunk_tokens``);
+each KV head's budget is uniform or comes from a head-budget allocation (``budgets``).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -21,43 +24,16 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from ..attention.registry import enable
 from ..cache.compacted import CompactedCache
 from ..hub import model_fingerprint
-from .methods import HEAD_METHODS, compact_head, relative_loss
-from .queries import DEFAULT_CAP, DEFAULT_INSTRUCTION, repeat_pass_queries
+from .chunks import Context, chunk_spans, context_documents
+from .methods import HEAD_METHODS, CompactedHead, compact_head, relative_loss
+from .prefill import prefill_context
+from .queries import DEFAULT_CAP, DEFAULT_INSTRUCTION, Conversation, conversation_queries, repetition_conversation
+from .self_study import SelfStudy, self_study_conversations
+
+__all__ = ["METHODS", "QUERY_TIERS", "compact", "prefill_context"]
 
 METHODS = tuple(sorted(HEAD_METHODS))
-QUERY_TIERS = ("repeat",)
-
-
-def prefill_context(
-    model: PreTrainedModel, context_ids: torch.Tensor, chunk_tokens: int | None = None, progress: bool = False
-) -> DynamicCache:
-    """Run the context ``[1, T]`` through ``model``; returns the filled ``DynamicCache`` (sliding layers stay sliding).
-
-    Args:
-        chunk_tokens: feed the context in chunks of this many tokens (bounded activation memory, a progress bar);
-            ``None`` reads it in one forward.
-        progress: show a tqdm bar over the chunks.
-    """
-    if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
-        raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
-    cache = DynamicCache(config=model.config)
-    ids = context_ids.to(model.device)
-    step = ids.shape[1] if chunk_tokens is None else chunk_tokens
-    with torch.no_grad(), tqdm(total=ids.shape[1], desc="prefill", unit="tok", disable=not progress) as bar:
-        for start in range(0, ids.shape[1], step):
-            model(ids[:, start : start + step], cache=cache, use_cache=True, logits_to_keep=1)
-            bar.update(min(step, ids.shape[1] - start))
-    return cache
-
-
-def _context_ids(tokenizer: PreTrainedTokenizerBase | None, context: str | torch.Tensor) -> torch.Tensor:
-    if isinstance(context, str):
-        if tokenizer is None:
-            raise ValueError("a text context needs its tokenizer; pass tokenizer= or token ids [1, T]")
-        context = tokenizer(context, return_tensors="pt", add_special_tokens=False).input_ids
-    if not isinstance(context, torch.Tensor) or context.dim() != 2 or context.shape[0] != 1 or context.shape[1] == 0:
-        raise ValueError("context must be a non-empty text or a [1, T] tensor of token ids")
-    return context
+QUERY_TIERS = ("repeat", "self_study")
 
 
 def _attention_scalings(model: PreTrainedModel) -> dict[int, float]:
@@ -105,40 +81,160 @@ def _split_queries(queries: torch.Tensor, heldout_fraction: float, cap: int, see
     return queries[:, order[n_heldout:][:cap]], queries[:, order[:n_heldout]]
 
 
+def _budget_source(budgets, model: PreTrainedModel) -> tuple[object | None, dict]:
+    """``budgets`` -> (an object with ``token_budgets(ratio, length)``, or None for uniform; its metadata record).
+
+    A path or Hub id is read by ``HeadBudgets.load(path, model=model)``, which checks that it was computed for
+    ``model``.
+    """
+    if isinstance(budgets, str) and budgets == "uniform":
+        return None, {"source": "uniform", "rule": "max(1, floor(chunk_length / ratio)) per KV head"}
+    if isinstance(budgets, (str, os.PathLike)):
+        from .budgets import HeadBudgets
+
+        source, record = HeadBudgets.load(budgets, model=model), {"source": "HeadBudgets.load", "path": str(budgets)}
+    elif callable(getattr(budgets, "token_budgets", None)):
+        source, record = budgets, {"source": type(budgets).__name__}
+    else:
+        raise TypeError(
+            "budgets must be 'uniform', a HeadBudgets (an object with token_budgets(ratio, length)) or the path of a "
+            f"saved one, got {type(budgets).__name__}"
+        )
+    provenance = getattr(source, "provenance", None)
+    if provenance is not None:
+        record["provenance"] = provenance
+    return source, record
+
+
+def _token_budgets(source, ratio: float, length: int, cache: DynamicCache) -> dict[int, list[int]]:
+    """Kept entries per KV head of every global layer for a chunk of ``length`` tokens, each at least 1.
+
+    Uniform (``source=None``): ``max(1, floor(length / ratio))`` for every head. Otherwise
+    ``source.token_budgets(ratio, length)``, checked against the cache's global layers and KV heads; a count of 0 is
+    raised to 1 (as the uniform rule does), since a head keeps at least one entry.
+    """
+    heads = {i: layer.keys.shape[1] for i, layer in enumerate(cache.layers) if not layer.is_sliding}
+    if source is None:
+        return {i: [max(1, math.floor(length / ratio))] * n for i, n in heads.items()}
+    counts = source.token_budgets(ratio, length)
+    budgets = {}
+    for layer_idx, n_heads in heads.items():
+        layer_counts = counts.get(layer_idx) if isinstance(counts, dict) else None
+        if layer_counts is None or len(layer_counts) != n_heads:
+            raise ValueError(
+                f"budgets.token_budgets({ratio}, {length}) must give {n_heads} counts for global layer {layer_idx}, "
+                f"got {layer_counts!r}: were the budgets computed for another model?"
+            )
+        if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in layer_counts):
+            raise ValueError(f"budgets.token_budgets gave layer {layer_idx} counts {layer_counts!r}; need ints >= 0")
+        budgets[layer_idx] = [max(1, c) for c in layer_counts]
+    return budgets
+
+
+def _calibration_conversations(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    context_ids: torch.Tensor,
+    spans: list[tuple[int, int]],
+    tier: str,
+    config: SelfStudy,
+    seed: int,
+    full_cache: CompactedCache,
+    progress: bool,
+) -> list[list[Conversation]]:
+    """Per chunk: its teacher-forced repetition and, for ``"self_study"``, its generated conversations (generated
+    once, on the full cache, with seed ``seed + chunk index``; with several chunks each prompt quotes its chunk)."""
+    conversations = []
+    bar = tqdm(spans, desc="calibration conversations", disable=not progress or tier != "self_study")
+    for index, (start, end) in enumerate(bar):
+        chunk_ids = context_ids[:, start:end]
+        chunk = [repetition_conversation(tokenizer, chunk_ids)]
+        if tier == "self_study":
+            excerpt = chunk_ids if len(spans) > 1 else None
+            chunk += self_study_conversations(model, tokenizer, full_cache, config, seed + index, excerpt)
+        conversations.append(chunk)
+    return conversations
+
+
+def _in_context(heads: list[CompactedHead], spans: list[tuple[int, int]]) -> CompactedHead:
+    """One KV head's per-chunk compactions (chunk-local positions) as one head: positions shifted by each chunk's
+    start and concatenated in chunk order, with their biases and values."""
+    return CompactedHead(
+        torch.cat([head.indices + start for head, (start, _) in zip(heads, spans, strict=True)]),
+        torch.cat([head.bias for head in heads]),
+        torch.cat([head.values for head in heads]),
+    )
+
+
 def compact(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase | None,
-    context: str | torch.Tensor,
+    context: Context,
     ratio: float = 50.0,
     method: str = "kv_surgeon",
     queries: str = "repeat",
+    budgets="uniform",
+    chunk_tokens: int | None = None,
+    seed: int = 0,
+    progress: bool = False,
     on_policy: bool = True,
     query_cap: int = DEFAULT_CAP,
     heldout_fraction: float = 0.1,
-    seed: int = 0,
-    chunk_tokens: int | None = 1024,
-    progress: bool = False,
+    self_study: SelfStudy | None = None,
+    prefill_chunk_tokens: int | None = 1024,
     **hparams,
 ) -> CompactedCache:
     """Compact ``context`` for ``model`` at compression ``ratio``.
 
-    Every KV head of every global layer keeps ``max(1, floor(T / ratio))`` entries, so the kept keys and values take
-    at most ``1/ratio`` of the context's bytes; sliding-window layers are kept as they are. A calibrated method
-    switches ``model`` to hf_structkv's attention (``enable``), which serves ordinary caches as SDPA does.
+    The context is prefilled once; each chunk (``chunk_tokens``) of every global layer's KV heads is then compacted
+    on its own and the kept entries of the chunks are concatenated in order. With uniform budgets every KV head keeps
+    ``max(1, floor(T_c / ratio))`` entries of a chunk of ``T_c`` tokens, so the kept keys and values take at most
+    ``1/ratio`` of the context's bytes (unless chunks are shorter than ``ratio``). Sliding-window layers are kept as
+    they are. A calibrated method switches ``model`` to hf_structkv's attention (``enable``), which serves ordinary
+    caches as SDPA does.
+
+    Chunks and attention mass: a chunk ``c`` is fitted to its own calibration queries (its repetition and, for
+    self-study, conversations about it) against its own keys only, so the refit multipliers ``w = exp(bias)``
+    (eq. 22) are fitted so that, for each calibration query ``q_i`` of the chunk, the mass the compacted chunk
+    receives equals the full chunk's, ``sum_{j in S_c} w_j exp(z_ij) ~= sum_{j in c} exp(z_ij)`` (``z`` the scaled
+    logits): a least-squares fit with ``w`` in ``[e^-3, e^3]``, not an identity, and only for queries like the
+    calibration ones. Served side by side, each compacted chunk thus keeps its share of the attention next to its
+    neighbours and the question (the seed's Lemma 1). Methods without a refit (query-free ones, a head in the
+    mild-compaction fallback) keep unit multipliers, whose mass is that of the kept entries only.
+
+    The cache's metadata records what reproduces it: the model fingerprint, ``method`` and its hyper-parameters
+    (with ``ratio`` and ``seed``), the calibration (tier, repeat instruction, on-policy, query cap, held-out share,
+    the self-study prompts, lengths and sampling, and the answer tokens of every conversation of every chunk), the
+    budget source (with the per-chunk counts of a non-uniform one), the chunking (``chunk_tokens``, document lengths,
+    chunk spans), ``prefill_chunk_tokens``, the time taken and, for calibrated methods, the held-out relative loss per
+    layer (mean over chunks and KV heads, each measured against its chunk's keys).
 
     Args:
-        tokenizer: tokenizes a text context (as is, no special tokens added) and the repeat prompt; its hash enters
-            the fingerprint.
-        context: text or token ids ``[1, T]``.
+        tokenizer: tokenizes a text context (as is, no special tokens added) and the calibration prompts; its hash
+            enters the fingerprint. Calibrated methods need it.
+        context: a text or token ids ``[1, T]`` (one document), or a list of documents (texts or ``[1, T_i]``
+            tensors, each tokenized on its own and concatenated in order).
         ratio: original length / kept entries per KV head, a finite number >= 1.
         method: one of ``METHODS``.
-        queries: calibration tier for calibrated methods, one of ``QUERY_TIERS``.
-        on_policy: fit layer ``l`` to queries computed with layers ``< l`` already compacted (one forward per layer);
-            ``False`` captures the queries once, from the full cache.
-        query_cap: at most this many fitting queries per KV head (seeded subsample).
-        heldout_fraction: share of the captured queries held out to measure the relative loss.
-        seed: for randomised methods and query sampling.
-        chunk_tokens, progress: see `prefill_context`.
+        queries: calibration tier for calibrated methods, one of ``QUERY_TIERS``: ``"repeat"`` (one teacher-forced
+            repetition per chunk) or ``"self_study"`` (the repetition and four generated conversations per chunk).
+        budgets: ``"uniform"``; a ``HeadBudgets`` (any object with ``token_budgets(ratio, length) -> {global layer:
+            [kept entries per KV head]}``), asked once per chunk; or the folder, file or Hub id of a saved one
+            (``HeadBudgets.load(budgets, model=model)``). A count of 0 is raised to 1.
+        chunk_tokens: compact chunk by chunk, each of at most this many tokens, packing whole consecutive documents
+            (a document longer than ``chunk_tokens`` is cut into near-equal pieces; see `chunk_spans`); ``None``: the
+            whole context is one chunk.
+        seed: for randomised methods, query sampling and self-study generation.
+        progress: show tqdm bars (prefill, conversations, layers).
+        on_policy: fit layer ``l`` to queries computed with layers ``< l`` already compacted (one forward per layer,
+            conversation and chunk); ``False`` captures the queries once, from the full cache. Self-study answers are
+            generated once, from the full cache, and re-run on-policy as fixed token sequences.
+        query_cap: at most this many fitting queries per KV head and chunk (seeded subsample).
+        heldout_fraction: share of each chunk's captured queries held out to measure the relative loss.
+        self_study: lengths and sampling of the self-study conversations (default ``SelfStudy()``: CPU-sized;
+            ``SelfStudy.paper()``: the seed's).
+        prefill_chunk_tokens: read the context in pieces of this many tokens (bounds activation memory; it does not
+            change the cache); see `prefill_context`.
         **hparams: the method's hyper-parameters (e.g. ``sink_tokens=4`` for StreamingLLM, ``pool_factor`` for
             KV-Surgeon).
     """
@@ -149,41 +245,65 @@ def compact(
     rule = HEAD_METHODS[method](**hparams)  # validates the hyper-parameters before the long prefill
     if rule.needs_queries and queries not in QUERY_TIERS:
         raise ValueError(f"queries must be one of {QUERY_TIERS} for method {method!r}, got {queries!r}")
+    if rule.needs_queries and tokenizer is None:
+        raise ValueError(f"method {method!r} needs the tokenizer for its calibration prompts; pass tokenizer=")
     if not 0 <= heldout_fraction < 1:
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction!r}")
-    context_ids = _context_ids(tokenizer, context)
+    if self_study is not None and not isinstance(self_study, SelfStudy):
+        raise TypeError(f"self_study must be a SelfStudy or None, got {type(self_study).__name__}")
+    self_study = SelfStudy() if self_study is None else self_study
+    budget_source, budget_record = _budget_source(budgets, model)
+    context_ids, document_lengths = context_documents(tokenizer, context)
+    spans = chunk_spans(document_lengths, chunk_tokens)
     start = time.perf_counter()
-    cache = prefill_context(model, context_ids, chunk_tokens=chunk_tokens, progress=progress)
-    budget = max(1, math.floor(context_ids.shape[1] / ratio))
+    cache = prefill_context(model, context_ids, prefill_chunk_tokens=prefill_chunk_tokens, progress=progress)
+    chunk_budgets = [_token_budgets(budget_source, ratio, end - begin, cache) for begin, end in spans]
     selection = _Selection.keep_everything(cache)
     scalings = _attention_scalings(model)
-    captured, heldout_losses = None, {}
+    conversations, captured, heldout_losses = None, None, {}
+    if rule.needs_queries:
+        enable(model)
+        conversations = _calibration_conversations(
+            model, tokenizer, context_ids, spans, queries, self_study, seed, selection.build(cache), progress
+        )
     global_layers = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
     for layer_idx in tqdm(global_layers, desc=f"compact ({method})", disable=not progress):
-        layer = cache.layers[layer_idx]
-        fit = heldout = None
-        if rule.needs_queries:
-            if captured is None or on_policy:
-                enable(model)
-                captured = repeat_pass_queries(
-                    model, tokenizer, context_ids, cap=None, context_cache=selection.build(cache)
-                )
-            fit, heldout = _split_queries(captured[layer_idx], heldout_fraction, query_cap, seed)
-        heads = []
-        for h in range(layer.keys.shape[1]):
-            keys, values = layer.keys[0, h], layer.values[0, h]
-            head_queries = None if fit is None else fit[h]
-            scaling = scalings.get(layer_idx)
-            heads.append(compact_head(keys, values, head_queries, budget, method, scaling, seed, **hparams))
-            if heldout is not None and heldout.shape[1] > 0:
-                loss = relative_loss(heads[-1], keys, heldout[h], values, scaling)
-                heldout_losses.setdefault(layer_idx, []).append(loss)
-        selection.set_layer(layer_idx, heads)
+        if rule.needs_queries and (captured is None or on_policy):
+            context_cache = selection.build(cache)
+            captured = [conversation_queries(model, context_ids, chunk, context_cache) for chunk in conversations]
+        layer, scaling = cache.layers[layer_idx], scalings.get(layer_idx)
+        per_chunk = []
+        for index, (begin, end) in enumerate(spans):
+            fit = heldout = None
+            if rule.needs_queries:
+                fit, heldout = _split_queries(captured[index][layer_idx], heldout_fraction, query_cap, seed)
+            heads = []
+            for h in range(layer.keys.shape[1]):
+                keys, values = layer.keys[0, h, begin:end], layer.values[0, h, begin:end]
+                budget = chunk_budgets[index][layer_idx][h]
+                head_queries = None if fit is None else fit[h]
+                heads.append(compact_head(keys, values, head_queries, budget, method, scaling, seed, **hparams))
+                if heldout is not None and heldout.shape[1] > 0:
+                    loss = relative_loss(heads[-1], keys, heldout[h], values, scaling)
+                    heldout_losses.setdefault(layer_idx, []).append(loss)
+            per_chunk.append(heads)
+        selection.set_layer(layer_idx, [_in_context(list(chunk_heads), spans) for chunk_heads in zip(*per_chunk)])
+    if budget_source is not None:
+        budget_record["kept_per_chunk"] = [{str(k): v for k, v in counts.items()} for counts in chunk_budgets]
     metadata = {
         "fingerprint": model_fingerprint(model, tokenizer),
         "method": method,
         "hyperparameters": {"ratio": float(ratio), "seed": seed, **hparams},
-        "calibration": _calibration_description(rule.needs_queries, queries, on_policy, query_cap, heldout_fraction),
+        "calibration": _calibration_description(
+            rule.needs_queries, queries, on_policy, query_cap, heldout_fraction, self_study, conversations
+        ),
+        "budgets": budget_record,
+        "chunking": {
+            "chunk_tokens": chunk_tokens,
+            "document_lengths": document_lengths,
+            "chunk_spans": [list(span) for span in spans],
+        },
+        "prefill_chunk_tokens": prefill_chunk_tokens,
         "compaction_seconds": round(time.perf_counter() - start, 3),
     }
     if heldout_losses:
@@ -191,16 +311,30 @@ def compact(
     return selection.build(cache, metadata=metadata)
 
 
-def _calibration_description(needs_queries: bool, queries: str, on_policy: bool, cap: int, heldout: float):
+def _calibration_description(
+    needs_queries: bool,
+    queries: str,
+    on_policy: bool,
+    cap: int,
+    heldout: float,
+    self_study: SelfStudy,
+    conversations: list[list[Conversation]] | None,
+):
     if not needs_queries:
         return "none (query-free selection)"
-    return {
+    description = {
         "queries": queries,
         "instruction": DEFAULT_INSTRUCTION,
         "on_policy": on_policy,
         "query_cap_per_head": cap,
         "heldout_fraction": heldout,
+        "answer_tokens_per_chunk": [
+            {conversation.name: conversation.answer_ids.numel() for conversation in chunk} for chunk in conversations
+        ],
     }
+    if queries == "self_study":
+        description["self_study"] = {**self_study.describe(), "seed_of_chunk_c": "seed + c"}
+    return description
 
 
 def _quality(heldout_losses: dict[int, list[float]]) -> dict:

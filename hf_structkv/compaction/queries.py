@@ -3,14 +3,19 @@
 `capture_queries` runs one forward with a recording attention function, registered with transformers'
 ``AttentionInterface`` under ``RECORD_NAME`` at call time (never at import). It records ``query`` and delegates to
 the attention the model ran before (so an hf_structkv-enabled model keeps serving its `CompactedCache`); the model's
-attention implementation is restored afterwards, also when the forward raises. `repeat_pass_queries` is the "-fast"
-calibration tier: the queries of the second copy in ``context + instruction + context``, capped per KV head.
+attention implementation is restored afterwards, also when the forward raises.
+
+A calibration `Conversation` is a prompt and an answer that follow the context; its queries are those of the answer
+tokens, teacher-forced (`conversation_queries`). `repeat_pass_queries` is the "-fast" tier: the one conversation
+"repeat the text verbatim" whose answer is the context itself (the second copy in ``context + instruction +
+context``), capped per KV head. The self-study tier adds generated conversations (`self_study.py`).
 """
 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable
+import copy
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +23,19 @@ from transformers import AttentionInterface, PreTrainedModel, PreTrainedTokenize
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-__all__ = ["RECORD_NAME", "capture_queries", "repeat_pass_queries", "subsample_queries"]
+from ..cache.compacted import CompactedCache
+
+__all__ = [
+    "RECORD_NAME",
+    "Conversation",
+    "branch_cache",
+    "cap_queries",
+    "capture_queries",
+    "conversation_queries",
+    "repeat_pass_queries",
+    "repetition_conversation",
+    "subsample_queries",
+]
 
 RECORD_NAME = "hf_structkv_record"
 DEFAULT_CAP = 50_000
@@ -136,15 +153,104 @@ def subsample_queries(queries: torch.Tensor, cap: int = DEFAULT_CAP, seed: int =
     return queries[kept.to(queries.device)]
 
 
+def cap_queries(queries: dict[int, torch.Tensor], cap: int | None, seed: int = 0) -> dict[int, torch.Tensor]:
+    """``{layer: [H_kv, N, D]}`` -> ``{layer: [H_kv, min(N, cap), D]}`` by `subsample_queries` per KV head (the same
+    draw for every head); ``cap=None`` returns ``queries`` as they are."""
+    if cap is None:
+        return queries
+    return {
+        layer: torch.stack([subsample_queries(head, cap, seed) for head in per_head])
+        for layer, per_head in queries.items()
+    }
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A calibration turn that follows the context: ``prompt_ids [P]`` then ``answer_ids [A]`` (1-D LongTensors).
+
+    Its calibration queries are those of the answer tokens. ``name`` says which conversation it is (``repetition``,
+    ``summary``, ...).
+    """
+
+    name: str
+    prompt_ids: torch.Tensor
+    answer_ids: torch.Tensor
+
+    def __post_init__(self):
+        for field_name in ("prompt_ids", "answer_ids"):
+            ids = getattr(self, field_name)
+            if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point():
+                raise ValueError(f"Conversation.{field_name} must be a 1-D tensor of token ids, got {ids!r}")
+
+
 def _instruction_ids(
     tokenizer: PreTrainedTokenizerBase | None, instruction: str, instruction_ids: torch.Tensor | None
 ) -> torch.Tensor:
-    """The instruction prompt as ids ``[1, P]``: ``instruction_ids`` if given, else ``instruction`` tokenized as is."""
+    """The instruction prompt as ids ``[P]``: ``instruction_ids`` if given, else ``instruction`` tokenized as is."""
     if instruction_ids is not None:
-        return instruction_ids.reshape(1, -1)
+        return instruction_ids.reshape(-1)
     if tokenizer is None:
-        raise ValueError("repeat_pass_queries needs a tokenizer, or the prompt as instruction_ids [1, P]")
-    return tokenizer(instruction, return_tensors="pt", add_special_tokens=False).input_ids
+        raise ValueError("the repeat prompt needs a tokenizer, or the prompt as instruction_ids [1, P]")
+    return tokenizer(instruction, return_tensors="pt", add_special_tokens=False).input_ids.reshape(-1)
+
+
+def repetition_conversation(
+    tokenizer: PreTrainedTokenizerBase | None,
+    text_ids: torch.Tensor,
+    instruction: str = DEFAULT_INSTRUCTION,
+    instruction_ids: torch.Tensor | None = None,
+) -> Conversation:
+    """The teacher-forced verbatim repetition: prompt ``instruction``, answer ``text_ids`` (``[1, T]`` or ``[T]``,
+    the context or one chunk of it)."""
+    return Conversation("repetition", _instruction_ids(tokenizer, instruction, instruction_ids), text_ids.reshape(-1))
+
+
+def branch_cache(cache):
+    """A copy of a context cache to continue without touching it: `CompactedCache.copy` (shares the context tensors;
+    the cache must hold nothing appended), else ``copy.deepcopy`` (transformers' documented way to reuse a prompt
+    cache)."""
+    return cache.copy() if isinstance(cache, CompactedCache) else copy.deepcopy(cache)
+
+
+def conversation_queries(
+    model: PreTrainedModel,
+    context_ids: torch.Tensor,
+    conversations: Sequence[Conversation],
+    context_cache=None,
+) -> dict[int, torch.Tensor]:
+    """Queries of the answer tokens of each conversation after the context, teacher-forced, one forward each.
+
+    Args:
+        context_ids: ``[1, T]``.
+        conversations: each runs as ``context + prompt + answer``; those with an empty answer add nothing.
+        context_cache: a cache holding exactly the context (e.g. a `CompactedCache` whose earlier layers are
+            compacted, for on-policy calibration); each conversation then continues a `branch_cache` copy of it
+            and the given cache is left as it is. ``None`` runs the context in every conversation's forward.
+
+    Returns:
+        ``{layer_idx: [H_kv, g * A, D]}`` for each global layer, ``A`` = total answer tokens: the captures of the
+        conversations concatenated in order, each grouped per KV head as in `capture_queries`.
+    """
+    if context_ids.dim() != 2 or context_ids.shape[0] != 1 or context_ids.shape[1] == 0:
+        raise ValueError(f"context_ids must be [1, T] with T > 0, got shape {tuple(context_ids.shape)}")
+    if context_cache is not None and context_cache.get_seq_length() != context_ids.shape[1]:
+        raise ValueError(
+            f"context_cache holds {context_cache.get_seq_length()} tokens, the context has {context_ids.shape[1]}"
+        )
+    captures = []
+    for conversation in conversations:
+        if conversation.answer_ids.numel() == 0:
+            continue
+        turn = torch.cat([conversation.prompt_ids, conversation.answer_ids]).to(context_ids)[None]
+        if context_cache is None:
+            sequence, cache, prefix = torch.cat([context_ids, turn], dim=1), None, context_ids.shape[1]
+        else:
+            sequence, cache, prefix = turn, branch_cache(context_cache), 0
+        answer = slice(prefix + conversation.prompt_ids.numel(), None)
+        captures.append(capture_queries(model, sequence, positions=answer, cache=cache))
+    if not captures:
+        raise ValueError("no conversation has answer tokens, so there are no calibration queries")
+    return {layer: torch.cat([capture[layer] for capture in captures], dim=1) for layer in captures[0]}
 
 
 def repeat_pass_queries(
@@ -165,29 +271,11 @@ def repeat_pass_queries(
             ``None`` keeps them all.
         instruction_ids: ``[1, P]`` or ``[P]``; replaces ``instruction`` (then ``tokenizer`` may be ``None``).
         context_cache: a cache already holding the first copy of the context (e.g. a `CompactedCache` whose earlier
-            layers are compacted, for on-policy calibration); only ``prompt + context`` is then run, continuing it
-            in place (pass a copy to keep it).
+            layers are compacted, for on-policy calibration); only ``prompt + context`` is then run, on a copy
+            (`branch_cache`): the given cache is left as it is.
 
     Returns:
         ``{layer_idx: [H_kv, min(g * T, cap), D]}`` for each global layer.
     """
-    if context_ids.dim() != 2 or context_ids.shape[0] != 1 or context_ids.shape[1] == 0:
-        raise ValueError(f"context_ids must be [1, T] with T > 0, got shape {tuple(context_ids.shape)}")
-    prompt = _instruction_ids(tokenizer, instruction, instruction_ids).to(context_ids)
-    if context_cache is None:
-        sequence = torch.cat([context_ids, prompt, context_ids], dim=1)
-        second_copy = slice(context_ids.shape[1] + prompt.shape[1], None)
-    else:
-        if context_cache.get_seq_length() != context_ids.shape[1]:
-            raise ValueError(
-                f"context_cache holds {context_cache.get_seq_length()} tokens, the context has {context_ids.shape[1]}"
-            )
-        sequence = torch.cat([prompt, context_ids], dim=1)
-        second_copy = slice(prompt.shape[1], None)
-    queries = capture_queries(model, sequence, positions=second_copy, cache=context_cache)
-    if cap is None:
-        return queries
-    return {
-        layer: torch.stack([subsample_queries(head, cap, seed) for head in per_head])
-        for layer, per_head in queries.items()
-    }
+    conversation = repetition_conversation(tokenizer, context_ids, instruction, instruction_ids)
+    return cap_queries(conversation_queries(model, context_ids, [conversation], context_cache), cap, seed)

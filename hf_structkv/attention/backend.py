@@ -1,0 +1,86 @@
+"""Which implementation serves attention over a compacted or mixed-precision cache: Triton kernels or torch references.
+
+``HF_STRUCTKV_ATTENTION_BACKEND`` = ``auto`` (default: Triton for CUDA tensors when triton imports, torch otherwise),
+``torch`` or ``triton`` (CPU tensors then need the Triton interpreter, ``TRITON_INTERPRET=1`` set before triton is
+imported). triton is imported only when it may be used, never at ``import hf_structkv``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+
+import torch
+
+from .compacted_reference import compacted_attention
+from .mixed_reference import mixed_precision_attention
+
+BACKEND_ENV = "HF_STRUCTKV_ATTENTION_BACKEND"
+BACKENDS = ("auto", "torch", "triton")
+
+
+@functools.cache
+def _triton_imports() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _triton_interpreter_on() -> bool:
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
+
+
+def choose_backend(tensor: torch.Tensor) -> str:
+    """``"triton"`` or ``"torch"`` for attention over ``tensor``'s device, following ``HF_STRUCTKV_ATTENTION_BACKEND``.
+
+    Raises:
+        ValueError: the variable holds another name, or ``triton`` is forced for CPU tensors without
+            ``TRITON_INTERPRET=1``.
+        ImportError: ``triton`` is forced but cannot be imported.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    setting = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if setting not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={setting!r} is not one of {', '.join(BACKENDS)}")
+    if setting == "torch":
+        return "torch"
+    if setting == "auto":
+        return "triton" if tensor.is_cuda and _triton_imports() else "torch"
+    if not _triton_imports():
+        raise ImportError(
+            f"{BACKEND_ENV}=triton but triton cannot be imported: pip install 'hf-structkv[triton]', or unset it"
+        )
+    if not tensor.is_cuda and not _triton_interpreter_on():
+        raise ValueError(
+            f"{BACKEND_ENV}=triton with {tensor.device} tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
+            "before triton is imported (or choose torch / auto)"
+        )
+    return "triton"
+
+
+def compacted_attention_for(tensor: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """The compacted attention function for ``tensor`` (``choose_backend``): the Triton kernel wrapper
+    ``triton_ops.biased_attention.triton_compacted_attention`` or the torch reference ``compacted_attention``;
+    both take the same arguments."""
+    if choose_backend(tensor) == "torch":
+        return compacted_attention
+    from triton_ops.biased_attention import triton_compacted_attention
+
+    return triton_compacted_attention
+
+
+def mixed_precision_attention_for(tensor: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """The mixed-precision attention function for ``tensor`` (``choose_backend``): the Triton kernel wrapper
+    ``triton_ops.mixed_attention.triton_mixed_precision_attention`` or the torch reference
+    ``mixed_precision_attention``; both take the same arguments."""
+    if choose_backend(tensor) == "torch":
+        return mixed_precision_attention
+    from triton_ops.mixed_attention import triton_mixed_precision_attention
+
+    return triton_mixed_precision_attention

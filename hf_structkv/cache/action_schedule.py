@@ -1,0 +1,149 @@
+"""`ActionSchedule`: which retention action (R / L / H) each cached token gets in each layer group.
+
+Prompt tokens take the prefill plan (default: all ``H``). Generated tokens take what the per-sequence
+`PolicyController` decides from the structural tag that the `StructuralLogitsProcessor` resolved for them. A tag is
+known only after the token's own forward pass (the processor sees the token when it scores the next one), so the
+schedule is computed lazily, in token order, when a layer asks for the actions of tokens leaving its recent window.
+Sink tokens (the first ``sink_tokens`` positions) are always ``H``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ..policy.costs import Action, GroupCosts
+
+
+class ActionSchedule:
+    """Per-sequence actions of the cached tokens, shared by every layer of one `StructuredMixedPrecisionCache`.
+
+    State that changes: `begin` (first forward: batch size), `actions` (steps the controllers over newly tagged
+    tokens), `crop` (rolls controllers and actions back), the batch-row operations.
+
+    Args:
+        policy: the frozen `PolicyTable` (tags -> actions, floors, priorities, budget, sink and window).
+        costs: the model's `GroupCosts`.
+        processor: the `StructuralLogitsProcessor` used in the same ``generate`` call, or ``None`` (then every
+            generated token is unresolved and gets the policy's protection for unresolved tokens).
+        prefill_plan: optional int tensor ``[B, P, 3]`` of `Action` values for the ``P`` prompt tokens per layer
+            group (the prefill companion's plan); prompt tokens beyond it, and all when ``None``, are ``H``.
+    """
+
+    def __init__(self, policy, costs: GroupCosts, processor=None, prefill_plan: torch.Tensor | None = None):
+        from ..policy.controller import PolicyController
+
+        if prefill_plan is not None:
+            if not isinstance(prefill_plan, torch.Tensor) or prefill_plan.dim() != 3 or prefill_plan.shape[-1] != 3:
+                raise ValueError("prefill_plan must be an int tensor [batch, prompt_tokens, 3] of Action values")
+            if prefill_plan.numel() and not bool(((prefill_plan >= 0) & (prefill_plan <= 2)).all()):
+                raise ValueError("prefill_plan holds values outside Action (R=0, L=1, H=2)")
+        self.policy = policy
+        self.costs = costs
+        self.processor = processor
+        self.prefill_plan = None if prefill_plan is None else prefill_plan.to(torch.int64).cpu()
+        self._controller_class = PolicyController
+        self.controllers: list = []
+        self.first_length = 0
+        self.decided: list[list[tuple[Action, Action, Action] | None]] = []
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.controllers)
+
+    def begin(self, batch_size: int, first_length: int) -> None:
+        """Create one controller per sequence at the first forward (``first_length`` tokens: the prompt when the
+        cache starts empty); a no-op afterwards."""
+        if self.controllers:
+            if batch_size != self.batch_size:
+                raise ValueError(f"the cache was started with batch size {self.batch_size}, got {batch_size}")
+            return
+        if self.prefill_plan is not None and self.prefill_plan.shape[0] != batch_size:
+            raise ValueError(f"prefill_plan has {self.prefill_plan.shape[0]} rows for a batch of {batch_size}")
+        self.first_length = first_length
+        self.controllers = [self._controller_class(self.policy, self.costs) for _ in range(batch_size)]
+        self.decided = [[] for _ in range(batch_size)]
+
+    def _prompt_length(self) -> int | None:
+        if self.processor is None:
+            return 0 if self.prefill_plan is None else self.prefill_plan.shape[1]
+        return getattr(self.processor, "prompt_length", None)
+
+    def _decide_generated(self, row: int, index: int) -> tuple[Action, Action, Action]:
+        """Actions of generated token ``index`` of ``row``, stepping the controller up to it in order."""
+        decided = self.decided[row]
+        if index >= len(decided):
+            tags = None if self.processor is None else self.processor.tags(row)
+            for i in range(len(decided), index + 1):
+                if tags is None:
+                    candidates = ()
+                elif i < len(tags):
+                    candidates = tags[i]
+                else:
+                    raise _untagged(f"generated token {i} of sequence {row}")
+                decided.append(self.controllers[row].step(candidates))
+        actions = decided[index]
+        return (Action.R, Action.R, Action.R) if actions is None else actions
+
+    def actions(self, start: int, count: int, group: int) -> torch.Tensor:
+        """Actions ``[B, count]`` (int64 `Action` values) of positions ``start .. start + count - 1`` in ``group``."""
+        result = torch.full((self.batch_size, count), int(Action.H), dtype=torch.int64)
+        stop = start + count
+        if self.prefill_plan is not None:
+            planned_stop = min(stop, self.prefill_plan.shape[1])
+            if planned_stop > start:
+                result[:, : planned_stop - start] = self.prefill_plan[:, start:planned_stop, group]
+        prompt_length = self._prompt_length()
+        if prompt_length is None and stop > self.first_length:
+            raise _untagged(f"position {stop - 1}")
+        if prompt_length is not None:
+            for position in range(max(start, prompt_length), stop):
+                for row in range(self.batch_size):
+                    result[row, position - start] = int(self._decide_generated(row, position - prompt_length)[group])
+        sink_stop = min(stop, self.policy.sink_tokens)
+        if sink_stop > start:
+            result[:, : sink_stop - start] = int(Action.H)
+        return result
+
+    def crop(self, length: int) -> None:
+        """Forget the decisions of positions ``>= length``: controllers return to their state before them."""
+        prompt_length = self._prompt_length() or 0
+        keep = max(0, length - prompt_length)
+        for row, controller in enumerate(self.controllers):
+            if len(self.decided[row]) > keep:
+                controller.rollback(keep)
+                del self.decided[row][keep:]
+
+    def select_rows(self, indices: torch.Tensor) -> None:
+        """Batch row ``i`` becomes old row ``indices[i]`` (beam reordering, repetition, selection)."""
+        rows = indices.tolist()
+        self.controllers = [copy.deepcopy(self.controllers[i]) for i in rows]
+        self.decided = [list(self.decided[i]) for i in rows]
+        if self.prefill_plan is not None:
+            self.prefill_plan = self.prefill_plan[indices.cpu()]
+
+    def scheduled_bits(self, num_tokens: int) -> float:
+        """The ledger's payload over the first ``num_tokens`` positions of every sequence, in bits: prompt tokens
+        at their planned cost, generated tokens at their controller's charges (stop tokens free); tokens whose
+        tags are available are scheduled first."""
+        prompt_length = min(self._prompt_length() or 0, num_tokens)
+        total = 0.0
+        for group in range(3):
+            planned = self.actions(0, prompt_length, group)  # [B, P]
+            values, counts = planned.unique(return_counts=True)
+            total += sum(self.costs.cost(Action(int(a)), group) * int(n) for a, n in zip(values, counts))
+        for row in range(self.batch_size):
+            generated = num_tokens - prompt_length
+            available = generated if self.processor is None else min(generated, len(self.processor.tags(row)))
+            for index in range(available):
+                self._decide_generated(row, index)
+            total += self.controllers[row].scheduled_bits
+        return total
+
+
+def _untagged(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"{what} leaves the recent window before the structural processor has tagged it: pass the cache's "
+        "processor in logits_processor of the same generate call (and a policy window >= 1)"
+    )

@@ -1,0 +1,317 @@
+"""`StructuredMixedPrecisionCache`: PASK's cache — each token's K/V kept high precision, packed INT4, or released per
+layer group, decided by a frozen `PolicyTable` from the token's structural tag (PASK §3.5, B.2–B.7).
+
+Layout of a global-attention layer (`MixedPrecisionLayer`), for a batch of ``B`` sequences with ``H_kv`` KV heads:
+
+* recent region ``keys`` / ``values`` ``[B, H_kv, r, D]``: the newest tokens (slots ``first_recent .. seen - 1``,
+  the current step's included), in the model's dtype;
+* high store: ``keys``, ``values`` ``[B, H_kv, n_H, D]`` in the model's dtype, with a slot map ``[B, n_H]``;
+* low store: ``key_codes`` / ``value_codes`` uint8 ``[B, H_kv, n_L, ceil(D/2)]`` and ``key_scales`` /
+  ``value_scales`` fp16 ``[B, H_kv, n_L, 1]`` (`quantize_int4`), with a slot map ``[B, n_L]``.
+
+Released tokens are stored nowhere. A token stays in the recent region until it is more than ``window`` tokens old;
+its scheduled action is applied at the beginning of the next ``update`` (the commit point: a ``crop`` between a
+speculative forward and the next one never has to restore destroyed precision). Every visible key is in exactly
+one place; attention merges the three partitions with shared FP32 statistics (`mixed_precision_attention`).
+The attention mask keeps transformers' layout (one column per slot, ``get_mask_sizes = (seen + q, 0)``); each
+partition reads the columns of its slots, so padding and absolute positions survive gaps.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+
+from ..attention.mixed_reference import DensePartition, Int4Partition
+from ..policy.costs import Action, GroupCosts
+from ..quant.int4 import quantize_int4
+from .action_schedule import ActionSchedule
+from .slot_store import SlotStore
+
+MIXED_KWARG = "mixed_precision_layer"
+
+
+def _visibility(mask: torch.Tensor | None, batch: int, q_len: int, seen: int, device: torch.device) -> torch.Tensor:
+    """Bool ``[B, q, seen]``: which slots each query row sees (``None`` = causal over the current ``q`` tokens)."""
+    if mask is None:
+        slots = torch.arange(seen, device=device)
+        rows = torch.arange(q_len, device=device).unsqueeze(-1) + (seen - q_len)
+        return (slots <= rows).expand(batch, q_len, seen)
+    if mask.shape[-1] != seen:
+        raise ValueError(f"the attention mask covers {mask.shape[-1]} slots, the cache layer holds {seen}")
+    visible = mask if mask.dtype == torch.bool else mask > float("-inf")
+    return visible[:, 0].expand(batch, q_len, seen)
+
+
+def _gather_visibility(visible: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``visible`` ``[B, q, seen]`` read at ``positions`` ``[B, n]`` (``-1`` = empty slot -> invisible)."""
+    index = positions.clamp_min(0).unsqueeze(1).expand(-1, visible.shape[1], -1)
+    return visible.gather(-1, index) & (positions >= 0).unsqueeze(1)
+
+
+class MixedPrecisionLayer(CacheLayerMixin):
+    """A global-attention layer of a `StructuredMixedPrecisionCache` (layout in the module docstring).
+
+    Args:
+        group: the layer group (0 lower, 1 middle, 2 upper) whose actions this layer applies.
+        schedule: the cache's shared `ActionSchedule`.
+        window: tokens kept in the recent region at full precision before their action applies (>= 1).
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, group: int, schedule: ActionSchedule, window: int):
+        super().__init__()
+        self.group = group
+        self.schedule = schedule
+        self.window = window
+        self.first_recent = 0
+        self.high = SlotStore()
+        self.low = SlotStore()
+
+    # ------------------------------------------------------------------ transformers' layer API
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states[..., :0, :]
+        self.values = value_states[..., :0, :]
+        self.is_initialized = True
+        self.schedule.begin(key_states.shape[0], key_states.shape[-2])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs: dict | None = None, **_):
+        """Commit the actions of tokens that left the recent window, then append ``[B, H_kv, q, D]`` states.
+
+        Puts this layer into ``kwargs["mixed_precision_layer"]`` for the registered attention function.
+
+        Returns:
+            The recent region ``[B, H_kv, r, D]`` (the stores reach attention through the kwargs).
+        """
+        if kwargs is None:
+            raise RuntimeError(
+                "this model's attention calls cache.update(...) without its attention kwargs; "
+                "StructuredMixedPrecisionCache supports models whose attention passes `kwargs=kwargs` to the cache"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.commit()
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        kwargs[MIXED_KWARG] = self
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.first_recent + (0 if self.keys is None else self.keys.shape[-2])
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    # ------------------------------------------------------------------ storage
+    def commit(self) -> None:
+        """Apply the scheduled action of every recent token older than ``window``: keep (high store), quantise
+        (low store) or release. Never undone."""
+        leaving = self.keys.shape[-2] - self.window
+        if leaving <= 0:
+            return
+        actions = self.schedule.actions(self.first_recent, leaving, self.group).to(self.keys.device)  # [B, k]
+        positions = torch.arange(self.first_recent, self.first_recent + leaving, device=self.keys.device)
+        old_keys, old_values = self.keys[..., :leaving, :], self.values[..., :leaving, :]
+        self.high.append({"keys": old_keys, "values": old_values}, positions, actions == Action.H)
+        if bool((actions == Action.L).any()):
+            key_codes, key_scales = quantize_int4(old_keys)
+            value_codes, value_scales = quantize_int4(old_values)
+            fields = {
+                "key_codes": key_codes,
+                "key_scales": key_scales,
+                "value_codes": value_codes,
+                "value_scales": value_scales,
+            }
+            self.low.append(fields, positions, actions == Action.L)
+        self.keys, self.values = self.keys[..., leaving:, :], self.values[..., leaving:, :]
+        self.first_recent += leaving
+
+    def partitions(self, attention_mask: torch.Tensor | None, q_len: int) -> list[DensePartition | Int4Partition]:
+        """The high store, the low store and the recent region, each with its bool visibility ``[B, q, n]``."""
+        batch, seen = self.keys.shape[0], self.get_seq_length()
+        visible = _visibility(attention_mask, batch, q_len, seen, self.keys.device)
+        parts: list[DensePartition | Int4Partition] = []
+        if self.high.num_entries():
+            fields, positions = self.high.view()
+            parts.append(DensePartition(fields["keys"], fields["values"], _gather_visibility(visible, positions)))
+        if self.low.num_entries():
+            fields, positions = self.low.view()
+            parts.append(
+                Int4Partition(
+                    fields["key_codes"],
+                    fields["key_scales"],
+                    fields["value_codes"],
+                    fields["value_scales"],
+                    self.keys.shape[-1],
+                    self.values.shape[-1],
+                    _gather_visibility(visible, positions),
+                )
+            )
+        parts.append(DensePartition(self.keys, self.values, visible[..., self.first_recent :]))
+        return parts
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` slots (a negative value removes that many from the end). Tokens already
+        quantised or released stay so: only accounting and not-yet-committed tokens are restored."""
+        seen = self.get_seq_length()
+        length = seen + max_length if max_length < 0 else min(max_length, seen)
+        self.high.crop(length)
+        self.low.crop(length)
+        if length >= self.first_recent:
+            keep = length - self.first_recent
+            self.keys, self.values = self.keys[..., :keep, :], self.values[..., :keep, :]
+        else:
+            self.keys, self.values = self.keys[..., :0, :], self.values[..., :0, :]
+            self.first_recent = length
+
+    def select_rows(self, indices: torch.Tensor) -> None:
+        """Batch row ``i`` becomes old row ``indices[i]``."""
+        if not self.is_initialized:
+            return
+        indices = indices.to(self.keys.device)
+        self.keys, self.values = self.keys.index_select(0, indices), self.values.index_select(0, indices)
+        self.high.select_rows(indices)
+        self.low.select_rows(indices)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self.select_rows(torch.arange(self.keys.shape[0], device=self.keys.device).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.select_rows(torch.arange(self.keys.shape[0], device=self.keys.device)[indices])
+
+    def reset(self) -> None:
+        self.__init__(self.group, self.schedule, self.window)
+
+    def nbytes(self) -> int:
+        """Allocated bytes: recent region, both stores with their scales and slot maps (padding included)."""
+        recent = 0 if self.keys is None else sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+        return recent + self.high.nbytes() + self.low.nbytes()
+
+    def full_nbytes(self) -> int:
+        """Bytes of the same slots in a ``DynamicLayer`` of the model's dtype."""
+        if self.keys is None:
+            return 0
+        batch, heads, _, head_dim = self.keys.shape
+        per_slot = heads * (head_dim + self.values.shape[-1]) * self.keys.element_size()
+        return batch * self.get_seq_length() * per_slot
+
+
+class StructuredMixedPrecisionCache(Cache):
+    """A transformers ``Cache`` for constrained decoding whose global layers keep each token's K/V in BF16 (the
+    model's dtype), packed INT4 or nowhere, by layer group, as a frozen `PolicyTable` and its `PolicyController`
+    decide from the structural tags of a `StructuralLogitsProcessor`.
+
+    Use the same processor in ``generate``::
+
+        proc = StructuralLogitsProcessor(tokenizer, tools=tools)
+        cache = StructuredMixedPrecisionCache(model, policy, processor=proc)
+        model.generate(**inputs, logits_processor=[proc], past_key_values=cache)
+
+    The model must run hf_structkv's attention (``hf_structkv.enable(model)``; the constructor does it when given
+    a model). Sliding-window layers keep transformers' own sliding layer. One cache serves one ``generate`` call.
+
+    Args:
+        model: the model (or its config: then enable the model yourself).
+        policy: a `PolicyTable` built for this model's layer and head dimensions.
+        processor: the `StructuralLogitsProcessor` of the same generation (``None``: every generated token is
+            unresolved, i.e. fully protected by the policy).
+        prefill_plan: optional actions for the prompt tokens, int ``[B, P, 3]`` (see `ActionSchedule`).
+    """
+
+    def __init__(self, model, policy, processor=None, prefill_plan: torch.Tensor | None = None):
+        from ..attention.registry import enable
+
+        config = model if isinstance(model, PretrainedConfig) else getattr(model, "config", None)
+        if not isinstance(config, PretrainedConfig):
+            raise TypeError(f"model must be a transformers model or its config, got {type(model).__name__}")
+        if not isinstance(model, PretrainedConfig):
+            enable(model)
+        text_config = config.get_text_config()
+        self.costs = GroupCosts.from_config(text_config)
+        if policy.costs != self.costs:
+            raise ValueError(
+                f"the policy was built for layer groups / head dimensions {policy.costs}, the model has {self.costs}: "
+                "use a PolicyTable calibrated for this model (or PolicyTable.all_high(model.config))"
+            )
+        if processor is not None and not callable(getattr(processor, "tags", None)):
+            raise TypeError(
+                "processor must be the StructuralLogitsProcessor passed to generate (it provides tags(seq)), "
+                f"got {type(processor).__name__}"
+            )
+        self.policy = policy
+        self.processor = processor
+        self.schedule = ActionSchedule(policy, self.costs, processor, prefill_plan)
+        layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers
+        layers = []
+        for idx, layer_type in enumerate(layer_types):
+            if layer_type in ("sliding_attention", "chunked_attention"):
+                layers.append(DynamicSlidingWindowLayer(sliding_window=text_config.sliding_window))
+            else:
+                layers.append(MixedPrecisionLayer(self.costs.group_of_layer(idx), self.schedule, policy.window))
+        super().__init__(layers=layers)
+
+    def mixed_layers(self) -> list[MixedPrecisionLayer]:
+        return [layer for layer in self.layers if isinstance(layer, MixedPrecisionLayer)]
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` tokens (negative: remove that many); restores controllers, ledger and
+        pending actions of the removed tokens (the processor rewinds itself on its next call)."""
+        seen = self.get_seq_length()
+        length = seen + max_length if max_length < 0 else min(max_length, seen)
+        super().crop(max_length)
+        self.schedule.crop(length)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self.schedule.select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self.schedule.select_rows(torch.arange(self.schedule.batch_size).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self.schedule.select_rows(torch.arange(self.schedule.batch_size)[indices.cpu()])
+
+    def nbytes(self) -> int:
+        """Physical bytes of every layer's tensors: stores (padding included), INT4 scales, slot maps, recent
+        regions, and the sliding layers' tensors."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, MixedPrecisionLayer):
+                total += layer.nbytes()
+            elif layer.is_initialized:
+                total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+        return total
+
+    def full_nbytes(self) -> int:
+        """Bytes of the same tokens in a ``DynamicCache`` of the model's dtype (the mixed layers' share; sliding
+        layers hold what they would hold anyway)."""
+        sliding = sum(
+            t.numel() * t.element_size()
+            for layer in self.layers
+            if not isinstance(layer, MixedPrecisionLayer) and layer.is_initialized
+            for t in (layer.keys, layer.values)
+        )
+        return sliding + sum(layer.full_nbytes() for layer in self.mixed_layers())
+
+    def scheduled_payload(self) -> float:
+        """The ledger's scheduled payload of every cached token, in bytes (B.3 cost convention: ``m(H) = 16 n_c``
+        bits, ``m(L) = 4 n_c + 16 k_c``, ``m(R) = 0``), over all sequences."""
+        return self.schedule.scheduled_bits(self.get_seq_length()) / 8
+
+    def full_payload(self) -> float:
+        """The Full-KV payload of the same tokens under the same convention (``C_full`` bits per token), in bytes."""
+        return self.schedule.batch_size * self.get_seq_length() * self.costs.full / 8
