@@ -3,6 +3,9 @@
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Triton decides interpreted vs compiled when triton.language is first imported (transformers imports it early),
+# so the CPU tests of triton_ops need this before anything imports torch / transformers.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402

@@ -1,6 +1,8 @@
 """`StructuredMixedPrecisionCache`: all-high == DynamicCache, mixed attention == a dense reference over the same
 stored entries, released / quantised tokens really leave the stored tensors, crop restores state, clear errors."""
 
+import os
+
 import pytest
 import torch
 from transformers import DynamicCache, LogitsProcessor
@@ -38,7 +40,14 @@ class ParityTagger(LogitsProcessor):
         return scores
 
     def tags(self, seq):
-        return [(KEY,) if t % 5 == 0 else (SCAFFOLD,) if t % 2 == 0 else (FREE,) for t in self.generated[seq]]
+        return [self.tag_at(seq, i) for i in range(self.num_tagged(seq))]
+
+    def num_tagged(self, seq):
+        return len(self.generated[seq])
+
+    def tag_at(self, seq, index):
+        token = self.generated[seq][index]
+        return (KEY,) if token % 5 == 0 else (SCAFFOLD,) if token % 2 == 0 else (FREE,)
 
 
 def mixed_policy(model, window=3, sink=2, budget=0.5):
@@ -275,3 +284,44 @@ def test_mismatches_are_clear_errors():
     ids = torch.randint(3, 256, (1, 5))
     with pytest.raises(RuntimeError, match="pass the cache's processor in logits_processor"):
         model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, past_key_values=cache)
+
+
+@pytest.mark.slow
+def test_all_high_on_the_embedded_model_equals_dynamic_cache(default_model):
+    model, tokenizer = default_model
+    prompts = ["def fibonacci(n):", "Write a JSON object with a name and an age:"]
+    tokenizer.padding_side = "left"
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    kwargs = dict(**batch, max_new_tokens=16, do_sample=False)
+    want = model.generate(**kwargs, past_key_values=DynamicCache(config=model.config))
+    cache = StructuredMixedPrecisionCache(model, PolicyTable.all_high(model.config, window=4))
+    got = model.generate(**kwargs, past_key_values=cache)
+    assert torch.equal(got, want)
+
+
+def test_generation_through_the_triton_kernel_equals_the_torch_reference(monkeypatch):
+    pytest.importorskip("triton", reason="triton is not importable: pip install hf-structkv[triton]")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU runs of the Triton kernels need TRITON_INTERPRET=1 before triton is imported (conftest)")
+    from hf_structkv.attention.backend import BACKEND_ENV
+
+    model = tiny_model("llama")
+    ids, mask = padded_batch(seed=3)
+    outputs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv(BACKEND_ENV, backend)
+        tagger = ParityTagger()
+        cache = StructuredMixedPrecisionCache(model, mixed_policy(model, window=2), processor=tagger)
+        outputs[backend] = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=6,
+            do_sample=False,
+            logits_processor=[tagger],
+            past_key_values=cache,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    assert torch.equal(outputs["torch"].sequences, outputs["triton"].sequences)
+    for a, b in zip(outputs["torch"].scores, outputs["triton"].scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -1,8 +1,8 @@
 """Which implementation serves attention over a compacted or mixed-precision cache: Triton kernels or torch references.
 
 ``HF_STRUCTKV_ATTENTION_BACKEND`` = ``auto`` (default: Triton for CUDA tensors when triton imports, torch otherwise),
-``torch`` or ``triton`` (CPU tensors then need the Triton interpreter, ``TRITON_INTERPRET=1`` set before triton is
-imported). triton is imported only when it may be used, never at ``import hf_structkv``.
+``torch`` or ``triton`` (CPU tensors then need the Triton interpreter: ``TRITON_INTERPRET=1`` set before triton is
+first imported). triton_ops is imported only when it is used, never at ``import hf_structkv``.
 """
 
 from __future__ import annotations
@@ -29,12 +29,6 @@ def _triton_imports() -> bool:
     return True
 
 
-def _triton_interpreter_on() -> bool:
-    import triton
-
-    return bool(triton.knobs.runtime.interpret)
-
-
 def choose_backend(tensor: torch.Tensor) -> str:
     """``"triton"`` or ``"torch"`` for attention over ``tensor``'s device, following ``HF_STRUCTKV_ATTENTION_BACKEND``.
 
@@ -56,11 +50,14 @@ def choose_backend(tensor: torch.Tensor) -> str:
         raise ImportError(
             f"{BACKEND_ENV}=triton but triton cannot be imported: pip install 'hf-structkv[triton]', or unset it"
         )
-    if not tensor.is_cuda and not _triton_interpreter_on():
-        raise ValueError(
-            f"{BACKEND_ENV}=triton with {tensor.device} tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
-            "before triton is imported (or choose torch / auto)"
-        )
+    if not tensor.is_cuda:
+        from triton_ops.runtime import interpreter_ready
+
+        if not interpreter_ready():
+            raise ValueError(
+                f"{BACKEND_ENV}=triton with {tensor.device} tensors needs the Triton interpreter: set "
+                "TRITON_INTERPRET=1 in the environment before triton is first imported (or choose torch / auto)"
+            )
     return "triton"
 
 

@@ -15,9 +15,8 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ..cache.compacted_layers import PREFIX_KWARG
 from ..cache.mixed_precision import MIXED_KWARG
-from .backend import compacted_attention_for
+from .backend import compacted_attention_for, mixed_precision_attention_for
 from .masks import structkv_mask
-from .mixed_reference import mixed_precision_attention
 
 ATTENTION_NAME = "hf_structkv"
 
@@ -47,7 +46,7 @@ def structkv_attention(
     if mixed_layer is not None:
         if dropout and module.training:
             raise ValueError("a mixed-precision cache is for inference: put the model in eval mode (dropout must be 0)")
-        out = mixed_precision_attention(
+        out = mixed_precision_attention_for(query)(
             query,
             mixed_layer.partitions(attention_mask, query.shape[-2]),
             scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,

@@ -73,16 +73,14 @@ class ActionSchedule:
     def _decide_generated(self, row: int, index: int) -> tuple[Action, Action, Action]:
         """Actions of generated token ``index`` of ``row``, stepping the controller up to it in order."""
         decided = self.decided[row]
-        if index >= len(decided):
-            tags = None if self.processor is None else self.processor.tags(row)
-            for i in range(len(decided), index + 1):
-                if tags is None:
-                    candidates = ()
-                elif i < len(tags):
-                    candidates = tags[i]
-                else:
-                    raise _untagged(f"generated token {i} of sequence {row}")
-                decided.append(self.controllers[row].step(candidates))
+        for i in range(len(decided), index + 1):
+            if self.processor is None:
+                candidates = ()
+            elif i < self.processor.num_tagged(row):
+                candidates = self.processor.tag_at(row, i)
+            else:
+                raise _untagged(f"generated token {i} of sequence {row}")
+            decided.append(self.controllers[row].step(candidates))
         actions = decided[index]
         return (Action.R, Action.R, Action.R) if actions is None else actions
 
@@ -135,7 +133,7 @@ class ActionSchedule:
             total += sum(self.costs.cost(Action(int(a)), group) * int(n) for a, n in zip(values, counts))
         for row in range(self.batch_size):
             generated = num_tokens - prompt_length
-            available = generated if self.processor is None else min(generated, len(self.processor.tags(row)))
+            available = generated if self.processor is None else min(generated, self.processor.num_tagged(row))
             for index in range(available):
                 self._decide_generated(row, index)
             total += self.controllers[row].scheduled_bits

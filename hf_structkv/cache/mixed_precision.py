@@ -245,9 +245,10 @@ class StructuredMixedPrecisionCache(Cache):
                 f"the policy was built for layer groups / head dimensions {policy.costs}, the model has {self.costs}: "
                 "use a PolicyTable calibrated for this model (or PolicyTable.all_high(model.config))"
             )
-        if processor is not None and not callable(getattr(processor, "tags", None)):
+        if processor is not None and not all(callable(getattr(processor, m, None)) for m in ("num_tagged", "tag_at")):
             raise TypeError(
-                "processor must be the StructuralLogitsProcessor passed to generate (it provides tags(seq)), "
+                "processor must be the StructuralLogitsProcessor passed to generate (it provides num_tagged(seq) and "
+                "tag_at(seq, index)), "
                 f"got {type(processor).__name__}"
             )
         self.policy = policy

@@ -1,0 +1,151 @@
+"""Backend choice for compacted attention, and generation through the Triton kernel (interpreter) vs torch."""
+
+import os
+
+# Triton reads this when it decorates kernels, triton.language's own included, so it must be set before triton is
+# first imported (hf_structkv and transformers import it): this line covers a run of this file alone, a session-wide
+# setting (tests/conftest.py) a whole suite.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+import hf_structkv  # noqa: E402
+from hf_structkv import CompactedCache  # noqa: E402
+from hf_structkv.attention import backend  # noqa: E402
+from hf_structkv.attention.backend import (  # noqa: E402
+    BACKEND_ENV,
+    choose_backend,
+    compacted_attention_for,
+    mixed_precision_attention_for,
+)
+from hf_structkv.attention.compacted_reference import compacted_attention  # noqa: E402
+from hf_structkv.attention.mixed_reference import mixed_precision_attention  # noqa: E402
+from hf_structkv.models import tiny_model  # noqa: E402
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable: pip install hf-structkv[triton]")
+
+
+def test_auto_serves_cpu_tensors_with_torch(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert choose_backend(torch.zeros(1)) == "torch"
+    assert compacted_attention_for(torch.zeros(1)) is compacted_attention
+    assert mixed_precision_attention_for(torch.zeros(1)) is mixed_precision_attention
+
+
+def test_torch_can_be_forced(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    assert choose_backend(torch.zeros(1)) == "torch"
+
+
+@requires_triton
+def test_triton_can_be_forced_on_cpu_under_the_interpreter(monkeypatch):
+    from triton_ops.biased_attention import triton_compacted_attention
+    from triton_ops.mixed_attention import triton_mixed_precision_attention
+
+    monkeypatch.setenv(BACKEND_ENV, " Triton ")
+    assert choose_backend(torch.zeros(1)) == "triton"
+    assert compacted_attention_for(torch.zeros(1)) is triton_compacted_attention
+    assert mixed_precision_attention_for(torch.zeros(1)) is triton_mixed_precision_attention
+
+
+@requires_triton
+def test_forcing_triton_on_cpu_without_the_interpreter_is_an_error(monkeypatch):
+    import triton.language as tl
+
+    from triton_ops import runtime
+
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    monkeypatch.setattr(runtime, "INTERPRETED", tl.constexpr(False))  # as if triton_ops was imported without it
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        choose_backend(torch.zeros(1))
+
+
+def test_forcing_triton_without_triton_is_an_error(monkeypatch):
+    monkeypatch.setattr(backend, "_triton_imports", lambda: False)
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    with pytest.raises(ImportError, match="hf-structkv\\[triton\\]"):
+        choose_backend(torch.zeros(1))
+    monkeypatch.setenv(BACKEND_ENV, "auto")
+    assert choose_backend(torch.zeros(1)) == "torch"
+
+
+def test_unknown_backend_and_bad_argument(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "cuda")
+    with pytest.raises(ValueError, match=BACKEND_ENV):
+        choose_backend(torch.zeros(1))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        choose_backend([1.0])
+
+
+def test_import_does_not_import_triton():
+    """triton stays optional: ``import hf_structkv`` never imports triton_ops (torch itself may import triton)."""
+    import subprocess
+    import sys
+
+    code = "import sys, hf_structkv; assert not any(m.startswith('triton_ops') for m in sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "TRITON_INTERPRET": "0"})
+
+
+CONTEXT_LEN = 40
+
+
+def compacted_llama_cache(model):
+    """A CompactedCache of a random 40-token context, ragged per KV head (30% .. 30% + h kept), random biases."""
+    g = torch.Generator().manual_seed(0)
+    context = torch.randint(3, 256, (1, CONTEXT_LEN), generator=g)
+    dense = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(context, cache=dense)
+    indices, biases = [], []
+    for _ in dense.layers:
+        kept = [torch.randperm(CONTEXT_LEN, generator=g)[: 12 + 5 * h].sort().values for h in range(2)]
+        indices.append(kept)
+        biases.append([torch.randn(len(k), generator=g) for k in kept])
+    return CompactedCache.from_selection(dense, indices, biases)
+
+
+@requires_triton
+def test_generation_with_triton_equals_torch(monkeypatch):
+    from triton_ops import biased_attention
+
+    kernel, kernel_calls = biased_attention.triton_compacted_attention, []
+
+    def counted_kernel(*args, **kwargs):
+        kernel_calls.append(args[0].shape)  # the query [B, H_q, q, D]
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(biased_attention, "triton_compacted_attention", counted_kernel)
+    model = hf_structkv.enable(tiny_model("llama"))
+    cache = compacted_llama_cache(model)
+    question = torch.randint(3, 256, (1, 5), generator=torch.Generator().manual_seed(1))
+    ids = torch.cat([torch.zeros(1, CONTEXT_LEN, dtype=torch.long), question], 1)
+
+    def generate(backend_name):
+        monkeypatch.setenv(BACKEND_ENV, backend_name)
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                past_key_values=cache.copy(),
+                max_new_tokens=4,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        return out.sequences[:, ids.shape[1] :], torch.stack(out.logits)
+
+    torch_tokens, torch_logits = generate("torch")
+    assert not kernel_calls
+    triton_tokens, triton_logits = generate("triton")
+    assert len(kernel_calls) == 4 * model.config.num_hidden_layers  # prefill of the question + 3 decode steps
+    assert kernel_calls[0][2] == question.shape[1] and kernel_calls[-1][2] == 1
+    assert torch.equal(triton_tokens, torch_tokens)
+    torch.testing.assert_close(triton_logits, torch_logits, atol=1e-4, rtol=0)
