@@ -1,4 +1,5 @@
-"""``hf-structkv``: compact a context, answer questions from a compacted cache, inspect a saved cache."""
+"""``hf-structkv``: compact a context or a dataset of contexts, answer questions from a compacted cache, inspect a
+saved cache."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from .compaction.pipeline import METHODS
-from .prompts import document_chat_prompt, question_text
+from .compaction.pipeline import METHODS, QUERY_TIERS
+from .prompts import question_text
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,25 +37,27 @@ def read_context(args) -> str:
     return squad_document(args.squad_article, args.squad_paragraphs).text
 
 
+def compaction_kwargs(args) -> dict:
+    """The `compact` keyword arguments of the options that ``compaction_options`` adds."""
+    return {
+        "ratio": args.ratio,
+        "method": args.method,
+        "queries": args.queries,
+        "budgets": args.budgets,
+        "chunk_tokens": args.chunk_tokens,
+        "on_policy": args.on_policy,
+        "query_cap": args.query_cap,
+    }
+
+
 def cmd_compact(args) -> int:
-    from .compaction import compact
+    from .compaction.dataset import compact_document
 
     document = read_context(args)
     model, tokenizer = load_model(args.model, DTYPES[args.dtype])
-    context_text, question_suffix = document_chat_prompt(tokenizer, document)
     start = time.perf_counter()
-    cache = compact(
-        model,
-        tokenizer,
-        context_text,
-        ratio=args.ratio,
-        method=args.method,
-        on_policy=args.on_policy,
-        query_cap=args.query_cap,
-        progress=True,
-    )
+    cache = compact_document(model, tokenizer, document, progress=True, **compaction_kwargs(args))
     seconds = time.perf_counter() - start
-    cache.metadata["question_suffix"] = question_suffix
     cache.save_pretrained(args.out)
     print(f"compacted {cache.original_length} tokens in {seconds:.1f} s -> {args.out}")
     print(
@@ -99,6 +102,79 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_head_budgets(args) -> int:
+    """Measure per-head sensitivity curves on texts and save the ratio-agnostic head-budget allocation."""
+    from .compaction.budgets import (
+        CALIBRATION_ARTICLES,
+        CALIBRATION_PARAGRAPHS,
+        DEFAULT_FRACTIONS,
+        compute_head_budgets,
+    )
+    from .eval.squad import squad_document
+
+    if args.text_file:
+        names = list(args.text_file)
+        texts = [Path(name).read_text(encoding="utf-8") for name in names]
+    else:
+        names = list(args.squad_article or CALIBRATION_ARTICLES)
+        texts = [squad_document(name, args.squad_paragraphs or CALIBRATION_PARAGRAPHS).text for name in names]
+    model, tokenizer = load_model(args.model, DTYPES[args.dtype])
+    budgets = compute_head_budgets(
+        model,
+        tokenizer,
+        texts,
+        fractions=args.fractions or DEFAULT_FRACTIONS,
+        method=args.method,
+        max_answer_tokens=args.max_answer_tokens,
+        query_cap=args.query_cap,
+        text_names=names,
+        progress=True,
+    )
+    budgets.save_pretrained(args.out)
+    print(f"head budgets of {budgets.n_heads} KV heads from {len(texts)} text(s) in {budgets.provenance['seconds']} s")
+    print(f"saved -> {args.out}")
+    if args.push:
+        print("pushed:", budgets.push_to_hub(args.push, private=args.private))
+    return 0
+
+
+def cmd_compact_dataset(args) -> int:
+    """Compact every distinct context of a local dataset; under ``accelerate launch`` each process takes a share."""
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    from .compaction.dataset import MANIFEST_NAME, compact_dataset, load_rows, merge_manifest
+
+    # Without an accelerator, `accelerate launch --multi_gpu --num_processes N` starts N CPU processes (gloo).
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.accelerator.is_available())
+    with state.main_process_first():  # the first process fills the datasets cache, the others then read it
+        rows = load_rows(args.data, args.split)
+    model, tokenizer = load_model(args.model, DTYPES[args.dtype])
+    compact_dataset(
+        model.to(state.device),
+        tokenizer,
+        rows,
+        args.out,
+        text_column=args.text_column,
+        id_column=args.id_column,
+        process_index=state.process_index,
+        num_processes=state.num_processes,
+        **compaction_kwargs(args),
+    )
+    state.wait_for_everyone()
+    if state.is_main_process:
+        records = merge_manifest(args.out, state.num_processes)
+        stored, full = sum(r["bytes"] for r in records), sum(r["full_bytes"] for r in records)
+        reused = sum(r["reused"] for r in records)
+        print(f"{len(records)} contexts ({reused} already done) -> {Path(args.out) / MANIFEST_NAME}")
+        print(f"stored {stored:,} bytes vs {full:,} full ({full / stored:.2f}x)")
+    return 0
+
+
+def _fractions(text: str) -> list[float]:
+    return [float(part) for part in text.split(",")]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-structkv", description="Smaller KV caches for transformers: compacted reusable contexts."
@@ -109,20 +185,39 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", default="default", help="'default' (embedded Qwen2.5-Coder-0.5B) or a local folder")
         p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
 
+    def compaction_options(p):
+        p.add_argument("--ratio", type=float, default=8.0, help="original / kept entries per KV head")
+        p.add_argument("--method", default="kv_surgeon", choices=METHODS, help="per-head compaction method")
+        p.add_argument(
+            "--on-policy",
+            action="store_true",
+            help="calibrate layer l with layers < l already compacted (the paper's setting; one forward per layer)",
+        )
+        p.add_argument("--query-cap", type=int, default=4096, help="calibration queries per KV head")
+        p.add_argument(
+            "--queries",
+            default="repeat",
+            choices=QUERY_TIERS,
+            help="calibration tier: 'repeat' (one repeat pass) or 'self_study' (the model also writes a summary, key "
+            "facts, a JSON structuring and three questions answered; CPU-sized answer lengths)",
+        )
+        p.add_argument(
+            "--budgets", default="uniform", help="'uniform' (default) or the path of a saved head-budget allocation"
+        )
+        p.add_argument(
+            "--chunk-tokens",
+            type=int,
+            default=None,
+            help="compact the context in chunks of at most this many tokens (default: one chunk)",
+        )
+
     compact_p = sub.add_parser("compact", help="read a context once and save its compacted cache")
     model_options(compact_p)
     source = compact_p.add_mutually_exclusive_group()
     source.add_argument("--context-file", help="UTF-8 text file holding the context")
     source.add_argument("--squad-article", default="Normans", help="a SQuAD dev article title (default: Normans)")
     compact_p.add_argument("--squad-paragraphs", type=int, default=20, help="paragraphs of the article to use")
-    compact_p.add_argument("--ratio", type=float, default=8.0, help="original / kept entries per KV head")
-    compact_p.add_argument("--method", default="kv_surgeon", choices=METHODS, help="per-head compaction method")
-    compact_p.add_argument(
-        "--on-policy",
-        action="store_true",
-        help="calibrate layer l with layers < l already compacted (the paper's setting; one forward per layer)",
-    )
-    compact_p.add_argument("--query-cap", type=int, default=4096, help="calibration queries per KV head")
+    compaction_options(compact_p)
     compact_p.add_argument("--out", required=True, help="folder to write cache.safetensors, config.json, README.md")
     compact_p.add_argument("--push", metavar="REPO_ID", help="also push to this Hub repository")
     compact_p.add_argument("--private", action="store_true", help="create the Hub repository private")
@@ -138,6 +233,45 @@ def build_parser() -> argparse.ArgumentParser:
     info_p = sub.add_parser("info", help="print a saved cache's metadata and bytes")
     info_p.add_argument("cache", help="a saved cache folder or Hub repository id")
     info_p.set_defaults(func=cmd_info)
+
+    dataset_p = sub.add_parser(
+        "compact-dataset",
+        help="compact every context of a local dataset, one cache folder each (resumable; shards across the "
+        "processes of `accelerate launch`)",
+    )
+    model_options(dataset_p)
+    dataset_p.add_argument(
+        "--data",
+        required=True,
+        help="a .jsonl/.json/.csv/.parquet file, a folder from Dataset.save_to_disk, or a dataset in the local cache",
+    )
+    dataset_p.add_argument("--split", help="split to read (default: 'train', or the only one)")
+    dataset_p.add_argument("--text-column", default="context", help="column holding each context (default: context)")
+    dataset_p.add_argument(
+        "--id-column", help="column naming each context's folder (default: a hash of the context's text)"
+    )
+    compaction_options(dataset_p)
+    dataset_p.add_argument("--out", required=True, help="folder for one cache folder per context and manifest.jsonl")
+    dataset_p.set_defaults(func=cmd_compact_dataset)
+
+    budgets_p = sub.add_parser("head-budgets", help="compute a model's sensitivity-based per-head budgets")
+    model_options(budgets_p)
+    texts = budgets_p.add_mutually_exclusive_group()
+    texts.add_argument("--text-file", action="append", help="UTF-8 text file (repeatable), disjoint from evaluations")
+    texts.add_argument("--squad-article", action="append", help="SQuAD dev article title (repeatable; default: Force)")
+    budgets_p.add_argument("--squad-paragraphs", type=int, help="paragraphs of each article to use (default: 5)")
+    budgets_p.add_argument(
+        "--fractions",
+        type=_fractions,
+        help="comma-separated retained fractions probed per head, 0 = the head removed (default: 0,0.02,0.1)",
+    )
+    budgets_p.add_argument("--method", default="kv_surgeon", choices=METHODS, help="per-head compaction method")
+    budgets_p.add_argument("--max-answer-tokens", type=int, default=48, help="length of each reference answer")
+    budgets_p.add_argument("--query-cap", type=int, default=4096, help="calibration queries per KV head")
+    budgets_p.add_argument("--out", required=True, help="folder to write config.json and README.md")
+    budgets_p.add_argument("--push", metavar="REPO_ID", help="also push to this Hub repository")
+    budgets_p.add_argument("--private", action="store_true", help="create the Hub repository private")
+    budgets_p.set_defaults(func=cmd_head_budgets)
     return parser
 
 

@@ -69,6 +69,9 @@ def compacted(tmp_path_factory):
                 "--method",
                 "--on-policy",
                 "--query-cap",
+                "--queries",
+                "--budgets",
+                "--chunk-tokens",
                 "--out",
                 "--push",
                 "--private",
@@ -101,6 +104,8 @@ def test_help_exits_0_and_lists_the_options(capsys, command, options):
         ),
         (["generate", "--cache", "x"], r"the following arguments are required: --question"),
         (["info"], r"the following arguments are required: cache"),
+        (["compact", "--out", "x", "--queries", "ruler"], r"argument --queries: invalid choice: 'ruler'"),
+        (["compact", "--out", "x", "--chunk-tokens", "1.5"], r"argument --chunk-tokens: invalid int value"),
         ([], r"the following arguments are required: command"),
     ],
 )
@@ -116,6 +121,7 @@ def test_parser_defaults():
     assert (args.model, args.dtype, args.squad_article, args.squad_paragraphs) == ("default", "float32", "Normans", 20)
     assert (args.ratio, args.method, args.context_file) == (8.0, "kv_surgeon", None)
     assert (args.on_policy, args.query_cap) == (False, 4096)
+    assert (args.queries, args.budgets, args.chunk_tokens) == ("repeat", "uniform", None)
     assert (args.push, args.private) == (None, False)
     args = build_parser().parse_args(["generate", "--cache", "c", "--question", "a", "--question", "b"])
     assert args.question == ["a", "b"] and args.max_new_tokens == 48
@@ -138,6 +144,40 @@ def test_console_script_help():
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: hf-structkv")
     assert all(command in result.stdout for command in ("compact", "generate", "info"))
+
+
+class ChatCharTokenizer:
+    """A chat template and one id per character: enough for `cmd_compact` on a tiny model."""
+
+    chat_template = "tiny"
+    eos_token_id = None
+    all_special_tokens = []
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return f"<u>{messages[0]['content']}</u><a>"
+
+    def __call__(self, text, return_tensors=None, add_special_tokens=False):
+        return type("Encoding", (), {"input_ids": torch.tensor([[3 + ord(ch) % 250 for ch in text]])})()
+
+    def get_vocab(self):
+        return {chr(i): 3 + i % 250 for i in range(256)}
+
+
+def test_compact_passes_queries_budgets_and_chunks_to_compact(tmp_path, monkeypatch):
+    import hf_structkv.cli as cli
+
+    monkeypatch.setattr(cli, "load_model", lambda name, dtype: (tiny_model("llama"), ChatCharTokenizer()))
+    context = tmp_path / "context.txt"
+    context.write_text("The Normans were in Normandy. " * 3, encoding="utf-8")
+    out = tmp_path / "cache"
+    argv = ["compact", "--context-file", str(context), "--ratio", "5", "--queries", "self_study"]
+    run_cli([*argv, "--chunk-tokens", "40", "--budgets", "uniform", "--out", str(out)])
+    cache = CompactedCache.load(out)
+    assert cache.metadata["calibration"]["queries"] == "self_study"
+    assert cache.metadata["calibration"]["self_study"]["turn_suffix"] == "</u><a>"
+    assert cache.metadata["chunking"]["chunk_tokens"] == 40
+    assert cache.metadata["chunking"]["chunk_spans"] == [[0, 32], [32, 64], [64, 95]]  # "<u>" + 90 + "\n\n"
+    assert cache.metadata["budgets"]["source"] == "uniform"
 
 
 # ---------------------------------------------------------------------------------------------------- model runs

@@ -21,11 +21,13 @@ def test_rows_fill_their_own_slots_and_keep_positions():
     assert store.capacity == 4 and store.num_entries() == 6
 
 
-def test_capacity_grows_in_blocks_and_bytes_count_it():
+def test_bulk_appends_fit_exactly_small_ones_grow_in_blocks_and_bytes_count_it():
     store = SlotStore(grow=4)
     store.append(_fields(1, 5, 0), torch.arange(5), torch.ones(1, 5, dtype=torch.bool))
-    assert store.capacity == 8
-    assert store.nbytes() == 1 * 2 * 8 * 3 * 4 + 8 * 8  # keys fp32 + int64 slot map
+    assert store.capacity == 5
+    store.append(_fields(1, 1, 5), torch.arange(5, 6), torch.ones(1, 1, dtype=torch.bool))
+    assert store.capacity == 9
+    assert store.nbytes() == 1 * 2 * 9 * 3 * 4 + 9 * 8  # keys fp32 + int64 slot map
 
 
 def test_crop_and_select_rows():

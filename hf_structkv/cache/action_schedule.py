@@ -68,7 +68,7 @@ class ActionSchedule:
     def _prompt_length(self) -> int | None:
         if self.processor is None:
             return 0 if self.prefill_plan is None else self.prefill_plan.shape[1]
-        return getattr(self.processor, "prompt_length", None)
+        return self.processor.prompt_length
 
     def _decide_generated(self, row: int, index: int) -> tuple[Action, Action, Action]:
         """Actions of generated token ``index`` of ``row``, stepping the controller up to it in order."""

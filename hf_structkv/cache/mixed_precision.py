@@ -50,6 +50,13 @@ def _gather_visibility(visible: torch.Tensor, positions: torch.Tensor) -> torch.
     return visible.gather(-1, index) & (positions >= 0).unsqueeze(1)
 
 
+def _is_tag_source(processor) -> bool:
+    """Whether ``processor`` offers what `ActionSchedule` reads: ``prompt_length``, ``num_tagged``, ``tag_at``."""
+    return hasattr(processor, "prompt_length") and all(
+        callable(getattr(processor, name, None)) for name in ("num_tagged", "tag_at")
+    )
+
+
 class MixedPrecisionLayer(CacheLayerMixin):
     """A global-attention layer of a `StructuredMixedPrecisionCache` (layout in the module docstring).
 
@@ -245,10 +252,10 @@ class StructuredMixedPrecisionCache(Cache):
                 f"the policy was built for layer groups / head dimensions {policy.costs}, the model has {self.costs}: "
                 "use a PolicyTable calibrated for this model (or PolicyTable.all_high(model.config))"
             )
-        if processor is not None and not all(callable(getattr(processor, m, None)) for m in ("num_tagged", "tag_at")):
+        if processor is not None and not _is_tag_source(processor):
             raise TypeError(
-                "processor must be the StructuralLogitsProcessor passed to generate (it provides num_tagged(seq) and "
-                "tag_at(seq, index)), "
+                "processor must be the StructuralLogitsProcessor passed to generate (it provides prompt_length, "
+                "num_tagged(seq) and tag_at(seq, index)), "
                 f"got {type(processor).__name__}"
             )
         self.policy = policy

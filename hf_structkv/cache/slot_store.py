@@ -1,7 +1,8 @@
 """`SlotStore`: per-batch-row storage of cache entries that keeps each entry's absolute position (a slot map).
 
 Entries of different batch rows arrive independently (one row releases a token that another keeps), so every row
-fills its own slots from the front; the tensors are padded to the longest row and grow in blocks of ``grow`` slots.
+fills its own slots from the front; the tensors are padded to the longest row. A bulk append (a prompt leaving the
+recent window) allocates exactly what it needs; later appends grow the capacity by ``grow`` slots at a time.
 The padding is real memory: `nbytes` counts the allocated capacity, `num_entries` the live entries.
 """
 
@@ -16,7 +17,7 @@ class SlotStore:
     Within a row, entries are stored in the order they were appended, which is increasing position.
 
     Args:
-        grow: capacity grows in multiples of this many slots.
+        grow: slots added when a small append needs room (bounds the copies to one per ``grow`` appends).
     """
 
     def __init__(self, grow: int = 64):
@@ -45,9 +46,10 @@ class SlotStore:
         self.fields = {name: t[:, :, :0].clone() for name, t in new_fields.items()}
 
     def _reserve(self, needed: int) -> None:
+        """Make room for ``needed`` slots: exactly for a bulk append, else ``grow`` more slots."""
         if needed <= self.capacity:
             return
-        extra = -(-(needed - self.capacity) // self.grow) * self.grow
+        extra = max(needed, self.capacity + self.grow) - self.capacity
         self.positions = torch.nn.functional.pad(self.positions, (0, extra), value=-1)
         self.fields = {
             name: torch.cat([t, t.new_zeros((*t.shape[:2], extra, *t.shape[3:]))], dim=2)

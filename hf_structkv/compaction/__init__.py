@@ -1,6 +1,7 @@
 """Offline compaction: per-head methods (`compact_head`) and the end-to-end `compact(...)` pipeline."""
 
 from .chunks import chunk_spans, context_documents
+from .dataset import compact_dataset, compact_document
 from .methods import HEAD_METHODS, CompactedHead, HeadMethod, compact_head, register, relative_loss
 from .pipeline import METHODS, QUERY_TIERS, compact, prefill_context
 from .queries import Conversation, capture_queries, conversation_queries, repeat_pass_queries, subsample_queries
@@ -17,6 +18,8 @@ __all__ = [
     "capture_queries",
     "chunk_spans",
     "compact",
+    "compact_dataset",
+    "compact_document",
     "context_documents",
     "conversation_queries",
     "compact_head",

@@ -1,0 +1,160 @@
+"""Per-token cost of PASK's online control — structural tagging + the policy controller — against the number of
+tokens generated before (history 128, 2K, 32K), with lm-format-enforcer's masking time beside it.
+
+The output is a JSON list of function calls (the embedded model's tokenizer, the illustrative policy): the history
+is a run of ``get_weather`` / ``book_flight`` calls, the measured window the ``--window`` tokens that follow it.
+Tagging is `GrammarSequence.advance` (our character-level parser walk); the controller is `PolicyController.step`
+(Algorithm 2). Masking (`allowed_token_mask`, lm-format-enforcer's allowed-token set) runs at every token, as in
+generation, and picks the tokens: the tokenizer's own token for the next characters when the grammar accepts it,
+else the next single character. Target (issue 3): tagging + controller flat, i.e. the 32K / 128 ratio <= 1.1.
+
+    .venv/bin/python benchmarks/controller_overhead.py --out benchmarks/results/controller_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from hf_structkv.models import ensure_default_snapshot
+from hf_structkv.policy import PolicyController, illustrative_policy
+from hf_structkv.structure.function_calls import function_call_schema
+from hf_structkv.structure.lmfe import JsonSchemaAdapter
+
+TOOLS = [
+    {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {
+            "type": "dict",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city"],
+        },
+    },
+    {
+        "name": "book_flight",
+        "description": "Book a one-way flight.",
+        "parameters": {
+            "type": "dict",
+            "properties": {
+                "origin": {"type": "string"},
+                "destination": {"type": "string"},
+                "passengers": {"type": "integer"},
+            },
+            "required": ["origin", "destination"],
+        },
+    },
+]
+CITIES = ["Oslo", "Lisbon", "Kyoto", "Nairobi", "Lima", "Tallinn", "Hanoi", "Perth"]
+
+
+def call_list_text(count: int) -> str:
+    """A JSON list of ``count`` calls alternating ``book_flight`` / ``get_weather`` (ASCII)."""
+    calls = []
+    for i in range(count):
+        if i % 2:
+            calls.append({"name": "get_weather", "arguments": {"city": CITIES[i % 8], "unit": "celsius"}})
+        else:
+            args = {"origin": CITIES[i % 8], "destination": CITIES[(i + 3) % 8], "passengers": i % 5 + 1}
+            calls.append({"name": "book_flight", "arguments": args})
+    return json.dumps(calls)
+
+
+def measure(tokenizer, histories: list[int], window: int) -> list[dict]:
+    """Generate the call list token by token as the grammar allows it (the tokenizer's own token for the next
+    characters when lm-format-enforcer accepts it, else the next single character), timing each stage."""
+    total = max(histories) + window
+    text = call_list_text(total // 20 + 10)  # ~27 tokens per call
+    schema = function_call_schema(TOOLS)
+    schema["maxItems"] = total  # lm-format-enforcer caps lists without maxItems at 20 items
+    adapter = JsonSchemaAdapter(tokenizer, schema)
+    policy = illustrative_policy()
+    sequence, controller = adapter.new_sequence(), PolicyController(policy, policy.costs)
+    vocab, cursor = len(tokenizer), 0
+    rows = {h: {"tagging": [], "controller": [], "masking": []} for h in histories}
+    for position in range(total):
+        start = time.perf_counter()
+        allowed = sequence.allowed_token_mask(vocab)
+        masking = time.perf_counter() - start
+        token = tokenizer(text[cursor : cursor + 32], add_special_tokens=False).input_ids[0]
+        if not bool(allowed[token]):
+            token = tokenizer(text[cursor], add_special_tokens=False).input_ids[0]
+            if not bool(allowed[token]):
+                raise RuntimeError(f"the grammar forbids {text[cursor]!r} at character {cursor}")
+        cursor += len(tokenizer.decode([token]))
+        start = time.perf_counter()
+        tags = sequence.advance(token)
+        tagging = time.perf_counter() - start
+        start = time.perf_counter()
+        controller.step(tags)
+        stepping = time.perf_counter() - start
+        for h in histories:
+            if h <= position < h + window:
+                rows[h]["tagging"].append(tagging)
+                rows[h]["controller"].append(stepping)
+                rows[h]["masking"].append(masking)
+    result = []
+    for h in histories:
+        times = rows[h]
+        both = [a + b for a, b in zip(times["tagging"], times["controller"])]
+        result.append(
+            {
+                "history": h,
+                "tokens_timed": len(both),
+                "tagging_plus_controller_us": 1e6 * statistics.median(both),
+                "tagging_us": 1e6 * statistics.median(times["tagging"]),
+                "controller_us": 1e6 * statistics.median(times["controller"]),
+                "masking_ms": 1e3 * statistics.median(times["masking"]),
+            }
+        )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--histories", type=int, nargs="+", default=[128, 2048, 32768])
+    parser.add_argument("--window", type=int, default=200, help="tokens timed after each history")
+    parser.add_argument("--out", type=Path, help="write the results as JSON")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(ensure_default_snapshot())
+    start = time.perf_counter()
+    rows = measure(tokenizer, sorted(args.histories), args.window)
+    seconds = time.perf_counter() - start
+    base = rows[0]["tagging_plus_controller_us"]
+    print(f"{'history':>8} {'tag+ctrl µs':>12} {'tag µs':>8} {'ctrl µs':>8} {'ratio':>6} {'LMFE mask ms':>13}")
+    for row in rows:
+        row["ratio_to_shortest"] = row["tagging_plus_controller_us"] / base
+        mask = f"{row['masking_ms']:.2f}"
+        print(
+            f"{row['history']:>8} {row['tagging_plus_controller_us']:>12.1f} {row['tagging_us']:>8.1f} "
+            f"{row['controller_us']:>8.1f} {row['ratio_to_shortest']:>6.2f} {mask:>13}"
+        )
+    flat = max(row["ratio_to_shortest"] for row in rows) <= 1.1
+    print(f"target: tagging + controller flat (ratio <= 1.1): {'met' if flat else 'NOT met'}; {seconds:.0f} s")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        record = {
+            "command": f"benchmarks/controller_overhead.py --histories {' '.join(map(str, args.histories))} "
+            f"--window {args.window}",
+            "medians_over_window": rows,
+            "flat_target_met": flat,
+            "seconds": seconds,
+            "threads": torch.get_num_threads(),
+            "machine": platform.processor() or platform.machine(),
+        }
+        args.out.write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

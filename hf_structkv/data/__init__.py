@@ -1,0 +1,1 @@
+"""Package data: per-model head budgets (``head_budgets/<model>/config.json``)."""

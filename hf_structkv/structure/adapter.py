@@ -1,0 +1,77 @@
+"""Grammar-adapter interface: what the tagging logits processor needs from a constrained-decoding engine.
+
+PASK Appendix A: an adapter maps each accepted parser transition ``(s_{t-1}, y_t, s_t)`` to a structural tag with
+four fields (class, role, state, next). The processor, the cache and the controller only see this interface, so a
+new grammar family (e.g. an xgrammar SQL adapter, family ``"sql"``) is one new pair of classes.
+
+Nothing here assumes JSON: an adapter is a factory of per-sequence parser states; a state masks the next token,
+accepts tokens one at a time (returning their candidate tags), rewinds, and says whether the output is complete.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from .tags import ROLES, StructuralTag
+
+__all__ = ["GrammarAdapter", "GrammarSequence"]
+
+
+class GrammarSequence(ABC):
+    """The parser state of one generated sequence (the tokens after the prompt), advanced one token at a time."""
+
+    @property
+    @abstractmethod
+    def num_tokens(self) -> int:
+        """Number of tokens advanced so far (after rollbacks)."""
+
+    @abstractmethod
+    def allowed_token_mask(self, vocab_size: int) -> torch.Tensor:
+        """Which next tokens the grammar allows: bool tensor ``[vocab_size]`` on the CPU (stop tokens included
+        exactly when the output may end here). Ids the engine does not know are forbidden."""
+
+    @abstractmethod
+    def advance(self, token_id: int) -> tuple[StructuralTag, ...]:
+        """Accept a non-stop token; return the candidate tags of the transition before-state -> token ->
+        after-state (several when the token spans several parser transitions, deduplicated; an empty tuple when the
+        transition cannot be resolved, e.g. a token the grammar forbids, after which every tag is empty)."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` advances, restoring the exact earlier parser state.
+
+        Raises:
+            ValueError: ``num_tokens`` is negative or larger than :attr:`num_tokens`.
+        """
+
+    @abstractmethod
+    def is_complete(self) -> bool:
+        """True when the tokens so far form a complete output (the grammar may stop here)."""
+
+
+class GrammarAdapter(ABC):
+    """A grammar for one request shape and one tokenizer; creates one :class:`GrammarSequence` per sequence."""
+
+    family: str
+    """Tag vocabulary family of the tags it returns: a key of :data:`hf_structkv.structure.tags.ROLES`."""
+
+    @property
+    @abstractmethod
+    def stop_token_ids(self) -> frozenset[int]:
+        """Token ids that end a sequence: never advanced, tagged ``None`` by the processor (no charge)."""
+
+    @abstractmethod
+    def new_sequence(self) -> GrammarSequence:
+        """A fresh parser state at the start of the output."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Drop whatever the sequences of earlier generate calls left in shared caches (called between calls)."""
+
+    def check_family(self) -> None:
+        """Raise ``ValueError`` if :attr:`family` is not a known tag vocabulary."""
+        family = getattr(self, "family", None)
+        if family not in ROLES:
+            raise ValueError(f"{type(self).__name__}.family must be one of {tuple(ROLES)}, got {family!r}")

@@ -1,0 +1,183 @@
+"""``StructuralLogitsProcessor``: constrained decoding that also records each generated token's structural tags.
+
+Used as ``model.generate(..., logits_processor=LogitsProcessorList([proc]))`` (greedy or sampling, batch > 1,
+left padding). Each call masks the tokens the grammar forbids with ``-inf`` and, for every token generated since
+the previous call, advances that sequence's parser and stores the token's candidate tags, which the
+mixed-precision cache reads through :meth:`StructuralLogitsProcessor.tags`.
+
+Timing in ``generate``: the call that produces the logits of token ``i + 1`` is the first to see token ``i``, i.e.
+after the forward pass that stored token ``i``'s K/V. Everything is derived from ``input_ids``: the generated
+tokens are ``input_ids[b, prompt_len:]`` (``prompt_len`` = the length at the first call); when they no longer extend
+what was processed (a crop, a speculative rollback, a beam reorder), the sequence is rewound to the common prefix
+and re-advanced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from transformers import LogitsProcessor, PreTrainedTokenizerBase
+
+from .adapter import GrammarAdapter, GrammarSequence
+from .function_calls import function_call_schema
+from .lmfe import JsonSchemaAdapter
+from .tags import StructuralTag
+
+__all__ = ["StructuralLogitsProcessor"]
+
+TokenTags = tuple[StructuralTag, ...] | None
+
+
+class _SequenceRecord:
+    """Per batch row: the generated tokens processed, their tags, and the parser state."""
+
+    def __init__(self, grammar: GrammarSequence):
+        self.grammar = grammar
+        self.tokens: list[int] = []
+        self.tags: list[TokenTags] = []
+        self.stop_index: int | None = None  # index of the first stop token; later tokens are not advanced
+
+
+class StructuralLogitsProcessor(LogitsProcessor):
+    """Masks what the grammar forbids and tags every generated token from its parser transition.
+
+    Give exactly one of ``tools`` (BFCL / OpenAI tool definitions -> :func:`function_call_schema`), ``schema`` (a
+    JSON schema) or ``adapter`` (any :class:`GrammarAdapter`, e.g. a future SQL grammar).
+
+    Args:
+        tokenizer: the model's tokenizer (needed for ``tools`` / ``schema``).
+        tools: tool definitions; the output is a JSON list of ``{"name", "arguments"}`` calls.
+        schema: a JSON schema for the output.
+        adapter: a ready grammar adapter (its own stop tokens apply).
+        eos_token_id: stop token id(s) for ``tools`` / ``schema``; default ``tokenizer.eos_token_id``.
+
+    Raises:
+        ValueError: not exactly one of ``tools``, ``schema``, ``adapter``; ``eos_token_id`` with ``adapter``;
+            malformed tools or schema.
+        TypeError: ``adapter`` is not a :class:`GrammarAdapter`, or ``tokenizer`` is missing / not a tokenizer.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        schema: Mapping[str, Any] | None = None,
+        adapter: GrammarAdapter | None = None,
+        eos_token_id: int | Iterable[int] | None = None,
+    ):
+        given = [
+            name for name, value in (("tools", tools), ("schema", schema), ("adapter", adapter)) if value is not None
+        ]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of tools=, schema=, adapter=; got {given or 'none'}")
+        if adapter is not None:
+            if not isinstance(adapter, GrammarAdapter):
+                raise TypeError(f"adapter must be a GrammarAdapter, got {type(adapter).__name__}")
+            if eos_token_id is not None:
+                raise ValueError("eos_token_id applies to tools= / schema=; an adapter brings its own stop tokens")
+            adapter.check_family()
+        else:
+            if not isinstance(tokenizer, PreTrainedTokenizerBase):
+                raise TypeError(f"tokenizer must be a transformers tokenizer, got {type(tokenizer).__name__}")
+            schema = function_call_schema(tools) if tools is not None else schema
+            adapter = JsonSchemaAdapter(tokenizer, schema, eos_token_id=eos_token_id)
+        self.adapter = adapter
+        self._records: list[_SequenceRecord] = []
+        self._prompt: torch.Tensor | None = None  # [batch, prompt_len] ids of the first call
+
+    @property
+    def family(self) -> str:
+        """Tag vocabulary family: ``"function_calling"`` or ``"sql"``."""
+        return self.adapter.family
+
+    @property
+    def prompt_length(self) -> int | None:
+        """Length of the (left-padded) prompt seen at the first call; ``None`` before the first call. Generated
+        token ``i`` of a sequence sits at position ``prompt_length + i``."""
+        return None if self._prompt is None else self._prompt.shape[1]
+
+    def reset(self) -> None:
+        """Forget all sequences (call before a new ``generate`` with this processor)."""
+        self._records = []
+        self._prompt = None
+        self.adapter.reset()
+
+    def tags(self, seq: int) -> list[TokenTags]:
+        """Tags of sequence ``seq``'s generated tokens so far, in order: the candidate tags of each token (empty
+        tuple = unresolved, protect fully), or ``None`` for a stop token and every token after it (no charge)."""
+        return list(self._record(seq).tags)
+
+    def tag_at(self, seq: int, index: int) -> TokenTags:
+        """The tags of generated token ``index`` of sequence ``seq`` (same meaning as :meth:`tags`), O(1)."""
+        tags = self._record(seq).tags
+        if not isinstance(index, int) or not 0 <= index < len(tags):
+            raise IndexError(f"sequence {seq} has {len(tags)} tagged tokens; index {index!r} is out of range")
+        return tags[index]
+
+    def num_tagged(self, seq: int) -> int:
+        """Number of generated tokens of sequence ``seq`` tagged so far."""
+        return len(self._record(seq).tags)
+
+    def _record(self, seq: int) -> _SequenceRecord:
+        if not isinstance(seq, int) or not 0 <= seq < len(self._records):
+            raise IndexError(f"seq must be a batch index in [0, {len(self._records)}), got {seq!r}")
+        return self._records[seq]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """``input_ids`` ``[batch, prompt_len + generated]``, ``scores`` ``[batch, vocab]`` -> masked scores."""
+        if input_ids.dim() != 2 or scores.dim() != 2 or input_ids.shape[0] != scores.shape[0]:
+            raise ValueError(
+                f"expected input_ids [batch, length] and scores [batch, vocab] with the same batch, got "
+                f"{tuple(input_ids.shape)} and {tuple(scores.shape)}"
+            )
+        self._start_or_check(input_ids)
+        prompt_len = self._prompt.shape[1]
+        generated = input_ids[:, prompt_len:].tolist()
+        allowed = torch.ones(scores.shape, dtype=torch.bool)
+        for row, (record, tokens) in enumerate(zip(self._records, generated)):
+            self._sync(record, tokens)
+            if record.stop_index is None:  # finished rows are left to generate's padding
+                allowed[row] = record.grammar.allowed_token_mask(scores.shape[1])
+        return scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+
+    def _start_or_check(self, input_ids: torch.Tensor) -> None:
+        """Remember the prompt at the first call; later calls must continue the same prompts."""
+        if self._prompt is None:
+            self._prompt = input_ids.detach().to("cpu", copy=True)
+            self._records = [_SequenceRecord(self.adapter.new_sequence()) for _ in range(input_ids.shape[0])]
+            return
+        batch, prompt_len = self._prompt.shape
+        if (
+            input_ids.shape[0] != batch
+            or input_ids.shape[1] < prompt_len
+            or not torch.equal(input_ids[:, :prompt_len].cpu(), self._prompt)
+        ):
+            raise ValueError(
+                "input_ids do not continue the prompts this processor started with; call processor.reset() "
+                "before each new generate call"
+            )
+
+    def _sync(self, record: _SequenceRecord, tokens: list[int]) -> None:
+        """Rewind ``record`` to the common prefix with ``tokens``, then advance through the rest."""
+        common = 0
+        limit = min(len(record.tokens), len(tokens))
+        if record.tokens[:limit] == tokens[:limit]:
+            common = limit
+        else:
+            while record.tokens[common] == tokens[common]:
+                common += 1
+        if common < len(record.tokens):
+            advanced = len(record.tokens) if record.stop_index is None else record.stop_index
+            record.grammar.rollback(advanced - min(advanced, common))
+            del record.tokens[common:]
+            del record.tags[common:]
+            if record.stop_index is not None and record.stop_index >= common:
+                record.stop_index = None
+        stops = self.adapter.stop_token_ids
+        for token in tokens[common:]:
+            if record.stop_index is None and token in stops:
+                record.stop_index = len(record.tokens)
+            record.tags.append(None if record.stop_index is not None else record.grammar.advance(token))
+            record.tokens.append(token)

@@ -1,0 +1,158 @@
+"""One call for PASK generation: function calls under the tools' JSON schema with a structured mixed-precision cache.
+
+`generate_calls` wires the three pieces that must agree — the `StructuralLogitsProcessor` (grammar + tags), the
+`StructuredMixedPrecisionCache` (storage) and the `PolicyTable` (actions) — into one ``model.generate`` call and
+returns the parsed calls with the cache's measured bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
+
+from .cache.mixed_precision import StructuredMixedPrecisionCache
+from .policy.costs import Action
+from .structure.processor import StructuralLogitsProcessor
+
+CALL_INSTRUCTION = (
+    "You can call the tools listed below. Answer with a JSON list of calls, each "
+    '{"name": <tool name>, "arguments": {<parameter>: <value>, ...}}, and nothing else.'
+)
+
+
+@dataclass
+class StructuredGeneration:
+    """What `generate_calls` produced.
+
+    Attributes:
+        sequences: ``[B, P + n]`` prompt and generated ids, as ``generate`` returns them.
+        texts: the generated text of each sequence (special tokens removed).
+        calls: per sequence, the parsed list of calls, or ``None`` when the text is not complete JSON (generation
+            hit ``max_new_tokens``).
+        cache: the `StructuredMixedPrecisionCache` after generation (`nbytes`, `scheduled_payload`, ...).
+        processor: the `StructuralLogitsProcessor` (per-token tags: ``tag_at(seq, i)``).
+        prompt_length: ``P``.
+    """
+
+    sequences: torch.Tensor
+    texts: list[str]
+    calls: list[list[dict] | None]
+    cache: StructuredMixedPrecisionCache
+    processor: StructuralLogitsProcessor
+    prompt_length: int
+
+    def token_report(self, seq: int = 0, tokenizer: PreTrainedTokenizerBase | None = None) -> list[dict[str, Any]]:
+        """Per generated token of ``seq``: its id (and text with ``tokenizer``), candidate tags and the scheduled
+        action per layer group (``None`` for tokens still waiting in the recent window, ``"stop"`` for stop tokens)."""
+        decided = self.cache.schedule.decided[seq] if self.cache.schedule.controllers else []
+        rows = []
+        for index in range(self.processor.num_tagged(seq)):
+            token = int(self.sequences[seq, self.prompt_length + index])
+            tags = self.processor.tag_at(seq, index)
+            if index < len(decided):
+                actions = "stop" if decided[index] is None else "".join(Action(a).name for a in decided[index])
+            else:
+                actions = None
+            rows.append(
+                {
+                    "token": token,
+                    "text": None if tokenizer is None else tokenizer.decode([token]),
+                    "tags": None if tags is None else ["|".join(tag) for tag in tags],
+                    "actions": actions,
+                }
+            )
+        return rows
+
+    def bytes_report(self) -> dict[str, float]:
+        """Physical bytes, Full-KV bytes of the same tokens, the scheduled payload (B.3 convention) and its
+        Full-KV counterpart, and their ratio ``B``."""
+        payload, full_payload = self.cache.scheduled_payload(), self.cache.full_payload()
+        return {
+            "nbytes": self.cache.nbytes(),
+            "full_nbytes": self.cache.full_nbytes(),
+            "scheduled_payload_bytes": payload,
+            "full_payload_bytes": full_payload,
+            "budget_ratio": payload / full_payload if full_payload else 1.0,
+        }
+
+
+def _parse_calls(text: str) -> list[dict] | None:
+    try:
+        calls = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return calls if isinstance(calls, list) else None
+
+
+def generate_calls(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    questions: str | Sequence[str],
+    tools: Sequence[Mapping[str, Any]],
+    policy,
+    max_new_tokens: int = 128,
+    prefill_plan: torch.Tensor | None = None,
+    **generate_kwargs,
+) -> StructuredGeneration:
+    """Answer each question with function calls to ``tools`` under their JSON schema, on a mixed-precision cache.
+
+    The prompt is the tokenizer's chat template with ``tools=`` (a system instruction asks for the JSON list of
+    calls); a batch of questions is left-padded. Greedy unless ``generate_kwargs`` say otherwise.
+
+    Args:
+        questions: one question or a list (batch).
+        tools: BFCL- or OpenAI-style tool definitions (`function_call_schema`).
+        policy: the `PolicyTable` for this model (e.g. ``illustrative_policy()`` for the embedded model, or
+            ``PolicyTable.all_high(model.config)``).
+        prefill_plan: optional prompt actions for the cache (``[B, P, 3]``).
+        generate_kwargs: passed to ``model.generate`` (not ``logits_processor`` / ``past_key_values``: this call
+            owns them).
+    """
+    for owned in ("logits_processor", "past_key_values", "cache"):
+        if owned in generate_kwargs:
+            raise ValueError(f"generate_calls builds {owned} itself; call model.generate directly to pass your own")
+    if isinstance(questions, str):
+        questions = [questions]
+    if not questions or not all(isinstance(q, str) and q for q in questions):
+        raise ValueError("questions must be a non-empty string or a non-empty list of non-empty strings")
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "system", "content": CALL_INSTRUCTION}, {"role": "user", "content": question}],
+            tools=list(tools),
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        for question in questions
+    ]
+    padding_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    finally:
+        tokenizer.padding_side = padding_side
+    processor = StructuralLogitsProcessor(tokenizer, tools=tools)
+    cache = StructuredMixedPrecisionCache(model, policy, processor=processor, prefill_plan=prefill_plan)
+    generate_kwargs.setdefault("do_sample", False)
+    sequences = model.generate(
+        **batch,
+        max_new_tokens=max_new_tokens,
+        logits_processor=LogitsProcessorList([processor]),
+        past_key_values=cache,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        **generate_kwargs,
+    )
+    prompt_length = batch["input_ids"].shape[1]
+    texts = tokenizer.batch_decode(sequences[:, prompt_length:], skip_special_tokens=True)
+    return StructuredGeneration(
+        sequences=sequences,
+        texts=texts,
+        calls=[_parse_calls(text) for text in texts],
+        cache=cache,
+        processor=processor,
+        prompt_length=prompt_length,
+    )

@@ -1,0 +1,316 @@
+"""StructuralLogitsProcessor: exact lm-format-enforcer masks, per-row tags, rewinds, generate() integration."""
+
+import json
+
+import pytest
+import torch
+from lmformatenforcer import JsonSchemaParser
+from test_structure_golden import CASES, RESTAURANTS, STOCK, WEATHER
+from transformers import AutoTokenizer, LogitsProcessorList
+
+from hf_structkv.models import ensure_default_snapshot, tiny_model
+from hf_structkv.structure.adapter import GrammarAdapter, GrammarSequence
+from hf_structkv.structure.function_calls import function_call_schema
+from hf_structkv.structure.lmfe import JsonSchemaAdapter, _transformers_integration
+from hf_structkv.structure.processor import StructuralLogitsProcessor
+from hf_structkv.structure.tags import StructuralTag
+
+TOOLS = [WEATHER, RESTAURANTS, STOCK]
+CALL_A = '[{"name": "get_weather", "arguments": {"location": "Oslo", "unit": "celsius"}}]'
+CALL_B = (
+    '[{"name": "get_stock_price", "arguments": {"ticker": "IBM"}}, '
+    '{"name": "get_weather", "arguments": {"location": "Rome"}}]'
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(ensure_default_snapshot(), local_files_only=True)
+
+
+def ids_of(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def run_rows(proc, prompt: torch.Tensor, rows: list[list[int]], vocab: int, pad: int) -> list[torch.Tensor]:
+    """Call ``proc`` as generate does: one call per step, generated tokens appended (``pad`` after a row's end).
+    Returns the allowed mask ``[batch, vocab]`` of every call."""
+    length = max(len(r) for r in rows)
+    generated = torch.tensor([r + [pad] * (length - len(r)) for r in rows])
+    masks = []
+    for step in range(length + 1):
+        input_ids = torch.cat([prompt, generated[:, :step]], dim=1)
+        masks.append(torch.isfinite(proc(input_ids, torch.zeros(len(rows), vocab))))
+    return masks
+
+
+def single_row_tags(tokenizer, tokens: list[int]) -> list:
+    sequence = JsonSchemaAdapter(tokenizer, function_call_schema(TOOLS)).new_sequence()
+    return [sequence.advance(t) for t in tokens]
+
+
+@pytest.fixture(scope="module")
+def list_tokenizer_data(tokenizer):
+    """lm-format-enforcer's own tables in its list representation (the adapter uses bitmasks)."""
+    return _transformers_integration().build_token_enforcer_tokenizer_data(tokenizer, use_bitmask=False)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_masks_equal_lm_format_enforcers_own_allowed_tokens(tokenizer, list_tokenizer_data, case):
+    """At every step the processor allows exactly the token ids lm-format-enforcer's transformers integration
+    returns (its list representation, fed prompt + generated ids as in its own generate path)."""
+    tools, text = CASES[case]
+    schema = function_call_schema(tools)
+    integration = _transformers_integration()
+    reference = integration.build_transformers_prefix_allowed_tokens_fn(list_tokenizer_data, JsonSchemaParser(schema))
+    proc = StructuralLogitsProcessor(tokenizer, tools=tools)
+    prompt = torch.tensor([ids_of(tokenizer, "Call the tools.")])
+    tokens = ids_of(tokenizer, text)
+    masks = run_rows(proc, prompt, [tokens], len(tokenizer), tokenizer.pad_token_id)
+    for step, mask in enumerate(masks):
+        sent = torch.cat([prompt[0], torch.tensor(tokens[:step], dtype=torch.long)])
+        expected = sorted(set(reference(0, sent)))
+        assert mask[0].nonzero().flatten().tolist() == expected, f"step {step}"
+    assert tokenizer.eos_token_id in masks[-1][0].nonzero().flatten().tolist()  # complete: may stop
+
+
+def test_batch_rows_are_independent_and_stop_tokens_are_free(tokenizer):
+    tokens_a, tokens_b = ids_of(tokenizer, CALL_A), ids_of(tokenizer, CALL_B)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    prompt = torch.tensor([[pad, pad, 11, 12], [21, 22, 23, 24]])  # left padding: one prompt length
+    proc = StructuralLogitsProcessor(tokenizer, tools=TOOLS)
+    masks = run_rows(proc, prompt, [tokens_a + [eos], tokens_b], len(tokenizer), pad)
+    assert proc.family == "function_calling"
+    assert proc.tags(0) == single_row_tags(tokenizer, tokens_a) + [None] * (len(tokens_b) - len(tokens_a))
+    assert proc.tags(1) == single_row_tags(tokenizer, tokens_b)
+    assert proc.num_tagged(1) == len(tokens_b) and proc.tag_at(1, 0) == proc.tags(1)[0]
+    finished = len(tokens_a) + 1
+    assert masks[finished][0].all()  # a finished row is left to generate's padding
+    assert not masks[finished][1].all()
+
+
+def test_rewind_to_a_shorter_input_equals_a_fresh_run(tokenizer):
+    tokens = ids_of(tokenizer, CALL_B)
+    other = ids_of(tokenizer, '[{"name": "get_weather", "arguments": {"location": "Lima"}}]')
+    common = next(i for i, (x, y) in enumerate(zip(tokens, other)) if x != y)
+    prompt = torch.tensor([ids_of(tokenizer, "Q")])
+    proc = StructuralLogitsProcessor(tokenizer, tools=TOOLS)
+    run_rows(proc, prompt, [tokens[:20]], len(tokenizer), tokenizer.pad_token_id)
+    proc(torch.cat([prompt, torch.tensor([tokens[:30]])], 1), torch.zeros(1, len(tokenizer)))  # extend by 10
+    short = proc(torch.cat([prompt, torch.tensor([tokens[: common + 2]])], 1), torch.zeros(1, len(tokenizer)))
+    assert proc.tags(0) == single_row_tags(tokenizer, tokens[: common + 2])
+    rewound = proc(torch.cat([prompt, torch.tensor([other[:common]])], 1), torch.zeros(1, len(tokenizer)))
+    grown = proc(torch.cat([prompt, torch.tensor([other])], 1), torch.zeros(1, len(tokenizer)))
+    assert proc.tags(0) == single_row_tags(tokenizer, other)
+    fresh = StructuralLogitsProcessor(tokenizer, tools=TOOLS)
+    fresh_masks = run_rows(fresh, prompt, [other], len(tokenizer), tokenizer.pad_token_id)
+    assert torch.equal(torch.isfinite(rewound), fresh_masks[common]) and torch.equal(
+        torch.isfinite(grown), fresh_masks[-1]
+    )
+    assert not torch.equal(torch.isfinite(short), fresh_masks[common])  # different prefixes, different masks
+
+
+def test_reset_and_bad_inputs(tokenizer):
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuralLogitsProcessor(tokenizer)
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuralLogitsProcessor(tokenizer, tools=TOOLS, schema={"type": "object"})
+    with pytest.raises(TypeError, match="tokenizer must be"):
+        StructuralLogitsProcessor(None, tools=TOOLS)
+    with pytest.raises(TypeError, match="GrammarAdapter"):
+        StructuralLogitsProcessor(tokenizer, adapter=object())
+    with pytest.raises(ValueError, match="cannot parse schema"):
+        StructuralLogitsProcessor(tokenizer, schema={"type": "no-such-type"})
+    with pytest.raises(ValueError, match="eos_token_id must be"):
+        StructuralLogitsProcessor(tokenizer, tools=TOOLS, eos_token_id=[])
+    adapter = JsonSchemaAdapter(tokenizer, function_call_schema(TOOLS), eos_token_id=[1, 2])
+    assert adapter.stop_token_ids == frozenset({1, 2})
+    with pytest.raises(ValueError, match="brings its own stop tokens"):
+        StructuralLogitsProcessor(tokenizer, adapter=adapter, eos_token_id=3)
+    proc = StructuralLogitsProcessor(tokenizer, tools=TOOLS)
+    vocab = len(tokenizer)
+    with pytest.raises(ValueError, match="same batch"):
+        proc(torch.zeros(2, 3, dtype=torch.long), torch.zeros(1, vocab))
+    proc(torch.tensor([[5, 6]]), torch.zeros(1, vocab))
+    with pytest.raises(ValueError, match="reset"):
+        proc(torch.tensor([[7, 6]]), torch.zeros(1, vocab))  # another prompt
+    with pytest.raises(IndexError, match="batch index"):
+        proc.tags(1)
+    with pytest.raises(IndexError, match="out of range"):
+        proc.tag_at(0, 0)
+    proc.reset()
+    proc(torch.tensor([[7, 6, 9], [1, 2, 3]]), torch.zeros(2, vocab))
+    assert proc.tags(0) == [] and proc.tags(1) == []
+    sequence = adapter.new_sequence()
+    with pytest.raises(ValueError, match="num_tokens"):
+        sequence.rollback(1)
+
+
+def test_a_token_the_grammar_forbids_is_unresolved(tokenizer):
+    proc = StructuralLogitsProcessor(tokenizer, tools=TOOLS)
+    prompt = torch.tensor([[5]])
+    bad = ids_of(tokenizer, '{"name"')  # the output must be a list
+    run_rows(proc, prompt, [bad], len(tokenizer), tokenizer.pad_token_id)
+    assert proc.tags(0) == [()] * len(bad)
+
+
+class _CountdownSequence(GrammarSequence):
+    """A toy non-JSON grammar: tokens 10, 11, 12 in this order, then stop token 0."""
+
+    def __init__(self):
+        self.tokens = []
+
+    @property
+    def num_tokens(self):
+        return len(self.tokens)
+
+    def allowed_token_mask(self, vocab_size):
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask[10 + len(self.tokens) if len(self.tokens) < 3 else 0] = True
+        return mask
+
+    def advance(self, token_id):
+        self.tokens.append(token_id)
+        return (StructuralTag("schema_bearing", "relation", "stable", "no_lookahead"),)
+
+    def rollback(self, num_tokens):
+        del self.tokens[len(self.tokens) - num_tokens :]
+
+    def is_complete(self):
+        return len(self.tokens) == 3
+
+
+class _CountdownAdapter(GrammarAdapter):
+    family = "sql"
+    stop_token_ids = frozenset({0})
+
+    def new_sequence(self):
+        return _CountdownSequence()
+
+    def reset(self):
+        pass
+
+
+def test_any_grammar_adapter_plugs_in():
+    proc = StructuralLogitsProcessor(None, adapter=_CountdownAdapter())
+    assert proc.family == "sql"
+    masks = run_rows(proc, torch.tensor([[5, 5]]), [[10, 11, 12, 0]], 16, pad=0)
+    assert [int(m[0].nonzero()) for m in masks[:4]] == [10, 11, 12, 0]
+    assert proc.tags(0)[:3] == [(StructuralTag("schema_bearing", "relation", "stable", "no_lookahead"),)] * 3
+    assert proc.tags(0)[3] is None
+
+    class Unknown(_CountdownAdapter):
+        family = "chess"
+
+    with pytest.raises(ValueError, match="family must be one of"):
+        StructuralLogitsProcessor(None, adapter=Unknown())
+
+
+def valid_prefix(tokenizer, tokens: list[int]) -> bool:
+    """Every token allowed by a fresh adapter at its step."""
+    sequence = JsonSchemaAdapter(tokenizer, function_call_schema(TOOLS)).new_sequence()
+    for token in tokens:
+        if not sequence.allowed_token_mask(len(tokenizer))[token]:
+            return False
+        sequence.advance(token)
+    return True
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_generate_with_left_padding_on_a_tiny_model(tokenizer, do_sample):
+    """A random tiny model with the real vocabulary: every generated token is grammatical and tagged."""
+    model = tiny_model("qwen2", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    tokenizer.padding_side = "left"
+    batch = tokenizer(
+        ["Weather in Oslo?", "Price of IBM stock and weather in Rome, please"], return_tensors="pt", padding=True
+    )
+    proc = StructuralLogitsProcessor(tokenizer, tools=TOOLS)
+    torch.manual_seed(0)
+    out = model.generate(
+        **batch,
+        logits_processor=LogitsProcessorList([proc]),
+        max_new_tokens=24,
+        do_sample=do_sample,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    generated = out[:, batch.input_ids.shape[1] :].tolist()
+    for row, tokens in enumerate(generated):
+        assert valid_prefix(tokenizer, tokens)
+        tags = proc.tags(row)
+        assert len(tags) == len(tokens) - 1  # the last token is never seen by a processor call
+        assert all(t for t in tags)  # no unresolved token
+
+
+def matches_tools(calls, tools) -> bool:
+    """A parsed output is a non-empty list of calls to ``tools`` with their required arguments and allowed keys."""
+    by_name = {tool["name"]: tool["parameters"] for tool in tools}
+    if not isinstance(calls, list) or not calls:
+        return False
+    for call in calls:
+        if set(call) != {"name", "arguments"} or call["name"] not in by_name:
+            return False
+        parameters = by_name[call["name"]]
+        if not set(parameters["required"]) <= set(call["arguments"]) <= set(parameters["properties"]):
+            return False
+    return True
+
+
+@pytest.mark.slow
+def test_embedded_model_answers_a_bfcl_style_question_under_the_schema(default_model):
+    model, tokenizer = default_model
+    question = "What is the weather like in Paris in celsius, and what is the price of AAPL stock?"
+    messages = [
+        {"role": "system", "content": 'Answer with a JSON list of function calls [{"name": ..., "arguments": {...}}].'},
+        {"role": "user", "content": question},
+    ]
+    prompt = tokenizer.apply_chat_template(
+        messages, tools=TOOLS, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    proc = StructuralLogitsProcessor(tokenizer, tools=TOOLS)
+    out = model.generate(
+        **prompt,
+        logits_processor=LogitsProcessorList([proc]),
+        max_new_tokens=80,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    tokens = out[0, prompt["input_ids"].shape[1] :].tolist()
+    assert tokens[-1] == tokenizer.eos_token_id, "the call did not finish within max_new_tokens"
+    calls = json.loads(tokenizer.decode(tokens[:-1]))
+    assert matches_tools(calls, TOOLS)
+    assert {call["name"] for call in calls} == {"get_weather", "get_stock_price"}
+    tags = proc.tags(0)
+    assert len(tags) == len(tokens) - 1 and all(tags)
+    assert any(t.role == "dispatch_key" for token_tags in tags for t in token_tags)
+
+
+def test_character_feeding_reaches_the_enforcers_own_parser_state(tokenizer):
+    """The adapter splits tokens into characters itself (decoding a bounded window of the current word); its
+    parser must stay in the state lm-format-enforcer's TokenEnforcer reaches, also over long multi-byte text."""
+    adapter = JsonSchemaAdapter(tokenizer, function_call_schema(TOOLS))
+    text = '[{"name": "get_weather", "arguments": {"location": "東京都 神南一丁目 🌧🌧🌧 Zürich ünïcödé ☃ 😀 Ωμέγα"}}]'
+    sequence = adapter.new_sequence()
+    tokens = ids_of(tokenizer, text)
+    assert len(tokens) > 40 and sum(tokenizer.decode([t]).endswith("\ufffd") for t in tokens) > 4  # byte pieces
+    for step, token in enumerate(tokens):
+        sequence.advance(token)
+        sequence.allowed_token_mask(len(tokenizer))  # makes the enforcer compute its state for this prefix
+        enforcer_parser = adapter._enforcer.prefix_states[tuple(tokens[: step + 1])].parser
+        own_parser = sequence._parsers[-1]
+        assert set(own_parser.get_allowed_characters()) == set(enforcer_parser.get_allowed_characters()), step
+    assert sequence.is_complete()
+
+
+def test_a_character_outside_the_engines_alphabet_leaves_tokens_unresolved(tokenizer):
+    """lm-format-enforcer 0.11.3 accepts only characters of single-character tokens inside strings; '渋' exists
+    only as byte pieces, so its token is allowed (free-text tables) but the engine's parse ends there (only
+    whitespace and stop stay allowed). The tags are then unresolved: the policy protects such tokens fully."""
+    proc = StructuralLogitsProcessor(tokenizer, tools=TOOLS)
+    tokens = ids_of(tokenizer, '[{"name": "get_weather", "arguments": {"location": "渋谷')
+    masks = run_rows(proc, torch.tensor([[5]]), [tokens], len(tokenizer), tokenizer.pad_token_id)
+    tags = proc.tags(0)
+    broken = next(i for i, t in enumerate(tags) if not t)
+    assert all(tags[:broken]) and not any(tags[broken:])
+    assert masks[broken][0, tokens[broken]]  # the engine allowed the token
+    assert tokenizer.eos_token_id in masks[broken + 1][0].nonzero().flatten().tolist()

@@ -1,0 +1,86 @@
+"""`generate_calls`: processor + mixed-precision cache + policy in one generate call."""
+
+import pytest
+import torch
+from test_mixed_precision_cache import mixed_policy
+from transformers import AutoTokenizer, DynamicCache, LogitsProcessorList
+
+from hf_structkv.models import ensure_default_snapshot, tiny_model
+from hf_structkv.policy import PolicyTable, illustrative_policy
+from hf_structkv.structure import StructuralLogitsProcessor
+from hf_structkv.structured_generation import generate_calls
+
+TOOLS = [
+    {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "dict",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"],
+        },
+    }
+]
+QUESTIONS = ["Weather in Oslo?", "How warm is it in Lima today, in fahrenheit please?"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(ensure_default_snapshot(), local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_model("qwen2", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+
+
+def test_all_high_policy_equals_plain_generate_with_the_same_processor(model, tokenizer):
+    result = generate_calls(
+        model, tokenizer, QUESTIONS, TOOLS, PolicyTable.all_high(model.config, window=2), max_new_tokens=20
+    )
+    prompt = result.sequences[:, : result.prompt_length]
+    mask = (prompt != tokenizer.pad_token_id).long()
+    proc = StructuralLogitsProcessor(tokenizer, tools=TOOLS)
+    want = model.generate(
+        input_ids=prompt,
+        attention_mask=mask,
+        max_new_tokens=20,
+        do_sample=False,
+        logits_processor=LogitsProcessorList([proc]),
+        pad_token_id=tokenizer.pad_token_id,
+        past_key_values=DynamicCache(config=model.config),
+    )
+    assert torch.equal(result.sequences, want)
+    assert result.bytes_report()["budget_ratio"] == 1.0
+
+
+def test_mixed_policy_reports_tags_actions_and_bytes(model, tokenizer):
+    result = generate_calls(model, tokenizer, QUESTIONS, TOOLS, mixed_policy(model, window=3), max_new_tokens=24)
+    assert len(result.texts) == len(result.calls) == 2
+    for seq in range(2):
+        report = result.token_report(seq, tokenizer)
+        assert len(report) == result.processor.num_tagged(seq)
+        scheduled = [row for row in report if row["actions"] is not None]
+        assert scheduled and all(row["actions"] == "stop" or set(row["actions"]) <= set("RLH") for row in scheduled)
+        assert all(row["text"] == tokenizer.decode([row["token"]]) for row in report)
+    numbers = result.bytes_report()
+    assert numbers["scheduled_payload_bytes"] == result.cache.scheduled_payload()
+    assert 0 < numbers["budget_ratio"] < 1
+
+
+def test_bad_arguments_are_named(model, tokenizer):
+    policy = PolicyTable.all_high(model.config)
+    with pytest.raises(ValueError, match="builds logits_processor itself"):
+        generate_calls(model, tokenizer, "q", TOOLS, policy, logits_processor=[])
+    with pytest.raises(ValueError, match="questions must be"):
+        generate_calls(model, tokenizer, [], TOOLS, policy)
+
+
+@pytest.mark.slow
+def test_embedded_model_calls_the_tool_with_the_illustrative_policy(default_model):
+    model, tokenizer = default_model
+    result = generate_calls(
+        model, tokenizer, "What's the weather in Oslo in celsius?", TOOLS, illustrative_policy(model), max_new_tokens=48
+    )
+    assert result.calls[0] == [{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}]
+    assert result.bytes_report()["budget_ratio"] < 1
