@@ -170,12 +170,16 @@ def _write_cache_folder(cache: CompactedCache, directory: Path, repo_id: str | N
 
 
 def _replace_file(path: Path, write: Callable[[Path], Any]) -> None:
-    """Write ``path`` through ``write(tmp)`` on a temporary file beside it, then rename it into place."""
+    """Write ``path`` through ``write(tmp)`` on a temporary file beside it, then rename it into place (with the
+    permissions a plain ``open`` would give, not ``mkstemp``'s owner-only 0600)."""
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     tmp = Path(tmp_name)
     try:
         write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -470,3 +470,16 @@ def test_fingerprint_fields():
     assert fingerprint["tokenizer_hash"] is None
     assert json.loads(json.dumps(fingerprint)) == fingerprint
     assert tokenizer_hash(TOKENIZER) == tokenizer_hash(FakeTokenizer({"b": 4, "a": 3, "</s>": 1}))
+
+
+def test_saved_files_get_the_usual_permissions_not_owner_only(tmp_path):
+    import os
+    import stat
+
+    from hf_structkv.hub import _replace_file
+
+    target = tmp_path / "file.json"
+    _replace_file(target, lambda tmp: tmp.write_text("{}", encoding="utf-8"))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~umask

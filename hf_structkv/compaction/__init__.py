@@ -1,5 +1,6 @@
 """Offline compaction: per-head methods (`compact_head`) and the end-to-end `compact(...)` pipeline."""
 
+from .budgets import HeadBudgets, compute_head_budgets, default_head_budgets
 from .chunks import chunk_spans, context_documents
 from .dataset import compact_dataset, compact_document
 from .methods import HEAD_METHODS, CompactedHead, HeadMethod, compact_head, register, relative_loss
@@ -9,6 +10,7 @@ from .self_study import SelfStudy, self_study_conversations, self_study_queries
 
 __all__ = [
     "HEAD_METHODS",
+    "HeadBudgets",
     "METHODS",
     "QUERY_TIERS",
     "CompactedHead",
@@ -18,6 +20,8 @@ __all__ = [
     "capture_queries",
     "chunk_spans",
     "compact",
+    "compute_head_budgets",
+    "default_head_budgets",
     "compact_dataset",
     "compact_document",
     "context_documents",

@@ -1,0 +1,469 @@
+"""Per-head budgets (hf_structkv.compaction.budgets): allocation arithmetic against brute force, the solver against an
+exhaustive search, persistence, the sensitivity measurement on tiny models, the shipped allocation, the CLI."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import json
+import math
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+import torch
+from huggingface_hub import CommitInfo, HfApi
+from tokenizers import Tokenizer, decoders, models
+from tokenizers.pre_tokenizers import ByteLevel
+from transformers import PreTrainedTokenizerFast
+
+from hf_structkv import CompactedCache, enable
+from hf_structkv.cli import main
+from hf_structkv.compaction import prefill_context
+from hf_structkv.compaction.budgets import (
+    CAP_FRACTION,
+    HeadBudgets,
+    _keep_everything,
+    _ReferenceAnswers,
+    allocate_shares,
+    compute_head_budgets,
+    default_head_budgets,
+    influence_curve,
+)
+from hf_structkv.hub import STRUCTURE_FIELDS, model_fingerprint
+from hf_structkv.models import tiny_model
+
+TEXT = (
+    "Ada Lovelace wrote the first published program in 1843. She worked with Charles Babbage on the Analytical "
+    "Engine, a mechanical computer that was never finished. "
+)
+QUESTIONS = ("Who wrote the first program?", "When?")
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer (ids 3..258 are the bytes; pad 0, eos 1, bos 2) with a small chat template."""
+    vocab = {"<pad>": 0, "</s>": 1, "<s>": 2}
+    vocab.update({char: 3 + i for i, char in enumerate(sorted(ByteLevel.alphabet()))})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", bos_token="<s>")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<s>{{ m.role }}: {{ m.content }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+    )
+    return tokenizer
+
+
+def tiny(arch: str = "qwen2", **overrides):
+    return tiny_model(arch, vocab_size=300, **overrides)
+
+
+def budgets_of(shares: list[float], heads_per_layer: int = 2) -> HeadBudgets:
+    """Budgets over ``len(shares) / heads_per_layer`` global layers of a fake fingerprint."""
+    layers = len(shares) // heads_per_layer
+    fingerprint = model_fingerprint(tiny(num_hidden_layers=layers))
+    weights = {layer: shares[layer * heads_per_layer : (layer + 1) * heads_per_layer] for layer in range(layers)}
+    return HeadBudgets(weights, fingerprint)
+
+
+def flat(counts: dict[int, list[int]]) -> list[int]:
+    return [n for layer in sorted(counts) for n in counts[layer]]
+
+
+def iterative_redistribution(weights: list[float], mean_fraction: float, cap: float) -> list[float]:
+    """The literal rule: fractions proportional to the weights; cap every head above ``cap``, share the excess among
+    the uncapped heads in proportion to their weights; repeat until no head is above the cap."""
+    total, capped = mean_fraction * len(weights), set()
+    while True:
+        free = [i for i in range(len(weights)) if i not in capped]
+        scale = (total - cap * len(capped)) / sum(weights[i] for i in free)
+        over = {i for i in free if weights[i] * scale > cap}
+        if not over:
+            return [cap if i in capped else weights[i] * scale for i in range(len(weights))]
+        capped |= over
+
+
+def bisection_fill(weights: list[float], total: float, lower: float, upper: float) -> list[float]:
+    """``clip(c w, lower, upper)`` summing to ``total``, with ``c`` found by bisection."""
+    lo, hi = 0.0, 1e12
+    for _ in range(400):
+        mid = (lo + hi) / 2
+        if sum(min(upper, max(lower, mid * w)) for w in weights) < total:
+            lo = mid
+        else:
+            hi = mid
+    return [min(upper, max(lower, hi * w)) for w in weights]
+
+
+# ---------------------------------------------------------------------------------------------------- token_budgets
+@pytest.mark.parametrize("ratio, length", [(5.0, 1000), (10, 937), (20.0, 3387), (50.0, 4096), (100.0, 777), (7.3, 61)])
+def test_token_budgets_total_bounds_and_mean_fraction(ratio, length):
+    shares = torch.rand(12, generator=torch.Generator().manual_seed(int(ratio * 10) + length)).tolist()
+    counts = flat(budgets_of(shares).token_budgets(ratio, length))
+    assert sum(counts) == round(12 * length / ratio)
+    assert abs(sum(counts) / (12 * length) - 1 / ratio) <= 0.5 / (12 * length)
+    assert min(counts) >= 1 and max(counts) <= math.floor(CAP_FRACTION * length)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_cap_and_proportional_redistribution_match_the_iterative_rule(seed):
+    gen = torch.Generator().manual_seed(seed)
+    shares = (torch.rand(8, generator=gen) ** 4).tolist()  # skewed: several heads hit the cap
+    shares[0] = 10.0
+    length, ratio = 1_000_000, 2.5
+    counts = flat(budgets_of(shares).token_budgets(ratio, length))
+    expected = iterative_redistribution(shares, 1 / ratio, CAP_FRACTION)
+    assert sum(f == CAP_FRACTION for f in expected) >= 1
+    assert counts == pytest.approx([f * length for f in expected], abs=1.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_integer_budgets_are_the_closest_allocation_by_brute_force(seed):
+    gen = torch.Generator().manual_seed(100 + seed)
+    shares = (torch.rand(4, generator=gen) ** 3).tolist()
+    shares[seed % 4] = 0.0  # a zero share still keeps one entry
+    length = int(torch.randint(4, 13, (1,), generator=gen))
+    cap = math.floor(CAP_FRACTION * length)
+    total = int(torch.randint(4, 4 * cap + 1, (1,), generator=gen))
+    ratio = 4 * length / total
+    counts = flat(budgets_of(shares).token_budgets(ratio, length))
+    target = bisection_fill(shares, total, 1.0, float(cap))
+    candidates = [c for c in itertools.product(range(1, cap + 1), repeat=4) if sum(c) == total]
+
+    def distance(c):
+        return sum((a - b) ** 2 for a, b in zip(c, target))
+
+    best = min(distance(c) for c in candidates)
+    assert sum(counts) == total and distance(counts) == pytest.approx(best, abs=1e-9)
+
+
+def test_zero_shares_keep_one_entry_and_uniform_is_even():
+    assert flat(budgets_of([1.0, 0.0, 0.0, 0.0]).token_budgets(10.0, 100)) == [37, 1, 1, 1]
+    # the only positive head is capped at 0.75 * 100: the rest is split evenly among the zero-share heads
+    assert flat(budgets_of([1.0, 0.0, 0.0, 0.0]).token_budgets(4.0, 100)) == [75, 9, 8, 8]
+    even = HeadBudgets.uniform(tiny()).token_budgets(10.0, 1000)
+    assert even == {0: [100, 100], 1: [100, 100]}
+    uneven = flat(HeadBudgets.uniform(tiny()).token_budgets(3.0, 100))
+    assert sum(uneven) == 133 and max(uneven) - min(uneven) <= 1
+
+
+@pytest.mark.parametrize(
+    "ratio, length, message",
+    [
+        (0.0, 100, "ratio must be a finite number > 0"),
+        (math.nan, 100, "ratio must be a finite number > 0"),
+        (True, 100, "ratio must be a finite number > 0"),
+        ("10", 100, "ratio must be a finite number > 0"),
+        (10.0, 0, "length must be a positive integer"),
+        (10.0, 10.5, "length must be a positive integer"),
+        (200.0, 100, r"each head keeps at least one: use ratio <= 100"),
+        (1.0, 100, r"above the cap of 75 .* use ratio >= 1.333"),
+        (1.0, 1, r"above the cap of 0 .* a 1-token context cannot be compacted"),
+    ],
+)
+def test_token_budgets_rejects_bad_input(ratio, length, message):
+    with pytest.raises(ValueError, match=message):
+        HeadBudgets.uniform(tiny()).token_budgets(ratio, length)
+
+
+# ---------------------------------------------------------------------------------------------------- HeadBudgets
+def test_shares_are_normalised_and_validated():
+    budgets = budgets_of([2.0, 2.0, 4.0, 0.0])
+    assert budgets.weights == {0: [0.25, 0.25], 1: [0.5, 0.0]} and budgets.n_heads == 4
+    fingerprint = budgets.fingerprint
+    cases = [
+        ({0: [1.0, 1.0]}, "one entry per global layer of the model, \\[0, 1\\]"),
+        ({0: [1.0, 1.0], 1: [1.0]}, r"weights\[1\] must list 2 finite shares"),
+        ({0: [1.0, -1.0], 1: [1.0, 1.0]}, r"weights\[0\] must list 2 finite shares >= 0"),
+        ({0: [1.0, math.nan], 1: [1.0, 1.0]}, r"weights\[0\] must list 2 finite shares"),
+        ({0: [0.0, 0.0], 1: [0.0, 0.0]}, "weights are all zero"),
+    ]
+    for weights, message in cases:
+        with pytest.raises(ValueError, match=message):
+            HeadBudgets(weights, fingerprint)
+    with pytest.raises(ValueError, match="fingerprint must be a model fingerprint"):
+        HeadBudgets({0: [1.0, 1.0]}, {"model_type": "llama"})
+
+
+def test_sliding_layers_get_no_budget():
+    model = tiny("gemma3")  # layers 1 and 3 are global
+    assert sorted(HeadBudgets.uniform(model).weights) == [1, 3]
+
+
+# ---------------------------------------------------------------------------------------------------- persistence
+@pytest.fixture
+def saved(tmp_path):
+    model = tiny()
+    budgets = budgets_of([0.1, 0.2, 0.3, 0.4])
+    budgets = HeadBudgets(budgets.weights, budgets.fingerprint, {"kind": "test", "seconds": 1.5})
+    folder = tmp_path / "budgets"
+    budgets.save_pretrained(folder)
+    return model, budgets, folder
+
+
+def test_save_load_round_trip(saved):
+    model, budgets, folder = saved
+    assert {p.name for p in folder.iterdir()} == {"config.json", "README.md"}
+    for source in (folder, folder / "config.json", str(folder)):
+        loaded = HeadBudgets.load(source, model=model)
+        assert loaded == budgets
+        assert loaded.token_budgets(10.0, 500) == budgets.token_budgets(10.0, 500)
+    card = (folder / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: hf_structkv\ntags:\n") and "HeadBudgets.load(" in card
+
+
+def edit_config(folder: Path, change) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    change(config)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda c: c.update(format="hf_structkv_cache"), "is not a head-budget file"),
+        (lambda c: c.update(format_version=2), "unknown format_version 2"),
+        (lambda c: c.update(cap_fraction=0.5), "cap_fraction .* must be 0.75"),
+        (lambda c: c.update(weights={"first": [1, 1]}), "must map global layer indices"),
+        (lambda c: c["weights"].pop("1"), "one entry per global layer"),
+        (lambda c: c["weights"].update({"0": [1.0, "x"]}), r"weights\[0\] must list 2 finite shares"),
+        (lambda c: c["fingerprint"].pop("head_dim"), "fingerprint must be a model fingerprint"),
+        (lambda c: c.update(provenance=[1]), "provenance must be a dict"),
+    ],
+)
+def test_load_rejects_invalid_files(saved, change, message):
+    _, _, folder = saved
+    edit_config(folder, change)
+    with pytest.raises(ValueError, match=message):
+        HeadBudgets.load(folder)
+
+
+def test_load_errors_name_the_problem(saved, tmp_path):
+    _, _, folder = saved
+    with pytest.raises(ValueError, match="head-budget allocation was built for another model: num_hidden_layers"):
+        HeadBudgets.load(folder, model=tiny(num_hidden_layers=3))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="config.json is missing"):
+        HeadBudgets.load(tmp_path / "empty")
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        HeadBudgets.load(folder)
+
+
+def test_load_from_repo_id_downloads_only_the_budget_files(saved, tmp_path, monkeypatch):
+    _, budgets, folder = saved
+    calls = []
+
+    def fake_snapshot_download(repo_id, **kwargs):
+        calls.append((repo_id, kwargs))
+        return str(folder)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.chdir(tmp_path)
+    assert HeadBudgets.load("someone/budgets", revision="v1", token="hf_test") == budgets
+    [(repo_id, kwargs)] = calls
+    assert repo_id == "someone/budgets" and kwargs["revision"] == "v1" and kwargs["token"] == "hf_test"
+    assert set(kwargs["allow_patterns"]) == {"config.json", "README.md"}
+
+
+def test_push_to_hub_uploads_the_config_and_card(saved, monkeypatch):
+    _, budgets, _ = saved
+    calls = {}
+
+    def fake_upload_folder(self, **kwargs):
+        folder = Path(kwargs["folder_path"])
+        calls.update(kwargs, files={p.name for p in folder.iterdir()}, loaded=HeadBudgets.load(folder))
+        calls["readme"] = (folder / "README.md").read_text()
+        url = f"https://huggingface.co/{kwargs['repo_id']}/commit/abc"
+        return CommitInfo(commit_url=url, commit_message="m", commit_description="", oid="abc")
+
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.update(create=(repo_id, kw)))
+    monkeypatch.setattr(HfApi, "create_branch", lambda self, repo_id, **kw: calls.update(branch=(repo_id, kw)))
+    monkeypatch.setattr(HfApi, "upload_folder", fake_upload_folder)
+    url = budgets.push_to_hub("someone/budgets", private=True, token="hf_test", revision="v1")
+    assert url == "https://huggingface.co/someone/budgets/commit/abc"
+    assert calls["create"] == ("someone/budgets", {"private": True, "exist_ok": True})
+    assert calls["branch"] == ("someone/budgets", {"branch": "v1", "exist_ok": True})
+    assert calls["files"] == {"config.json", "README.md"} and calls["loaded"] == budgets
+    assert 'HeadBudgets.load("someone/budgets", model=model)' in calls["readme"]
+
+
+# ---------------------------------------------------------------------------------------------------- the solver
+def test_influence_curve_envelope_and_hull():
+    # noise (a larger fraction hurting more) is raised away; the hull drops the non-convex knot at 0.1
+    assert influence_curve([0.0, 0.02, 0.1], [2.0, 0.5, 0.6]) == [(0.0, 2.0), (0.02, 0.6), (1.0, 0.0)]
+    assert influence_curve([0.0, 0.5], [-1.0, -2.0]) == [(0.0, 0.0), (1.0, 0.0)]
+    # without a measurement at 0, the first segment is extended down to r = 0
+    assert influence_curve([0.25, 0.5], [3.0, 1.0]) == [(0.0, 5.0), (0.25, 3.0), (0.5, 1.0), (1.0, 0.0)]
+
+
+def predicted_loss(curves, shares, ratios, cap=CAP_FRACTION):
+    """J(p) with the curves interpolated through their knots (convex, non-increasing inputs)."""
+    xs = [0.0, 0.1, 0.3, 1.0]
+    total = 0.0
+    for curve, share in zip(curves, shares):
+        for ratio in ratios:
+            r = min(cap, len(curves) * share / ratio)
+            k = max(i for i in range(3) if xs[i] <= r)
+            total += curve[k] + (curve[k + 1] - curve[k]) * (r - xs[k]) / (xs[k + 1] - xs[k])
+    return total
+
+
+@pytest.mark.parametrize("seed, floor", [(0, 0.0), (1, 0.0), (2, 0.3), (3, 0.6)])
+def test_greedy_shares_minimise_the_predicted_loss_by_exhaustive_search(seed, floor):
+    gen = torch.Generator().manual_seed(seed)
+    curves = []
+    for _ in range(3):  # convex, non-increasing on the knots 0, 0.1, 0.3, 1 (ending at 0)
+        slopes = torch.sort(torch.rand(3, generator=gen) * 10, descending=True).values  # decreasing steepness
+        drops = slopes * torch.tensor([0.1, 0.2, 0.7])
+        curves.append(torch.cat([drops.flip(0).cumsum(0).flip(0), torch.zeros(1)]).tolist())
+    fractions, ratios, steps = [0.0, 0.1, 0.3], [2.0, 5.0, 10.0], 20
+    increases = torch.tensor([c[:3] for c in curves])
+    shares = allocate_shares(fractions, increases, ratios, steps=steps, floor=floor).tolist()
+    grid = [(a, b, steps - a - b) for a in range(steps + 1) for b in range(steps + 1 - a)]
+    best = min(predicted_loss(curves, [floor / 3 + n * (1 - floor) / steps for n in p], ratios) for p in grid)
+    assert sum(shares) == pytest.approx(1.0) and min(shares) >= floor / 3 - 1e-15
+    assert predicted_loss(curves, shares, ratios) == pytest.approx(best, abs=1e-12)
+
+
+def test_a_head_that_hurts_more_gets_more_and_flat_curves_are_uniform():
+    increases = torch.tensor([[1.0, 0.3, 0.1], [3.0, 0.9, 0.3], [0.0, 0.0, 0.0]])
+    for floor in (0.0, 0.125):
+        shares = allocate_shares([0.0, 0.02, 0.1], increases, floor=floor).tolist()
+        assert shares[1] > shares[0] > shares[2] == pytest.approx(floor / 3)
+    assert allocate_shares([0.0, 0.1], torch.zeros(4, 2)).tolist() == [0.25] * 4
+    assert allocate_shares([0.0, 0.1], increases[:, :2], floor=1.0).tolist() == pytest.approx([1 / 3] * 3)
+    for kwargs, message in [
+        (dict(increases=torch.zeros(4, 3)), r"increases must be a finite \[heads, 2\]"),
+        (dict(steps=0), "steps must be a positive int"),
+        (dict(target_ratios=[0.0]), "target_ratios must be finite numbers > 0"),
+        (dict(floor=1.5), r"floor must be in \[0, 1\]"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            allocate_shares([0.0, 0.1], **{"increases": torch.zeros(4, 2), **kwargs})
+
+
+# ---------------------------------------------------------------------------------------------------- measurement
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_tokenizer()
+
+
+def measure(model, tokenizer, **kwargs):
+    settings = dict(questions=QUESTIONS, fractions=(0.0, 0.1), method="key_norm", max_answer_tokens=6, progress=False)
+    return compute_head_budgets(model, tokenizer, [TEXT], **{**settings, **kwargs})
+
+
+def test_compute_shapes_provenance_and_determinism(tokenizer):
+    model = tiny()
+    budgets = measure(model, tokenizer)
+    assert sorted(budgets.weights) == [0, 1] and all(len(s) == 2 for s in budgets.weights.values())
+    assert sum(sum(s) for s in budgets.weights.values()) == pytest.approx(1.0)
+    provenance = budgets.provenance
+    assert provenance["kind"] == "sensitivity" and provenance["fractions"] == [0.0, 0.1]
+    assert provenance["calibration"] == "none (query-free)" and provenance["seconds"] >= 0
+    assert {k: [len(row) for row in v] for k, v in provenance["nll_increase"].items()} == {"0": [2, 2], "1": [2, 2]}
+    [text] = provenance["texts"]
+    assert text["tokens"] > 150 and len(text["answer_tokens"]) == 2
+    budgets.check_model(model)
+    again = measure(model, tokenizer)
+    assert again.weights == budgets.weights and again.provenance["nll_increase"] == provenance["nll_increase"]
+
+
+def test_answer_nll_on_the_full_cache_is_the_plain_models_teacher_forced_nll():
+    """Scoring a right-padded batch of question + answer rows after a keep-everything `CompactedCache` gives each
+    answer's mean NLL of a plain forward over context + question + answer (no cache)."""
+    model = tiny()
+    enable(model)
+    gen = torch.Generator().manual_seed(0)
+    context = torch.randint(3, 259, (1, 50), generator=gen)
+    questions = [torch.randint(3, 259, (n,), generator=gen) for n in (5, 9)]
+    answers = [torch.randint(3, 259, (n,), generator=gen) for n in (7, 3)]
+    cache = prefill_context(model, context)
+    full = CompactedCache.from_selection(cache, _keep_everything(cache))
+    reference = _ReferenceAnswers.build(questions, answers, pad_id=0)
+    expected = []
+    for question, answer in zip(questions, answers):
+        ids = torch.cat([context[0], question, answer])[None]
+        with torch.no_grad():
+            log_probs = torch.log_softmax(model(ids).logits[0, -len(answer) - 1 : -1].double(), dim=-1)
+        expected.append(-log_probs.gather(1, answer[:, None]).mean().item())
+    assert reference.nll(model, full) == pytest.approx(sum(expected) / 2, abs=1e-5)
+
+
+def test_a_head_whose_compression_changes_nothing_gets_no_budget(tokenizer):
+    """KV head 1 of layer 0 has zero values (v_proj rows and bias zeroed): removing it changes no output, so its
+    NLL increase is exactly 0 and it gets the least share (the floor); heads that matter get more."""
+    model = tiny()
+    head_dim = model.config.head_dim
+    v_proj = model.model.layers[0].self_attn.v_proj
+    with torch.no_grad():
+        v_proj.weight[head_dim : 2 * head_dim] = 0
+        v_proj.bias[head_dim : 2 * head_dim] = 0
+    budgets = measure(model, tokenizer)
+    assert budgets.provenance["nll_increase"]["0"][1] == [0.0, 0.0]
+    assert budgets.provenance["nll_increase"]["0"][0][0] != 0.0
+    shares = [share for layer in budgets.weights.values() for share in layer]
+    assert budgets.weights[0][1] == min(shares) < budgets.weights[0][0]
+
+
+def test_calibrated_method_on_a_model_with_sliding_layers(tokenizer):
+    model = tiny("gemma3")
+    budgets = measure(model, tokenizer, method="kv_surgeon", fractions=(0.05, 0.3), query_cap=256)
+    assert sorted(budgets.weights) == [1, 3] and budgets.provenance["calibration"] == "repeat-pass queries"
+    assert all(math.isfinite(x) for row in budgets.provenance["nll_increase"]["3"] for x in row)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(texts="one text"), "texts must be a non-empty sequence"),
+        (dict(questions=[]), "questions must be a non-empty sequence"),
+        (dict(fractions=(0.1, 0.05)), "fractions must be strictly increasing numbers in \\[0, 1\\)"),
+        (dict(fractions=(0.0, 1.0)), "fractions must be strictly increasing"),
+        (dict(method="best"), "method must be one of"),
+        (dict(method="kv_surgeon", pool_factor=0.5), "pool_factor must be >= 1"),
+        (dict(max_answer_tokens=0), "max_answer_tokens must be a positive int"),
+        (dict(text_names=["a", "b"]), "text_names must name each of the 1 texts"),
+    ],
+)
+def test_compute_rejects_bad_arguments(tokenizer, kwargs, message):
+    texts = kwargs.pop("texts", [TEXT])
+    with pytest.raises(ValueError, match=message):
+        compute_head_budgets(tiny(), tokenizer, texts, **{"questions": QUESTIONS, **kwargs})
+
+
+# ---------------------------------------------------------------------------------------------------- shipped file, CLI
+def test_shipped_allocation_loads_without_a_model():
+    budgets = default_head_budgets()
+    assert budgets.provenance["kind"] == "sensitivity" and budgets.fingerprint["model_type"] == "qwen2"
+    counts = flat(budgets.token_budgets(10.0, 1000))
+    assert len(counts) == 48 and sum(counts) == 4800
+
+
+@pytest.mark.slow
+def test_shipped_allocation_matches_the_embedded_model(default_model):
+    model, tokenizer = default_model
+    budgets = default_head_budgets(model=model)  # checks the model-structure fields
+    current = model_fingerprint(model, tokenizer)
+    assert {k: budgets.fingerprint[k] for k in STRUCTURE_FIELDS} == {k: current[k] for k in STRUCTURE_FIELDS}
+    assert budgets.fingerprint["tokenizer_hash"] == current["tokenizer_hash"]
+
+
+def test_cli_head_budgets_on_a_tiny_model(tmp_path, tokenizer):
+    model_dir, out = tmp_path / "tiny", tmp_path / "budgets"
+    tiny().save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    text_file = tmp_path / "doc.txt"
+    text_file.write_text(TEXT, encoding="utf-8")
+    argv = ["head-budgets", "--model", str(model_dir), "--text-file", str(text_file), "--fractions", "0,0.1"]
+    argv += ["--method", "key_norm", "--max-answer-tokens", "4", "--out", str(out)]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(argv) == 0
+    assert "head budgets of 4 KV heads from 1 text(s)" in printed.getvalue()
+    budgets = HeadBudgets.load(out, model=tiny())
+    assert budgets.provenance["fractions"] == [0.0, 0.1] and budgets.provenance["texts"][0]["name"] == str(text_file)
