@@ -2,11 +2,32 @@
 
 - `CompactedCache`: a long reusable context read once, compacted offline per KV head (kept keys, refit values,
   per-entry logit biases), saved and reused with ``model.generate(past_key_values=...)``.
+- `StructuredMixedPrecisionCache` (PASK): during constrained decoding, each generated token's K/V is kept BF16,
+  packed INT4 or released per layer group, as a frozen `PolicyTable` decides from the structural tag that the
+  `StructuralLogitsProcessor` (lm-format-enforcer) resolves; `generate_calls` wires them into one call.
 - `enable(model)`: switches a model to hf_structkv's registered attention (no patching at import).
 """
 
+__version__ = "0.1.0"  # before the imports: submodules read it
+
 from .attention.registry import ATTENTION_NAME, enable, is_enabled
 from .cache.compacted import CompactedCache
+from .cache.mixed_precision import StructuredMixedPrecisionCache
+from .compaction.pipeline import compact
+from .policy import PolicyController, PolicyTable, illustrative_policy
+from .structure import StructuralLogitsProcessor
+from .structured_generation import generate_calls
 
-__all__ = ["ATTENTION_NAME", "CompactedCache", "enable", "is_enabled"]
-__version__ = "0.1.0"
+__all__ = [
+    "ATTENTION_NAME",
+    "CompactedCache",
+    "PolicyController",
+    "PolicyTable",
+    "StructuralLogitsProcessor",
+    "StructuredMixedPrecisionCache",
+    "compact",
+    "enable",
+    "generate_calls",
+    "illustrative_policy",
+    "is_enabled",
+]
