@@ -3,10 +3,12 @@ tokens generated before (history 128, 2K, 32K), with lm-format-enforcer's maskin
 
 The output is a JSON list of function calls (the embedded model's tokenizer, the illustrative policy): the history
 is a run of ``get_weather`` / ``book_flight`` calls, the measured window the ``--window`` tokens that follow it.
-Tagging is `GrammarSequence.advance` (our character-level parser walk); the controller is `PolicyController.step`
-(Algorithm 2). Masking (`allowed_token_mask`, lm-format-enforcer's allowed-token set) runs at every token, as in
-generation, and picks the tokens: the tokenizer's own token for the next characters when the grammar accepts it,
-else the next single character. Target (issue 3): tagging + controller flat, i.e. the 32K / 128 ratio <= 1.1.
+Tagging is `GrammarSequence.advance`
+(our character-level parser walk); the controller is `PolicyController.step` (Algorithm 2), timed in a walk without
+masking; lm-format-enforcer's masking (`allowed_token_mask`) is timed in a second walk that masks every token, as
+generation does, up to the longest ``--mask-histories`` entry (default 8K: the engine keys its states by the whole
+token prefix, so its time per token grows with the history and its memory quadratically).
+Target (issue 3): tagging + controller flat, i.e. the 32K / 128 ratio <= 1.1.
 
     .venv/bin/python benchmarks/controller_overhead.py --out benchmarks/results/controller_overhead.json
 """
@@ -70,51 +72,72 @@ def call_list_text(count: int) -> str:
     return json.dumps(calls)
 
 
-def measure(tokenizer, histories: list[int], window: int) -> list[dict]:
-    """Generate the call list token by token as the grammar allows it (the tokenizer's own token for the next
-    characters when lm-format-enforcer accepts it, else the next single character), timing each stage."""
-    total = max(histories) + window
-    text = call_list_text(total // 20 + 10)  # ~27 tokens per call
+def walk(tokenizer, length: int, window_starts: list[int], window: int, mask: bool) -> dict[int, dict[str, list]]:
+    """Walk ``length`` tokens of the call list, timing tagging, the controller and (with ``mask``) lm-format-
+    enforcer's masking for the ``window`` tokens after each of ``window_starts``.
+
+    A token is the tokenizer's own token for the next characters when the grammar accepts it, else the next single
+    character; with ``mask`` lm-format-enforcer decides acceptance, without it our own parser does (a token it cannot
+    tag is replaced by the single character)."""
+    text = call_list_text(length // 20 + 10)  # ~27 tokens per call
     schema = function_call_schema(TOOLS)
-    schema["maxItems"] = total  # lm-format-enforcer caps lists without maxItems at 20 items
-    adapter = JsonSchemaAdapter(tokenizer, schema)
+    schema["maxItems"] = length  # lm-format-enforcer caps lists without maxItems at 20 items
     policy = illustrative_policy()
-    sequence, controller = adapter.new_sequence(), PolicyController(policy, policy.costs)
+    sequence = JsonSchemaAdapter(tokenizer, schema).new_sequence()
+    controller = PolicyController(policy, policy.costs)
     vocab, cursor = len(tokenizer), 0
-    rows = {h: {"tagging": [], "controller": [], "masking": []} for h in histories}
-    for position in range(total):
-        start = time.perf_counter()
-        allowed = sequence.allowed_token_mask(vocab)
-        masking = time.perf_counter() - start
-        token = tokenizer(text[cursor : cursor + 32], add_special_tokens=False).input_ids[0]
-        if not bool(allowed[token]):
-            token = tokenizer(text[cursor], add_special_tokens=False).input_ids[0]
-            if not bool(allowed[token]):
-                raise RuntimeError(f"the grammar forbids {text[cursor]!r} at character {cursor}")
-        cursor += len(tokenizer.decode([token]))
+    times = {h: {"tagging": [], "controller": [], "masking": []} for h in window_starts}
+    for position in range(length):
+        masking, allowed = None, None
+        if mask:
+            start = time.perf_counter()
+            allowed = sequence.allowed_token_mask(vocab)
+            masking = time.perf_counter() - start
+        natural = tokenizer(text[cursor : cursor + 32], add_special_tokens=False).input_ids[0]
+        single = tokenizer(text[cursor], add_special_tokens=False).input_ids[0]
+        token = natural if allowed is None or bool(allowed[natural]) else single
         start = time.perf_counter()
         tags = sequence.advance(token)
         tagging = time.perf_counter() - start
+        if not tags and token != single:  # without masking: our parser rejected the natural token
+            sequence.rollback(1)
+            token = single
+            start = time.perf_counter()
+            tags = sequence.advance(token)
+            tagging = time.perf_counter() - start
+        if not tags or (allowed is not None and not bool(allowed[token])):
+            raise RuntimeError(f"the grammar forbids {text[cursor]!r} at character {cursor}")
+        cursor += len(tokenizer.decode([token]))
         start = time.perf_counter()
         controller.step(tags)
         stepping = time.perf_counter() - start
-        for h in histories:
+        for h in window_starts:
             if h <= position < h + window:
-                rows[h]["tagging"].append(tagging)
-                rows[h]["controller"].append(stepping)
-                rows[h]["masking"].append(masking)
+                times[h]["tagging"].append(tagging)
+                times[h]["controller"].append(stepping)
+                if masking is not None:
+                    times[h]["masking"].append(masking)
+    return times
+
+
+def measure(tokenizer, histories: list[int], window: int, mask_histories: list[int]) -> list[dict]:
+    """Two walks: tagging + controller alone at every history (what PASK adds), and, up to the longest of
+    ``mask_histories``, lm-format-enforcer's masking at every token as in generation (its parser states are keyed
+    by the whole token prefix: time per token grows with the history and memory quadratically — a walk masking up
+    to 32K was stopped at 8.8 GB resident)."""
+    control = walk(tokenizer, max(histories) + window, histories, window, mask=False)
+    masked = walk(tokenizer, max(mask_histories) + window, mask_histories, window, mask=True) if mask_histories else {}
     result = []
     for h in histories:
-        times = rows[h]
-        both = [a + b for a, b in zip(times["tagging"], times["controller"])]
+        both = [a + b for a, b in zip(control[h]["tagging"], control[h]["controller"])]
         result.append(
             {
                 "history": h,
                 "tokens_timed": len(both),
                 "tagging_plus_controller_us": 1e6 * statistics.median(both),
-                "tagging_us": 1e6 * statistics.median(times["tagging"]),
-                "controller_us": 1e6 * statistics.median(times["controller"]),
-                "masking_ms": 1e3 * statistics.median(times["masking"]),
+                "tagging_us": 1e6 * statistics.median(control[h]["tagging"]),
+                "controller_us": 1e6 * statistics.median(control[h]["controller"]),
+                "masking_ms": 1e3 * statistics.median(masked[h]["masking"]) if h in masked else None,
             }
         )
     return result
@@ -124,18 +147,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--histories", type=int, nargs="+", default=[128, 2048, 32768])
     parser.add_argument("--window", type=int, default=200, help="tokens timed after each history")
+    parser.add_argument(
+        "--mask-histories",
+        type=int,
+        nargs="*",
+        default=[128, 2048, 8192],
+        help="histories at which lm-format-enforcer's masking is timed too (it masks every token up to the longest)",
+    )
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     args = parser.parse_args()
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(ensure_default_snapshot())
     start = time.perf_counter()
-    rows = measure(tokenizer, sorted(args.histories), args.window)
+    rows = measure(tokenizer, sorted(args.histories), args.window, args.mask_histories)
     seconds = time.perf_counter() - start
     base = rows[0]["tagging_plus_controller_us"]
     print(f"{'history':>8} {'tag+ctrl µs':>12} {'tag µs':>8} {'ctrl µs':>8} {'ratio':>6} {'LMFE mask ms':>13}")
     for row in rows:
         row["ratio_to_shortest"] = row["tagging_plus_controller_us"] / base
-        mask = f"{row['masking_ms']:.2f}"
+        mask = "-" if row["masking_ms"] is None else f"{row['masking_ms']:.2f}"
         print(
             f"{row['history']:>8} {row['tagging_plus_controller_us']:>12.1f} {row['tagging_us']:>8.1f} "
             f"{row['controller_us']:>8.1f} {row['ratio_to_shortest']:>6.2f} {mask:>13}"
@@ -146,7 +176,7 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         record = {
             "command": f"benchmarks/controller_overhead.py --histories {' '.join(map(str, args.histories))} "
-            f"--window {args.window}",
+            f"--window {args.window} --mask-histories {' '.join(map(str, args.mask_histories))}",
             "medians_over_window": rows,
             "flat_target_met": flat,
             "seconds": seconds,

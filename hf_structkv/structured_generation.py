@@ -17,6 +17,7 @@ from transformers import LogitsProcessorList, PreTrainedModel, PreTrainedTokeniz
 
 from .cache.mixed_precision import StructuredMixedPrecisionCache
 from .policy.costs import Action
+from .policy.prefill import PrefillPolicy, batch_prefill_plan
 from .structure.processor import StructuralLogitsProcessor
 
 CALL_INSTRUCTION = (
@@ -97,6 +98,7 @@ def generate_calls(
     policy,
     max_new_tokens: int = 128,
     prefill_plan: torch.Tensor | None = None,
+    prefill_policy: PrefillPolicy | None = None,
     **generate_kwargs,
 ) -> StructuredGeneration:
     """Answer each question with function calls to ``tools`` under their JSON schema, on a mixed-precision cache.
@@ -110,6 +112,8 @@ def generate_calls(
         policy: the `PolicyTable` for this model (e.g. ``illustrative_policy()`` for the embedded model, or
             ``PolicyTable.all_high(model.config)``).
         prefill_plan: optional prompt actions for the cache (``[B, P, 3]``).
+        prefill_policy: alternatively, a `PrefillPolicy` from which the plan of the built prompts is made
+            (`batch_prefill_plan`, with ``policy``'s sink tokens and window).
         generate_kwargs: passed to ``model.generate`` (not ``logits_processor`` / ``past_key_values``: this call
             owns them).
     """
@@ -135,6 +139,12 @@ def generate_calls(
         batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     finally:
         tokenizer.padding_side = padding_side
+    if prefill_policy is not None:
+        if prefill_plan is not None:
+            raise ValueError("pass prefill_plan or prefill_policy, not both")
+        prefill_plan = batch_prefill_plan(
+            tokenizer, prompts, tools, prefill_policy, policy, batch["input_ids"], batch["attention_mask"]
+        )
     processor = StructuralLogitsProcessor(tokenizer, tools=tools)
     cache = StructuredMixedPrecisionCache(model, policy, processor=processor, prefill_plan=prefill_plan)
     generate_kwargs.setdefault("do_sample", False)

@@ -4,7 +4,9 @@ Prompt tokens take the prefill plan (default: all ``H``). Generated tokens take 
 `PolicyController` decides from the structural tag that the `StructuralLogitsProcessor` resolved for them. A tag is
 known only after the token's own forward pass (the processor sees the token when it scores the next one), so the
 schedule is computed lazily, in token order, when a layer asks for the actions of tokens leaving its recent window.
-Sink tokens (the first ``sink_tokens`` positions) are always ``H``.
+Prompt tokens without a plan are ``H``; a prefill plan carries its own sink protection (`plan_prefill` protects each
+row's first real tokens, which left padding moves away from position 0); generated tokens among the first
+``sink_tokens`` positions are ``H``.
 """
 
 from __future__ import annotations
@@ -99,9 +101,11 @@ class ActionSchedule:
             for position in range(max(start, prompt_length), stop):
                 for row in range(self.batch_size):
                     result[row, position - start] = int(self._decide_generated(row, position - prompt_length)[group])
-        sink_stop = min(stop, self.policy.sink_tokens)
-        if sink_stop > start:
-            result[:, : sink_stop - start] = int(Action.H)
+        # Sinks among generated tokens (a prompt shorter than sink_tokens); a prefill plan protects its own sinks
+        # at each row's first real token, which with left padding is not position 0.
+        sink_start, sink_stop = max(start, prompt_length or 0), min(stop, self.policy.sink_tokens)
+        if prompt_length is not None and sink_stop > sink_start:
+            result[:, sink_start - start : sink_stop - start] = int(Action.H)
         return result
 
     def crop(self, length: int) -> None:

@@ -2,6 +2,7 @@
 
 from .controller import PolicyController
 from .costs import Action, GroupCosts, layer_groups
+from .prefill import PrefillPlan, PrefillPolicy, batch_prefill_plan, illustrative_prefill_policy, plan_prefill
 from .table import PolicyEntry, PolicyLookup, PolicyTable, illustrative_policy
 
 __all__ = [
@@ -11,6 +12,11 @@ __all__ = [
     "PolicyEntry",
     "PolicyLookup",
     "PolicyTable",
+    "PrefillPlan",
+    "PrefillPolicy",
+    "batch_prefill_plan",
+    "illustrative_prefill_policy",
     "illustrative_policy",
     "layer_groups",
+    "plan_prefill",
 ]

@@ -4,10 +4,12 @@ from .adapter import GrammarAdapter, GrammarSequence
 from .function_calls import function_call_schema, parameter_schema
 from .lmfe import JsonSchemaAdapter
 from .processor import StructuralLogitsProcessor
+from .prompt_spans import PROMPT_LABELS, label_prompt, token_labels
 from .tags import NEXT, ROLES, STATES, TAG_CLASSES, StructuralTag
 
 __all__ = [
     "NEXT",
+    "PROMPT_LABELS",
     "ROLES",
     "STATES",
     "TAG_CLASSES",
@@ -17,5 +19,7 @@ __all__ = [
     "StructuralLogitsProcessor",
     "StructuralTag",
     "function_call_schema",
+    "label_prompt",
     "parameter_schema",
+    "token_labels",
 ]

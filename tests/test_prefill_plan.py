@@ -1,0 +1,346 @@
+"""The prefill companion's plan (PASK B.4): brute-force optimum on tiny inputs, budget, floors, protection, files, and
+end to end through `generate_calls` on a tiny model with the real tokenizer."""
+
+import itertools
+import random
+from fractions import Fraction
+
+import pytest
+import torch
+from test_mixed_precision_cache import mixed_policy
+from test_prompt_spans import TOOLS
+from transformers import AutoTokenizer
+
+from hf_structkv.models import ensure_default_snapshot, tiny_model
+from hf_structkv.policy import GroupCosts, illustrative_policy
+from hf_structkv.policy.costs import Action
+from hf_structkv.policy.prefill import (
+    PREFILL_POLICY_NAME,
+    PrefillPolicy,
+    batch_prefill_plan,
+    illustrative_prefill_policy,
+    plan_prefill,
+)
+from hf_structkv.policy.table import PolicyEntry
+from hf_structkv.structure.prompt_spans import PROMPT_LABELS, label_prompt, token_labels
+from hf_structkv.structured_generation import CALL_INSTRUCTION, generate_calls
+
+R, L, H = Action.R, Action.L, Action.H
+UNIT_COSTS = GroupCosts.from_dims([1, 1, 1], [4, 4, 4])  # m(L) - m(R) = m(H) - m(L) = 64 bits in every group
+
+
+def entry(action, floor, rl=(1.0, 1.0, 1.0), lh=(1.0, 1.0, 1.0)):
+    return PolicyEntry(tuple(Action[a] for a in action), tuple(Action[a] for a in floor), tuple(zip(rl, lh)))
+
+
+def random_policy(rng, costs, labels, concave):
+    entries = {}
+    for label in labels:
+        floor = [rng.choice("RLH") for _ in range(3)]
+        action = [rng.choice("RLH") for _ in range(3)]
+        pairs = [sorted((rng.uniform(0, 10), rng.uniform(0, 10)), reverse=concave or rng.random() < 0.5) for _ in "123"]
+        entries[label] = entry(action, floor, [p[0] for p in pairs], [p[1] for p in pairs])
+    return PrefillPolicy(costs, entries, budget=rng.choice([0.0, 0.2, 0.4, 0.6, 0.8, 1.0]), provenance="illustrative")
+
+
+def random_labels(rng, n, labels):
+    return [tuple(rng.sample(labels, 2 if rng.random() < 0.25 else 1)) for _ in range(n)]
+
+
+def reference_start(policy, labels):
+    """Floors and step priorities of one unprotected token, eq. 12 written out: one label -> its floor and scores;
+    several -> floor = max of their actions and floors, a score only where every label has the same one."""
+    entries = [policy.entries[label] for label in set(labels)]
+    if len(entries) == 1:
+        return list(entries[0].floor), [list(pair) for pair in entries[0].priorities]
+    floor = [max(max(e.action[c], e.floor[c]) for e in entries) for c in range(3)]
+    scores = [[e.priorities[c][s] for e in entries] for c in range(3) for s in range(2)]
+    unique = [score[0] if len(set(score)) == 1 else None for score in scores]
+    return floor, [unique[2 * c : 2 * c + 2] for c in range(3)]
+
+
+def brute_force(labels, costs, policy, sink, window):
+    """Every plan that keeps floors and protection and fits T_P; the largest summed priority of the steps it takes
+    (``None`` when even the floors do not fit)."""
+    n = len(labels)
+    target = Fraction(policy.budget) * n * costs.full
+    choices = []  # per token: (bits, summed priority) of each of its admissible action triples
+    for t, token in enumerate(labels):
+        if t < sink or t >= n - window:
+            choices.append([(costs.full, 0.0)])
+            continue
+        floor, scores = reference_start(policy, token)
+        per_group = []
+        for c in range(3):
+            options, gained = [(floor[c], 0.0)], 0.0
+            for a in range(floor[c], H):
+                if scores[c][a] is None:
+                    break
+                gained += scores[c][a]
+                options.append((a + 1, gained))
+            per_group.append(options)
+        choices.append(
+            [(costs.total([o[0] for o in combo]), sum(o[1] for o in combo)) for combo in itertools.product(*per_group)]
+        )
+    best = None
+    for plan in itertools.product(*choices):
+        if sum(bits for bits, _ in plan) <= target:
+            value = sum(v for _, v in plan)
+            best = value if best is None else max(best, value)
+    return best
+
+
+def taken_score(plan, labels, policy, sink, window):
+    n, total = len(labels), 0.0
+    for t, token in enumerate(labels):
+        if t < sink or t >= n - window:
+            continue
+        floor, scores = reference_start(policy, token)
+        for c in range(3):
+            total += sum(scores[c][a] for a in range(floor[c], int(plan.actions[t, c])))
+    return total
+
+
+def test_greedy_equals_the_brute_force_optimum_for_equal_step_costs_and_concave_priorities():
+    """B.4's greedy allocation is exact here: every adjacent step costs the same and each entry's
+    ρ(R→L) >= ρ(L→H), so the taken upgrades maximise the summed priority over all feasible plans."""
+    rng = random.Random(0)
+    labels = list(PROMPT_LABELS[:3])
+    checked = 0
+    for _ in range(200):
+        n, sink, window = rng.randint(1, 4), rng.randint(0, 1), rng.randint(0, 1)
+        policy = random_policy(rng, UNIT_COSTS, labels, concave=True)
+        token_labels_ = random_labels(rng, n, labels)
+        plan = plan_prefill(token_labels_, UNIT_COSTS, policy, sink, window)
+        best = brute_force(token_labels_, UNIT_COSTS, policy, sink, window)
+        if best is None:
+            assert plan.floor_excess_bits > 0
+            continue
+        assert taken_score(plan, token_labels_, policy, sink, window) == pytest.approx(best)
+        checked += 1
+    assert checked > 60
+
+
+def assert_plan_properties(plan, labels, costs, policy, sink, window):
+    n = len(labels)
+    target = Fraction(policy.budget) * n * costs.full
+    assert plan.actions.shape == (n, 3) and plan.actions.dtype == torch.int64
+    assert plan.payload_bits == sum(costs.total(row) for row in plan.actions.tolist())
+    assert plan.full_bits == n * costs.full and plan.payload_ratio == plan.payload_bits / plan.full_bits
+    floors_bits = 0
+    for t, token in enumerate(labels):
+        if t < sink or t >= n - window:
+            assert plan.actions[t].tolist() == [H, H, H]  # sinks and the recent window are protected
+            floors_bits += costs.full
+            continue
+        floor, scores = reference_start(policy, token)
+        floors_bits += costs.total(floor)
+        for c in range(3):
+            a = int(plan.actions[t, c])
+            assert a >= floor[c]  # floors are never crossed
+            assert all(scores[c][s] is not None for s in range(floor[c], a))  # no ambiguous step taken
+            if a < H and scores[c][a] is not None:
+                step = costs.cost(Action(a + 1), c) - costs.cost(Action(a), c)
+                assert plan.payload_bits + step > target  # maximal: no remaining upgrade would still fit
+    if floors_bits <= target:
+        assert plan.payload_bits <= target and plan.floor_excess_bits == 0  # the budget is met when feasible
+    else:
+        assert plan.payload_bits == floors_bits  # the floors stay; the excess is recorded
+        assert plan.floor_excess_bits == pytest.approx(float(floors_bits - target))
+
+
+def test_budget_floors_protection_and_maximality_on_random_inputs():
+    rng = random.Random(1)
+    for _ in range(200):
+        costs = GroupCosts.from_dims([rng.randint(1, 3) for _ in range(6)], [rng.choice([3, 4, 8]) for _ in range(6)])
+        policy = random_policy(rng, costs, list(PROMPT_LABELS), concave=False)
+        n, sink, window = rng.randint(1, 12), rng.randint(0, 3), rng.randint(0, 3)
+        labels = random_labels(rng, n, list(PROMPT_LABELS))
+        assert_plan_properties(plan_prefill(labels, costs, policy, sink, window), labels, costs, policy, sink, window)
+
+
+def test_ties_go_to_the_earlier_token_then_the_lower_group():
+    policy = PrefillPolicy(UNIT_COSTS, {"schema_scaffold": entry("RRR", "RRR")}, budget=0.0, provenance="illustrative")
+    labels = [("schema_scaffold",)] * 4
+    step = 64
+    for steps, want in [
+        (1, [[L, R, R], [R, R, R], [R, R, R], [R, R, R]]),
+        (2, [[H, R, R], [R, R, R], [R, R, R], [R, R, R]]),  # equal scores: position, then group, decide
+        (4, [[H, H, R], [R, R, R], [R, R, R], [R, R, R]]),
+        (7, [[H, H, H], [L, R, R], [R, R, R], [R, R, R]]),
+    ]:
+        budget = (steps + 0.5) * step / (4 * UNIT_COSTS.full)  # half a step of slack: float rounding
+        policy = PrefillPolicy(policy.costs, policy.entries, budget=budget, provenance="illustrative")
+        assert plan_prefill(labels, UNIT_COSTS, policy, 0, 0).actions.tolist() == want
+
+
+def test_priorities_order_the_upgrades_and_cross_label_tokens_take_the_max():
+    entries = {
+        "schema_scaffold": entry("RLL", "RRR", rl=(1, 2, 4), lh=(0.1, 0.2, 0.4)),
+        "schema_description": entry("LLL", "RRL", rl=(2, 4, 8), lh=(0.2, 0.4, 0.8)),
+    }
+    policy = PrefillPolicy(UNIT_COSTS, entries, budget=1.0, provenance="illustrative")
+    labels = [("schema_scaffold",), ("schema_description", "schema_scaffold"), ("function_name",)]
+    plan = plan_prefill(labels, UNIT_COSTS, policy, 0, 0)
+    # full budget: single-label tokens reach H; the cross-label token starts at max(action, floor) = L L L and its
+    # ambiguous scores are never used; a label without an entry is H.
+    assert plan.actions.tolist() == [[H, H, H], [L, L, L], [H, H, H]]
+    floors = 0 + 3 * 64 + 3 * 128
+    one_step = PrefillPolicy(UNIT_COSTS, entries, (floors + 64 + 32) / (3 * UNIT_COSTS.full), provenance="illustrative")
+    plan = plan_prefill(labels, UNIT_COSTS, one_step, 0, 0)
+    assert plan.actions[0].tolist() == [R, R, L]  # the upper group has the largest R->L score
+    zero = plan_prefill(labels, UNIT_COSTS, PrefillPolicy(UNIT_COSTS, entries, 0.0, provenance="illustrative"), 0, 0)
+    assert zero.actions.tolist() == [[R, R, R], [L, L, L], [H, H, H]]
+    assert zero.floor_excess_bits == zero.payload_bits == floors
+
+
+def test_policy_files_round_trip_and_the_illustrative_policy(tmp_path):
+    shipped = illustrative_prefill_policy()
+    decode = illustrative_policy()
+    assert shipped.provenance == "illustrative" and "promises no accuracy" in shipped.description
+    assert shipped.costs == decode.costs and shipped.fingerprint == decode.fingerprint
+    assert set(shipped.entries) == set(PROMPT_LABELS) and shipped.budget == 0.45
+    shipped.save_pretrained(tmp_path / "p")
+    assert PrefillPolicy.from_pretrained(tmp_path / "p") == shipped
+    record = shipped.to_json_dict()
+    for change, message in [
+        ({"extra": 1}, "unknown fields"),
+        ({"format_version": 9}, "format_version"),
+        ({"labels": ["protected_content"]}, "labels"),
+        ({"prefill_budget": 1.5}, "B_P"),
+        ({"entries": {"keyword": record["entries"]["schema_scaffold"]}}, "unknown prompt label"),
+        ({"conventions": {}}, "conventions"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            PrefillPolicy.from_json_dict({**record, **change})
+    with pytest.raises(ValueError, match=PREFILL_POLICY_NAME):
+        PrefillPolicy.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="built for another model"):
+        shipped.check_model(tiny_model("qwen2"))
+    with pytest.raises(ValueError, match="calibrated prefill policy needs"):
+        PrefillPolicy(UNIT_COSTS, {}, 0.5)
+    with pytest.raises(TypeError, match="GroupCosts"):
+        PrefillPolicy("costs", {}, 0.5, provenance="illustrative")
+
+
+def test_bad_plan_arguments_are_named():
+    policy = PrefillPolicy(UNIT_COSTS, {}, 0.5, provenance="illustrative")
+    with pytest.raises(ValueError, match="empty"):
+        plan_prefill([], UNIT_COSTS, policy, 0, 0)
+    with pytest.raises(ValueError, match="unknown prompt label"):
+        plan_prefill([("keyword",)], UNIT_COSTS, policy, 0, 0)
+    with pytest.raises(ValueError, match="at least one prompt label"):
+        plan_prefill([()], UNIT_COSTS, policy, 0, 0)
+    with pytest.raises(TypeError, match="tuple of labels"):
+        plan_prefill(["schema_scaffold"], UNIT_COSTS, policy, 0, 0)
+    with pytest.raises(ValueError, match="window must be"):
+        plan_prefill([("schema_scaffold",)], UNIT_COSTS, policy, 0, -1)
+    with pytest.raises(ValueError, match="group costs"):
+        plan_prefill([("schema_scaffold",)], GroupCosts.from_dims([1, 1, 1], [8, 8, 8]), policy, 0, 0)
+    with pytest.raises(TypeError, match="PrefillPolicy"):
+        plan_prefill([("schema_scaffold",)], UNIT_COSTS, illustrative_policy(), 0, 0)
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+QUESTIONS = ["What's the weather in Oslo in celsius?", "gcd of 12 and 18?"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(ensure_default_snapshot(), local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_model("qwen2", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, num_hidden_layers=3)
+
+
+def tiny_prefill_policy(model):
+    entries = dict(illustrative_prefill_policy().entries)
+    return PrefillPolicy(GroupCosts.from_config(model.config), entries, budget=0.45, provenance="illustrative")
+
+
+def prompt_of(tokenizer, question):
+    messages = [{"role": "system", "content": CALL_INSTRUCTION}, {"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+
+
+def test_generate_calls_applies_the_prefill_plan_to_the_cache(model, tokenizer):
+    decode_policy = mixed_policy(model, window=3, sink=2)
+    prefill_policy = tiny_prefill_policy(model)
+    prompt = prompt_of(tokenizer, QUESTIONS[0])
+    labels = token_labels(tokenizer, prompt, label_prompt(prompt, TOOLS))
+    plan = plan_prefill(labels, decode_policy.costs, prefill_policy, decode_policy.sink_tokens, decode_policy.window)
+    assert 0 < plan.payload_ratio <= 0.45 and plan.floor_excess_bits == 0
+    assert {R, L, H} <= set(plan.actions.flatten().tolist())
+    result = generate_calls(
+        model, tokenizer, QUESTIONS[0], TOOLS, decode_policy, max_new_tokens=12, prefill_policy=prefill_policy
+    )
+    n = result.prompt_length
+    assert n == len(labels)
+    schedule = result.cache.schedule
+    scheduled = torch.stack([schedule.actions(0, n, group)[0] for group in range(3)], dim=-1)
+    assert torch.equal(scheduled, plan.actions)
+    prompt_bits = sum(result.cache.costs.total(row) for row in scheduled.tolist())
+    assert prompt_bits == plan.payload_bits
+    total_bits = result.cache.scheduled_payload() * 8  # decides every tagged generated token first
+    assert total_bits == plan.payload_bits + schedule.controllers[0].scheduled_bits
+    for layer in result.cache.mixed_layers():  # every prompt token has left the window: stored as planned
+        for store, action in ((layer.high, H), (layer.low, L)):
+            _, positions = store.view() if store.num_entries() else (None, torch.empty(1, 0))
+            stored = sorted(p for p in positions[0].tolist() if 0 <= p < n)
+            assert stored == (plan.actions[:, layer.group] == action).nonzero().flatten().tolist()
+    explicit = generate_calls(
+        model, tokenizer, QUESTIONS[0], TOOLS, decode_policy, max_new_tokens=12, prefill_plan=plan.actions[None]
+    )
+    assert torch.equal(explicit.sequences, result.sequences)
+    with pytest.raises(ValueError, match="not both"):
+        generate_calls(
+            model, tokenizer, "q", TOOLS, decode_policy, prefill_plan=plan.actions[None], prefill_policy=prefill_policy
+        )
+
+
+def test_batch_plan_right_aligns_each_prompt_plan_and_releases_padding(model, tokenizer):
+    decode_policy = mixed_policy(model, window=3, sink=2)
+    prefill_policy = tiny_prefill_policy(model)
+    prompts = [prompt_of(tokenizer, q) for q in QUESTIONS]
+    tokenizer.padding_side, side = "left", tokenizer.padding_side
+    try:
+        batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    finally:
+        tokenizer.padding_side = side
+    plan = batch_prefill_plan(
+        tokenizer, prompts, TOOLS, prefill_policy, decode_policy, batch["input_ids"], batch["attention_mask"]
+    )
+    assert plan.shape == (*batch["input_ids"].shape, 3)
+    for row, prompt in enumerate(prompts):
+        n = int(batch["attention_mask"][row].sum())
+        labels = token_labels(tokenizer, prompt, label_prompt(prompt, TOOLS))
+        want = plan_prefill(labels, decode_policy.costs, prefill_policy, 2, 3).actions
+        assert torch.equal(plan[row, plan.shape[1] - n :], want)
+        assert bool((plan[row, : plan.shape[1] - n] == R).all())
+    with pytest.raises(ValueError, match="is not tokenizer"):
+        batch_prefill_plan(
+            tokenizer, prompts[::-1], TOOLS, prefill_policy, decode_policy, batch["input_ids"], batch["attention_mask"]
+        )
+
+
+@pytest.mark.slow
+def test_embedded_model_with_the_illustrative_prefill_and_decode_policies(default_model):
+    model, tokenizer = default_model
+    result = generate_calls(
+        model,
+        tokenizer,
+        QUESTIONS[0],
+        TOOLS,
+        illustrative_policy(model),
+        max_new_tokens=48,
+        prefill_policy=illustrative_prefill_policy(model),
+    )
+    schedule = result.cache.schedule
+    n = result.prompt_length
+    scheduled = torch.stack([schedule.actions(0, n, group)[0] for group in range(3)], dim=-1)  # [n, 3]
+    prompt_bits = sum(result.cache.costs.total(row) for row in scheduled.tolist())
+    assert prompt_bits / (n * result.cache.costs.full) <= 0.45
+    assert {R, L, H} <= set(scheduled.flatten().tolist())
+    assert result.calls[0] is not None and result.calls[0][0]["name"] == "get_weather"
