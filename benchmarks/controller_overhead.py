@@ -1,5 +1,5 @@
 """Per-token cost of PASK's online control — structural tagging + the policy controller — against the number of
-tokens generated before (history 128, 2K, 32K), with lm-format-enforcer's masking time beside it.
+tokens generated before (history 128, 2K, 8K, 32K), with lm-format-enforcer's masking time beside it.
 
 The output is a JSON list of function calls (the embedded model's tokenizer, the illustrative policy): the history
 is a run of ``get_weather`` / ``book_flight`` calls, the measured window the ``--window`` tokens that follow it.
@@ -145,7 +145,7 @@ def measure(tokenizer, histories: list[int], window: int, mask_histories: list[i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--histories", type=int, nargs="+", default=[128, 2048, 32768])
+    parser.add_argument("--histories", type=int, nargs="+", default=[128, 2048, 8192, 32768])
     parser.add_argument("--window", type=int, default=200, help="tokens timed after each history")
     parser.add_argument(
         "--mask-histories",

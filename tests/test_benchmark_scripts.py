@@ -126,3 +126,206 @@ def test_attention_kernels_smoke(tmp_path):
     assert all(row["tpot_s"] > 0 for row in e2e["rows"])
     assert caches["CompactedCache"]["stored_bytes"] < caches["DynamicCache"]["stored_bytes"]
     assert 0.4 < caches["StructuredMixedPrecisionCache"]["payload_ratio"] < 0.65
+
+
+# --------------------------------------------------------------------------------- benchmarks/compaction_qa.py
+QA_SCRIPT = BENCHMARKS / "compaction_qa.py"
+
+
+@pytest.fixture(scope="module")
+def qa():
+    return load_script(QA_SCRIPT)
+
+
+def word_counter(text: str) -> int:
+    return len(text.split())
+
+
+def test_compaction_qa_token_f1_matches_the_closed_form(qa):
+    # prediction "the cat sat on mat" -> [cat, sat, on, mat]; gold "a cat on a hat" -> [cat, on, hat]: 2 common
+    precision, recall = 2 / 4, 2 / 3
+    assert qa.token_f1("The cat sat on mat!", ("a cat on a hat",)) == pytest.approx(
+        2 * precision * recall / (precision + recall)
+    )
+    assert qa.token_f1("Paris.", ("London", "paris")) == 1.0  # best gold answer
+    assert qa.token_f1("nothing shared", ("Paris",)) == 0.0
+    assert qa.token_f1("", ("Paris",)) == 0.0 and qa.token_f1("the", (".",)) == 0.0  # empty after normalising
+
+
+def test_compaction_qa_take_until_and_sentences(qa):
+    pieces = ["a b", "c d e", "f"]  # costs 2 + 1, 3 + 1, 1 + 1
+    assert [qa.take_until(pieces, word_counter, budget) for budget in (2, 3, 6, 7, 8, 9)] == [0, 1, 1, 2, 2, 3]
+    assert qa.split_sentences("One.  Two!\nThree? four.five ") == ["One.", "Two!", "Three?", "four.five"]
+
+
+def test_compaction_qa_pareto_front_is_the_non_dominated_set(qa):
+    points = [(1.0, 0.2), (2.0, 0.5), (2.0, 0.4), (3.0, 0.5), (0.5, 0.1), (4.0, 0.9), (5.0, 0.3)]
+    brute = {
+        p
+        for p in points
+        if not any(q != p and q[0] <= p[0] and q[1] >= p[1] and (q[0] < p[0] or q[1] > p[1]) for q in points)
+    }
+    front = qa.pareto_front(points)
+    assert set(front) == brute and front == sorted(front)
+
+
+def test_compaction_qa_variant_parse(qa):
+    assert qa.Variant.parse("kv_surgeon") == qa.Variant("kv_surgeon", "repeat")
+    assert qa.Variant.parse("loo:self_study").label == "loo:self_study"
+    with pytest.raises(ValueError, match="is not a method"):
+        qa.Variant.parse("kv_surgery")
+    with pytest.raises(ValueError, match="must be one of"):
+        qa.Variant.parse("kv_surgeon:chat")
+    with pytest.raises(ValueError, match="query-free"):
+        qa.Variant.parse("streaming_llm:self_study")
+
+
+def test_compaction_qa_needle_documents_hold_each_needle_once(qa):
+    pytest.importorskip("long_context_eval")
+    (document,) = qa.needle_documents(word_counter, 300, 3, 1, qa.random.Random(0))
+    assert document.task == "needle" and len(document.questions) == 3
+    assert word_counter(document.text) <= 300
+    sentences = qa.split_sentences(document.text)
+    for depth, key, item in zip(document.source["depths"], document.source["keys"], document.questions, strict=True):
+        needle = qa.NEEDLE.format(key=key, value=item.answers[0])
+        assert document.text.count(needle) == 1 and key in item.question
+        assert abs(sentences.index(needle) / len(sentences) - depth) < 0.05
+
+
+def test_compaction_qa_squad_and_hotpotqa_documents(qa):
+    pytest.importorskip("long_context_eval")
+    squad = qa.squad_documents(word_counter, 1500, 4, 2, qa.random.Random(1))
+    titles = [article["title"] for document in squad for article in document.source["articles"]]
+    assert len(titles) == len(set(titles))  # no article in two documents
+    for document in squad:
+        assert len(document.questions) == 4 and word_counter(document.text) <= 1500
+        for item in document.questions:
+            assert any(answer in document.text for answer in item.answers)
+    (hotpot,) = qa.hotpotqa_documents(word_counter, 1500, 3, 1, qa.random.Random(2))
+    assert 1 <= len(hotpot.questions) <= 3 and word_counter(hotpot.text) <= 1500 + 2 * hotpot.text.count("Document ")
+    data = {item["_id"]: item for item in qa.package_json("hotpotqa.json")}
+    for question_id, item in zip(hotpot.source["question_ids"], hotpot.questions, strict=True):
+        assert item.answers[0].lower() not in ("yes", "no")
+        for title, _ in data[question_id]["supporting_facts"]:
+            assert f"\n{title}\n" in hotpot.text  # every gold paragraph is in the document
+
+
+def test_compaction_qa_summary_and_targets(qa):
+    def run(cache, ratio, seed, correct):
+        rows = [{"correct": c, "f1": float(c)} for c in correct]
+        return {"cache": cache, "ratio": ratio, "seed": seed, "task": "squad", "seconds": 2.0, "rows": rows}
+
+    runs = [run("full", 1.0, 0, [1, 1, 1, 0]), run("full", 1.0, 1, [1, 1, 1, 1])]
+    runs += [run("kv_surgeon", 10.0, 0, [1, 1, 0, 0]), run("kv_surgeon", 10.0, 1, [1, 1, 1, 1])]
+    runs += [run("kv_surgeon", 50.0, s, [1, 0, 0, 0]) for s in (0, 1)]
+    runs += [run("loo", 50.0, s, [0, 0, 0, 0]) for s in (0, 1)]
+    summary = {(row["cache"], row["ratio"]): row for row in qa.summarize(runs)}
+    assert summary[("full", 1.0)]["accuracy"] == pytest.approx(0.875)
+    ours = summary[("kv_surgeon", 10.0)]
+    assert ours["accuracy_per_seed"] == [0.5, 1.0] and ours["accuracy_std"] == pytest.approx(0.25)
+    assert ours["accuracy_vs_full"] == pytest.approx(0.75 / 0.875) and ours["questions_per_seed"] == 4
+    verdicts = qa.target_verdicts(list(summary.values()))["kv_surgeon"]
+    assert verdicts["at 10x keeps >= 90% of full-context accuracy"].startswith("not met (85.7% of full)")
+    assert verdicts["at 20x ahead of every baseline"].startswith("not measured")
+    assert verdicts["at 50x ahead of every baseline"].startswith("met (25.0% vs best baseline loo 0.0%")
+
+
+def test_compaction_qa_smoke(tmp_path):
+    pytest.importorskip("long_context_eval")
+    pytest.importorskip("matplotlib")
+    out, plot = tmp_path / "compaction_qa.json", tmp_path / "compaction_qa.png"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, str(QA_SCRIPT), "--tiny", "--doc-tokens", "900", "--questions", "2", "--seeds", "0", "1"]
+    command += ["--ratios", "10", "50", "--max-new-tokens", "3", "--query-cap", "128", "--out", str(out)]
+    subprocess.run([*command, "--plot", str(plot)], check=True, env=env, timeout=600, capture_output=True)
+    result = json.loads(out.read_text())
+    variants = ["kv_surgeon", "kv_surgeon:self_study", "loo", "am_hak", "h2o", "streaming_llm", "key_norm"]
+    assert [(row["cache"], row["ratio"]) for row in result["summary"]] == [("full", 1.0)] + [
+        (variant, ratio) for variant in variants for ratio in (10.0, 50.0)
+    ]
+    documents = result["documents"]
+    tasks = ("squad", "hotpotqa", "needle")
+    assert [(d["seed"], d["task"]) for d in documents] == [(seed, task) for seed in (0, 1) for task in tasks]
+    assert len(result["runs"]) == len(documents) * (1 + 2 * len(variants))
+    for row in result["summary"]:
+        assert 0 <= row["accuracy"] <= 1 and len(row["accuracy_per_seed"]) == 2 and row["pipeline_seconds"] > 0
+        assert set(row["accuracy_per_task"]) == set(tasks)
+    for run in result["runs"]:
+        if run["cache"] != "full":
+            assert run["stored_bytes"] > 0
+            assert (run["heldout_relative_loss"] is None) == (run["cache"] in ("streaming_llm", "key_norm"))
+    assert set(result["targets"]) == {"kv_surgeon", "kv_surgeon:self_study"}
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------------- benchmarks/compaction_loss.py
+LOSS_SCRIPT = BENCHMARKS / "compaction_loss.py"
+
+
+def test_compaction_loss_tiny_run_writes_json_and_plot(tmp_path):
+    from hf_structkv.compaction import HEAD_METHODS
+
+    pytest.importorskip("matplotlib")
+    benchmark = load_script(LOSS_SCRIPT)
+    out, plot = tmp_path / "loss.json", tmp_path / "loss.png"
+    argv = ["--tiny", "--min-tokens", "200", "--questions", "3", "--self-study-tokens", "4", "--query-cap", "256"]
+    argv += ["--threads", str(torch.get_num_threads())]  # main() sets the thread count: keep the session's
+    payload = benchmark.main([*argv, "--out", str(out), "--plot", str(plot)])
+
+    assert json.loads(out.read_text())["summary"] == payload["summary"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert payload["text"]["context_tokens"] >= 200
+    heads = len(payload["heads"])
+    assert heads == 4  # tiny qwen2: 2 layers x 2 KV heads
+    repeat, self_study = payload["summary"]["repeat"], payload["summary"]["self_study"]
+    assert sorted(repeat) == ["10", "100", "20", "5", "50"] and sorted(self_study) == ["100", "50"]
+    for by_method in (*repeat.values(), *self_study.values()):
+        assert sorted(by_method) == sorted(HEAD_METHODS)
+        for cell in by_method.values():
+            assert cell["heads"] == heads and math.isfinite(cell["median_loss"]) and cell["median_loss"] >= 0
+            assert cell["seconds_per_head"] > 0 and 0 <= cell["worse_than_eviction"] <= 1
+    assert len(payload["records"]) == heads * len(HEAD_METHODS) * (5 + 2)
+    for tier in ("repeat", "self_study"):
+        for per_rival in payload["kv_surgeon_beats"][tier].values():
+            assert sorted(per_rival) == ["am_hak", "loo"] and all(0 <= v <= 1 for v in per_rival.values())
+    assert [v["met"] in (True, False) for v in payload["targets"]] == [True, True, True]
+    # query-free methods ignore the calibration tier: identical losses on both tiers
+    assert self_study["50"]["streaming_llm"]["median_loss"] == repeat["50"]["streaming_llm"]["median_loss"]
+
+
+def test_compaction_loss_reductions_match_hand_counts():
+    benchmark = load_script(LOSS_SCRIPT)
+
+    def record(ratio, method, head, loss, seconds=1.0):
+        return {
+            "tier": "repeat",
+            "ratio": ratio,
+            "method": method,
+            "layer": 0,
+            "kv_head": head,
+            "heldout_loss": loss,
+            "heldout_eviction_loss": 0.5,
+            "seconds": seconds,
+        }
+
+    losses = {  # per ratio: method -> loss on heads 0, 1, 2
+        10: {"kv_surgeon": [0.1, 0.2, 0.6], "loo": [0.2, 0.3, 0.4], "am_hak": [0.1, 0.1, 0.1]},
+        50: {"kv_surgeon": [0.3, 0.3, 0.3], "loo": [0.4, 0.4, 0.4], "am_hak": [0.5, 0.5, 0.5]},
+    }
+    records = [
+        record(ratio, method, head, loss, seconds=2.0 if method == "kv_surgeon" else 1.0)
+        for ratio, per_method in losses.items()
+        for method, per_head in per_method.items()
+        for head, loss in enumerate(per_head)
+    ]
+    summary = benchmark.summarize(records)
+    assert summary["repeat"]["10"]["kv_surgeon"]["median_loss"] == 0.2
+    assert math.isclose(summary["repeat"]["10"]["kv_surgeon"]["mean_loss"], 0.3)
+    assert math.isclose(summary["repeat"]["10"]["kv_surgeon"]["worse_than_eviction"], 1 / 3)
+    fractions = benchmark.win_fractions(records)
+    assert fractions["repeat"]["10"] == {"loo": 2 / 3, "am_hak": 0.0}  # a tie (0.1 vs 0.1) is not a win
+    assert fractions["repeat"]["50"] == {"loo": 1.0, "am_hak": 1.0}
+    verdicts = benchmark.target_verdicts(summary, fractions, [10, 50])
+    assert [v["met"] for v in verdicts] == [False, False, False]  # 67% < 90%; am_hak lowest at 10x; 2x > 1.5x
+    assert verdicts[1]["measured"] == "10x: kv_surgeon 0.2000, lowest am_hak 0.1000; 50x: kv_surgeon 0.3000 lowest"
+    assert verdicts[2]["measured"] == "2.00x loo's time per head"

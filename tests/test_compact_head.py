@@ -132,6 +132,32 @@ def test_refit_values_satisfy_normal_equations(seed):
     assert gradient.abs().max() <= 1e-10 * outputs.abs().max()
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_shrunk_values_satisfy_their_normal_equations_and_limits(seed):
+    unnormalized, row_sums, outputs, logits = refit_inputs(seed)
+    attention = torch.softmax(logits + fit_multipliers(unnormalized, row_sums).log(), dim=1)
+    prior = torch.randn(attention.shape[1], outputs.shape[1], dtype=attention.dtype)
+    gram = attention.T @ attention
+    scale = gram.diagonal().mean()
+    values = fit_values(attention, outputs, prior=prior, shrinkage=0.1)
+    # gradient of ‖P V - O‖² + s ā ‖V - prior‖² vanishes
+    gradient = attention.T @ (attention @ values - outputs) + 0.1 * scale * (values - prior)
+    assert gradient.abs().max() <= 1e-10 * outputs.abs().max()
+    torch.testing.assert_close(fit_values(attention, outputs, prior=prior, shrinkage=1e12), prior)
+    with pytest.raises(ValueError, match="prior"):
+        fit_values(attention, outputs, shrinkage=0.1)
+
+
+def test_value_shrinkage_keeps_unconstrained_values_at_the_original_ones():
+    keys, values, calib, _ = random_head(7)
+    plain = compact_head(keys, values, calib, 8, method="loo")
+    shrunk = compact_head(keys, values, calib, 8, method="loo", value_shrinkage=1e9)
+    assert torch.equal(plain.indices, shrunk.indices)
+    torch.testing.assert_close(shrunk.values, values[shrunk.indices].to(shrunk.values.dtype))
+    with pytest.raises(ValueError, match="value_shrinkage"):
+        compact_head(keys, values, calib, 8, method="loo", value_shrinkage=-1.0)
+
+
 def test_compact_head_refit_is_optimal_for_its_support_and_biases():
     keys, values, calib, _ = random_head(5)
     head = compact_head(keys, values, calib, 8, method="loo")

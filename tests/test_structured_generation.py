@@ -66,6 +66,13 @@ def test_mixed_policy_reports_tags_actions_and_bytes(model, tokenizer):
     numbers = result.bytes_report()
     assert numbers["scheduled_payload_bytes"] == result.cache.scheduled_payload()
     assert 0 < numbers["budget_ratio"] < 1
+    # the prompt is kept H (no prefill plan): the whole saving is in the decode stage
+    assert numbers["prefill_ratio"] == 1.0 and numbers["decode_ratio"] < 1
+    prompt_tokens = 2 * result.prompt_length
+    decoded = sum(len(d) for d in result.cache.schedule.decided)
+    mixed = (prompt_tokens + decoded * numbers["decode_ratio"]) / (prompt_tokens + decoded)
+    full_tokens = numbers["full_payload_bytes"] * 8 / result.cache.costs.full
+    assert numbers["budget_ratio"] == pytest.approx(mixed * (prompt_tokens + decoded) / full_tokens)
 
 
 def test_bad_arguments_are_named(model, tokenizer):

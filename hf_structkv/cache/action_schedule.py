@@ -125,24 +125,29 @@ class ActionSchedule:
         if self.prefill_plan is not None:
             self.prefill_plan = self.prefill_plan[indices.cpu()]
 
-    def scheduled_bits(self, num_tokens: int) -> float:
-        """The ledger's payload over the first ``num_tokens`` positions of every sequence, in bits: prompt tokens
-        at their planned cost, generated tokens at their controller's charges (stop tokens free); tokens whose
-        tags are available are scheduled first."""
+    def scheduled_bits_by_stage(self, num_tokens: int) -> tuple[float, float, int]:
+        """The ledger's payload over the first ``num_tokens`` positions of every sequence, in bits, split by stage:
+        ``(prompt_bits, decode_bits, prompt_length)``. Prompt tokens cost their planned actions; generated tokens
+        their controller's charges (stop tokens free); tokens whose tags are available are scheduled first."""
         prompt_length = min(self._prompt_length() or 0, num_tokens)
-        total = 0.0
+        prompt = 0.0
         for group in range(3):
             planned = self.actions(0, prompt_length, group)  # [B, P]
             values, counts = planned.unique(return_counts=True)
-            total += sum(self.costs.cost(Action(int(a)), group) * int(n) for a, n in zip(values, counts))
+            prompt += sum(self.costs.cost(Action(int(a)), group) * int(n) for a, n in zip(values, counts))
+        decode = 0.0
         for row in range(self.batch_size):
             generated = num_tokens - prompt_length
             available = generated if self.processor is None else min(generated, self.processor.num_tagged(row))
             for index in range(available):
                 self._decide_generated(row, index)
-            total += self.controllers[row].scheduled_bits
-        return total
+            decode += self.controllers[row].scheduled_bits
+        return prompt, decode, prompt_length
 
+    def scheduled_bits(self, num_tokens: int) -> float:
+        """Prompt and decode payload together (`scheduled_bits_by_stage`)."""
+        prompt, decode, _ = self.scheduled_bits_by_stage(num_tokens)
+        return prompt + decode
 
 def _untagged(what: str) -> RuntimeError:
     return RuntimeError(

@@ -258,14 +258,18 @@ def evict(problem: HeadProblem, indices: torch.Tensor) -> CompactedHead:
     return CompactedHead(indices, bias, problem.values[indices])
 
 
-def refit_head(problem: HeadProblem, indices: torch.Tensor, bias_bound: float = 3.0) -> CompactedHead:
-    """Shared final refit on the support ``indices [t]``: multipliers (22) in ``[e^-β, e^β]``, then values (23).
+def refit_head(
+    problem: HeadProblem, indices: torch.Tensor, bias_bound: float = 3.0, value_shrinkage: float = 0.0
+) -> CompactedHead:
+    """Shared final refit on the support ``indices [t]``: multipliers (22) in ``[e^-β, e^β]``, then values (23),
+    shrunk toward the original values by ``value_shrinkage`` (`fit_values`).
 
     The biases are rounded to float32, the dtype they are served in, before the value solve.
     """
     weights = fit_multipliers(problem.unnormalized(indices), problem.row_sums, bias_bound)
     bias = weights.log().float().to(FLOAT)
-    values = fit_values(problem.compacted_attention(indices, bias), problem.outputs)
+    attention = problem.compacted_attention(indices, bias)
+    values = fit_values(attention, problem.outputs, prior=problem.values[indices], shrinkage=value_shrinkage)
     return CompactedHead(indices, bias, values)
 
 
@@ -297,7 +301,9 @@ class HeadMethod:
     def compact(self, problem: HeadProblem, budget: int, seed: int) -> CompactedHead:
         """Select, sort, then refit or evict; returns float64 bias and values."""
         indices = torch.sort(self.select(problem, budget, seed)).values
-        return refit_head(problem, indices, self.bias_bound) if self.refit else evict(problem, indices)
+        if not self.refit:
+            return evict(problem, indices)
+        return refit_head(problem, indices, self.bias_bound, self.value_shrinkage)
 
 
 HEAD_METHODS: dict[str, type[HeadMethod]] = {}
@@ -316,10 +322,13 @@ class CalibratedMethod(HeadMethod):
     needs_queries: ClassVar[bool] = True
     refit: bool = True
     bias_bound: float = 3.0
+    value_shrinkage: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.bias_bound > 0:
             raise ValueError(f"bias_bound must be > 0, got {self.bias_bound!r}")
+        if not self.value_shrinkage >= 0:
+            raise ValueError(f"value_shrinkage must be >= 0 (0: plain least squares), got {self.value_shrinkage!r}")
 
 
 @register
@@ -653,7 +662,7 @@ class KVMerger(CalibratedMethod):
     def compact(self, problem: HeadProblem, budget: int, seed: int) -> CompactedHead:
         pivots, merged = self.merge(problem, budget)
         if self.refit:
-            return refit_head(problem, pivots, self.bias_bound)
+            return refit_head(problem, pivots, self.bias_bound, self.value_shrinkage)
         return CompactedHead(pivots, torch.zeros(budget, dtype=FLOAT, device=pivots.device), merged)
 
 

@@ -84,26 +84,43 @@ def fit_multipliers(
     return weights
 
 
-def fit_values(attention: torch.Tensor, outputs: torch.Tensor, relative_ridge: float = 1e-6) -> torch.Tensor:
-    """Refit values ``V̂ = argmin ‖P̂ V̂ − O‖_F²`` (23).
+def fit_values(
+    attention: torch.Tensor,
+    outputs: torch.Tensor,
+    relative_ridge: float = 1e-6,
+    prior: torch.Tensor | None = None,
+    shrinkage: float = 0.0,
+) -> torch.Tensor:
+    """Refit values ``V̂ = argmin ‖P̂ V̂ − O‖_F²`` (23), optionally shrunk toward ``prior``.
 
-    By least squares (`least_squares`); if that fails numerically, the normal equations
-    ``(P̂ᵀP̂ + relative_ridge · ā · I) V̂ = P̂ᵀ O`` by Cholesky, ``ā`` the mean diagonal of ``P̂ᵀP̂``.
+    Without shrinkage: by least squares (`least_squares`); if that fails numerically, the normal equations
+    ``(P̂ᵀP̂ + relative_ridge · ā · I) V̂ = P̂ᵀ O`` by Cholesky, ``ā`` the mean diagonal of ``P̂ᵀP̂``. With
+    ``shrinkage = s > 0``: ``argmin ‖P̂ V̂ − O‖² + s ā ‖V̂ − prior‖²``, i.e. ``(P̂ᵀP̂ + s ā I) V̂ = P̂ᵀ O + s ā prior``:
+    directions the calibration queries barely constrain stay at the prior (the original values: eviction) instead
+    of growing without bound when ``P̂`` is ill-conditioned.
 
     Args:
         attention: ``P̂ [N, t]``, the compacted attention (rows sum to one).
         outputs: ``O [N, D_v]``, the original attention outputs.
+        prior: ``[t, D_v]`` values to shrink toward (needed when ``shrinkage > 0``).
+        shrinkage: ``s >= 0``, relative to ``ā``.
 
     Returns:
         ``V̂ [t, D_v]``.
     """
+    gram = attention.T @ attention
+    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    if shrinkage > 0:
+        if prior is None:
+            raise ValueError("shrinkage > 0 needs the prior values to shrink toward")
+        weight = shrinkage * gram.diagonal().mean()
+        factor = torch.linalg.cholesky(gram + weight * eye)
+        return torch.cholesky_solve(attention.T @ outputs + weight * prior.to(gram.dtype), factor)
     try:
         solution = least_squares(attention, outputs)
         if torch.isfinite(solution).all():
             return solution
     except torch.linalg.LinAlgError:
         pass
-    gram = attention.T @ attention
-    ridge = relative_ridge * gram.diagonal().mean()
-    factor = torch.linalg.cholesky(gram + ridge * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device))
+    factor = torch.linalg.cholesky(gram + relative_ridge * gram.diagonal().mean() * eye)
     return torch.cholesky_solve(attention.T @ outputs, factor)
