@@ -89,6 +89,28 @@ class StructuredGeneration:
         }
 
 
+def _chat(question: str | Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
+    """The chat of one question: the call instruction as system message (prepended to the question's own system
+    message, if any), then the user text or the given messages."""
+    if isinstance(question, str) and question:
+        return [{"role": "system", "content": CALL_INSTRUCTION}, {"role": "user", "content": question}]
+    if (
+        isinstance(question, Sequence)
+        and not isinstance(question, str)
+        and question
+        and all(isinstance(m, Mapping) and isinstance(m.get("role"), str) and "content" in m for m in question)
+    ):
+        messages = [dict(m) for m in question]
+        if messages[0]["role"] == "system":
+            messages[0]["content"] = f"{CALL_INSTRUCTION}\n\n{messages[0]['content']}"
+            return messages
+        return [{"role": "system", "content": CALL_INSTRUCTION}, *messages]
+    raise ValueError(
+        "each question must be a non-empty string or a non-empty list of chat messages {'role': ..., 'content': ...}, "
+        f"got {question!r}"
+    )
+
+
 def _parse_calls(text: str) -> list[dict] | None:
     try:
         calls = json.loads(text)
@@ -114,7 +136,8 @@ def generate_calls(
     calls); a batch of questions is left-padded. Greedy unless ``generate_kwargs`` say otherwise.
 
     Args:
-        questions: one question or a list (batch).
+        questions: one question or a list of them (batch); a question is the user's text or a list of chat
+            messages (``{"role", "content"}``, e.g. BFCL's prompts that open with a system message).
         tools: BFCL- or OpenAI-style tool definitions (`function_call_schema`).
         policy: the `PolicyTable` for this model (e.g. ``illustrative_policy()`` for the embedded model, or
             ``PolicyTable.all_high(model.config)``).
@@ -127,17 +150,14 @@ def generate_calls(
     for owned in ("logits_processor", "past_key_values", "cache"):
         if owned in generate_kwargs:
             raise ValueError(f"generate_calls builds {owned} itself; call model.generate directly to pass your own")
-    if isinstance(questions, str):
-        questions = [questions]
-    if not questions or not all(isinstance(q, str) and q for q in questions):
-        raise ValueError("questions must be a non-empty string or a non-empty list of non-empty strings")
+    if isinstance(questions, str) or (
+        isinstance(questions, Sequence) and questions and all(isinstance(m, Mapping) for m in questions)
+    ):
+        questions = [questions]  # one question: a text, or one chat (a list of messages)
+    if not questions or isinstance(questions, Mapping):
+        raise ValueError("questions must be a non-empty string or a non-empty list of questions")
     prompts = [
-        tokenizer.apply_chat_template(
-            [{"role": "system", "content": CALL_INSTRUCTION}, {"role": "user", "content": question}],
-            tools=list(tools),
-            add_generation_prompt=True,
-            tokenize=False,
-        )
+        tokenizer.apply_chat_template(_chat(question), tools=list(tools), add_generation_prompt=True, tokenize=False)
         for question in questions
     ]
     padding_side = tokenizer.padding_side

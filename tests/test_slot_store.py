@@ -27,7 +27,14 @@ def test_bulk_appends_fit_exactly_small_ones_grow_in_blocks_and_bytes_count_it()
     assert store.capacity == 5
     store.append(_fields(1, 1, 5), torch.arange(5, 6), torch.ones(1, 1, dtype=torch.bool))
     assert store.capacity == 9
-    assert store.nbytes() == 1 * 2 * 9 * 3 * 4 + 9 * 8  # keys fp32 + int64 slot map
+    assert store.nbytes() == 1 * 2 * 9 * 3 * 4 + 9 * 4  # keys fp32 + int32 slot map
+
+
+def test_long_histories_grow_by_a_thirty_second_of_the_capacity():
+    store = SlotStore(grow=4)
+    store.append(_fields(1, 320, 0), torch.arange(320), torch.ones(1, 320, dtype=torch.bool))
+    store.append(_fields(1, 1, 320), torch.arange(320, 321), torch.ones(1, 1, dtype=torch.bool))
+    assert store.capacity == 330
 
 
 def test_crop_and_select_rows():

@@ -81,6 +81,19 @@ def test_bad_arguments_are_named(model, tokenizer):
         generate_calls(model, tokenizer, "q", TOOLS, policy, logits_processor=[])
     with pytest.raises(ValueError, match="questions must be"):
         generate_calls(model, tokenizer, [], TOOLS, policy)
+    with pytest.raises(ValueError, match="each question must be"):
+        generate_calls(model, tokenizer, [[{"content": "no role"}]], TOOLS, policy)
+
+
+def test_chat_messages_keep_their_system_message_after_the_call_instruction():
+    from hf_structkv.structured_generation import CALL_INSTRUCTION, _chat
+
+    chat = _chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}])
+    assert (
+        chat[0] == {"role": "system", "content": CALL_INSTRUCTION + "\n\nBe brief."}
+        and chat[1]["content"] == "Weather?"
+    )
+    assert _chat([{"role": "user", "content": "Hi"}])[0]["content"] == CALL_INSTRUCTION
 
 
 @pytest.mark.slow

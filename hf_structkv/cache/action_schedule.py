@@ -149,6 +149,7 @@ class ActionSchedule:
         prompt, decode, _ = self.scheduled_bits_by_stage(num_tokens)
         return prompt + decode
 
+
 def _untagged(what: str) -> RuntimeError:
     return RuntimeError(
         f"{what} leaves the recent window before the structural processor has tagged it: pass the cache's "

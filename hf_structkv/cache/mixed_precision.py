@@ -46,7 +46,7 @@ def _visibility(mask: torch.Tensor | None, batch: int, q_len: int, seen: int, de
 
 def _gather_visibility(visible: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """``visible`` ``[B, q, seen]`` read at ``positions`` ``[B, n]`` (``-1`` = empty slot -> invisible)."""
-    index = positions.clamp_min(0).unsqueeze(1).expand(-1, visible.shape[1], -1)
+    index = positions.long().clamp_min(0).unsqueeze(1).expand(-1, visible.shape[1], -1)
     return visible.gather(-1, index) & (positions >= 0).unsqueeze(1)
 
 

@@ -2,7 +2,8 @@
 
 Entries of different batch rows arrive independently (one row releases a token that another keeps), so every row
 fills its own slots from the front; the tensors are padded to the longest row. A bulk append (a prompt leaving the
-recent window) allocates exactly what it needs; later appends grow the capacity by ``grow`` slots at a time.
+recent window) allocates exactly what it needs; later appends grow the capacity by ``max(grow, capacity / 32)``
+slots at a time (at most ~3% unused capacity on long histories, one copy per ``grow`` appends on short ones).
 The padding is real memory: `nbytes` counts the allocated capacity, `num_entries` the live entries.
 """
 
@@ -12,15 +13,15 @@ import torch
 
 
 class SlotStore:
-    """Named fields ``[B, H_kv, capacity, w]`` plus ``positions`` ``[B, capacity]`` (int64, ``-1`` = empty slot).
+    """Named fields ``[B, H_kv, capacity, w]`` plus ``positions`` ``[B, capacity]`` (int32, ``-1`` = empty slot).
 
     Within a row, entries are stored in the order they were appended, which is increasing position.
 
     Args:
-        grow: slots added when a small append needs room (bounds the copies to one per ``grow`` appends).
+        grow: the fewest slots added when a small append needs room.
     """
 
-    def __init__(self, grow: int = 64):
+    def __init__(self, grow: int = 16):
         if isinstance(grow, bool) or not isinstance(grow, int) or grow < 1:
             raise ValueError(f"grow must be a positive int, got {grow!r}")
         self.grow = grow
@@ -42,14 +43,14 @@ class SlotStore:
     def _initialize(self, new_fields: dict[str, torch.Tensor]) -> None:
         first = next(iter(new_fields.values()))
         self.counts = [0] * first.shape[0]
-        self.positions = torch.full((first.shape[0], 0), -1, dtype=torch.int64, device=first.device)
+        self.positions = torch.full((first.shape[0], 0), -1, dtype=torch.int32, device=first.device)
         self.fields = {name: t[:, :, :0].clone() for name, t in new_fields.items()}
 
     def _reserve(self, needed: int) -> None:
         """Make room for ``needed`` slots: exactly for a bulk append, else ``grow`` more slots."""
         if needed <= self.capacity:
             return
-        extra = max(needed, self.capacity + self.grow) - self.capacity
+        extra = max(needed, self.capacity + max(self.grow, self.capacity // 32)) - self.capacity
         self.positions = torch.nn.functional.pad(self.positions, (0, extra), value=-1)
         self.fields = {
             name: torch.cat([t, t.new_zeros((*t.shape[:2], extra, *t.shape[3:]))], dim=2)
@@ -61,7 +62,7 @@ class SlotStore:
 
         Args:
             new_fields: the same names as before, each ``[B, H_kv, k, w]``.
-            positions: ``[k]`` int64 absolute positions of the ``k`` candidate entries (shared by the rows).
+            positions: ``[k]`` integer absolute positions of the ``k`` candidate entries (shared by the rows).
             take: bool ``[B, k]``.
         """
         if not bool(take.any()):

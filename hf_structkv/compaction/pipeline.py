@@ -176,7 +176,7 @@ def compact(
     budgets="uniform",
     chunk_tokens: int | None = None,
     seed: int = 0,
-    progress: bool = False,
+    progress: bool = True,
     on_policy: bool = True,
     query_cap: int = DEFAULT_CAP,
     heldout_fraction: float = 0.1,

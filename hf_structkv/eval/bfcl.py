@@ -83,12 +83,6 @@ class BfclEntry:
     tools: tuple[dict, ...]
     ground_truth: tuple[dict, ...]
 
-    @property
-    def question(self) -> str:
-        """The turn's message contents joined by blank lines (a system message first, as it comes), the one user
-        text `generate_calls` takes."""
-        return "\n\n".join(message["content"] for message in self.messages)
-
 
 @cache
 def _read_lines(relative_path: str) -> tuple[dict, ...]:
@@ -192,9 +186,10 @@ class BfclEvaluation:
 
     Attributes:
         records: one dict per entry: ``id``, ``category``, ``valid``, ``error_type``, ``error``, ``text`` (the
-            generated text), ``calls`` (parsed, or ``None``), ``prompt_tokens``, ``generated_tokens``, the
-            `StructuredGeneration.bytes_report` numbers (``nbytes``, ``full_nbytes``, ``scheduled_payload_bytes``,
-            ``full_payload_bytes``, ``budget_ratio`` = the measured payload ratio B) and ``seconds``.
+            generated text), ``calls`` (parsed, or ``None``), ``prompt_tokens``, ``generated_tokens``, every
+            `StructuredGeneration.bytes_report` number (``nbytes``, ``full_nbytes``, ``scheduled_payload_bytes``,
+            ``full_payload_bytes``, ``budget_ratio`` = the measured payload ratio B, and its per-stage parts) and
+            ``seconds``.
         summary: ``cases``, ``correct``, ``accuracy``, ``per_category`` (cases / correct / accuracy each),
             ``mean_budget_ratio`` (mean B over entries), ``nbytes`` and ``full_nbytes`` (sums over entries; the
             physical bytes after generation vs a ``DynamicCache`` of the same tokens) and ``seconds``.
@@ -231,7 +226,9 @@ def evaluate_bfcl(
     records = []
     for entry in tqdm(entries, desc="bfcl", unit="case", disable=not progress):
         start = time.perf_counter()
-        result = generate_calls(model, tokenizer, entry.question, entry.tools, policy, max_new_tokens=max_new_tokens)
+        result = generate_calls(
+            model, tokenizer, list(entry.messages), entry.tools, policy, max_new_tokens=max_new_tokens
+        )
         seconds = time.perf_counter() - start
         calls = result.calls[0]
         verdict = check_calls(entry.category, entry.tools, entry.ground_truth, calls)

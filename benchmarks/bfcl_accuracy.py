@@ -1,0 +1,100 @@
+"""BFCL accuracy of constrained function calling on the mixed-precision cache, policies side by side.
+
+Each case of the chosen BFCL categories and split (seeded 1:1:3 calibration / development / test split, tool sets kept
+whole; `hf_structkv.eval.bfcl`) is answered greedily by the embedded model under the tools' JSON schema
+(`generate_calls`, batch 1) with a `StructuredMixedPrecisionCache` under each policy, and scored by BFCL's own AST
+checker. Reported per policy: accuracy overall and per category, mean measured payload ratio B, and the physical
+bytes after generation next to a `DynamicCache` of the same tokens. Choices belong on ``--split development``;
+``--split test`` is for final reporting. (Not named ``bfcl_eval.py``: run as a script, that name would shadow the
+``bfcl_eval`` package.)
+
+    python benchmarks/bfcl_accuracy.py --categories simple_python multiple parallel parallel_multiple \
+        --split development --limit 10 --policy all_high illustrative --out benchmarks/results/bfcl_accuracy.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import transformers
+
+from hf_structkv.eval.bfcl import CATEGORIES, SPLITS, bfcl_split, evaluate_bfcl
+from hf_structkv.models import load_default_model
+from hf_structkv.policy import PolicyTable, illustrative_policy
+
+
+def load_policy(name: str, model) -> PolicyTable:
+    """``all_high``, ``illustrative`` (hand-written, not calibrated) or a saved `PolicyTable` folder."""
+    if name == "all_high":
+        return PolicyTable.all_high(model)
+    if name == "illustrative":
+        return illustrative_policy(model)
+    if not Path(name).is_dir():
+        raise ValueError(f"--policy must be all_high, illustrative or a PolicyTable folder, got {name!r}")
+    return PolicyTable.from_pretrained(name, model=model)
+
+
+def print_table(results: list[dict], categories: list[str]) -> None:
+    header = f"{'policy':<16}{'cases':>6}{'accuracy':>10}" + "".join(f"{c[:14]:>16}" for c in categories)
+    print(header + f"{'mean B':>8}{'stored MB':>11}{'Dynamic MB':>12}{'s / case':>10}")
+    for result in results:
+        summary = result["summary"]
+        per_category = "".join(
+            f"{summary['per_category'][c]['accuracy']:>16.1%}" if c in summary["per_category"] else f"{'':>16}"
+            for c in categories
+        )
+        print(
+            f"{result['policy']:<16}{summary['cases']:>6}{summary['accuracy']:>10.1%}{per_category}"
+            f"{summary['mean_budget_ratio']:>8.3f}{summary['nbytes'] / 2**20:>11.2f}"
+            f"{summary['full_nbytes'] / 2**20:>12.2f}{summary['seconds'] / summary['cases']:>10.1f}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--categories", nargs="+", default=list(CATEGORIES[:4]), choices=CATEGORIES)
+    parser.add_argument("--split", default="development", choices=SPLITS)
+    parser.add_argument("--limit", type=int, default=10, help="cases per category (the split's seeded sample)")
+    parser.add_argument("--seed", type=int, default=0, help="split seed")
+    parser.add_argument(
+        "--policy", nargs="+", default=["all_high", "illustrative"], help="all_high | illustrative | PATH"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default="benchmarks/results/bfcl_accuracy.json")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    entries = bfcl_split(args.categories, args.split, seed=args.seed, limit=args.limit)
+    model, tokenizer = load_default_model()
+    results = []
+    for name in args.policy:
+        evaluation = evaluate_bfcl(
+            model, tokenizer, entries, load_policy(name, model), max_new_tokens=args.max_new_tokens, progress=True
+        )
+        results.append({"policy": name, "summary": evaluation.summary, "records": evaluation.records})
+
+    print(f"BFCL v4 {args.split} split (seed {args.seed}), {len(entries)} cases, {args.threads} thread(s)")
+    print_table(results, args.categories)
+    payload = {
+        "model": model.config.name_or_path,
+        "categories": args.categories,
+        "split": args.split,
+        "seed": args.seed,
+        "limit_per_category": args.limit,
+        "max_new_tokens": args.max_new_tokens,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "results": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(payload, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
