@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_structkv.compaction import (
     HEAD_METHODS,
@@ -50,7 +50,7 @@ from hf_structkv.compaction import (
 from hf_structkv.compaction.queries import branch_cache, cap_queries, capture_queries, repeat_pass_queries
 from hf_structkv.compaction.self_study import self_study_queries
 from hf_structkv.eval.squad import squad_document, squad_titles
-from hf_structkv.models import load_default_model, tiny_model
+from hf_structkv.models import load_default_model, tiny_byte_tokenizer, tiny_model
 from hf_structkv.prompts import document_chat_prompt, question_text
 
 TIERS = ("repeat", "self_study")
@@ -116,24 +116,6 @@ def _squad_questions(model, tokenizer, text, documents, taken, max_questions: in
     return _workload(model, tokenizer, text, questions, source)
 
 
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer (ids 3..258 are the bytes; pad 0, eos 1, bos 2) with a minimal chat template."""
-    from tokenizers import Tokenizer, decoders, models
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    vocab = {"<pad>": 0, "</s>": 1, "<s>": 2}
-    vocab.update({char: 3 + i for i, char in enumerate(sorted(ByteLevel.alphabet()))})
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", bos_token="<s>")
-    tokenizer.chat_template = (
-        "{% for m in messages %}<s>{{ m.role }}: {{ m.content }}</s>{% endfor %}"
-        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
-    )
-    return tokenizer
-
-
 def tiny_workload(min_tokens: int, max_questions: int, seed: int) -> Workload:
     """A random tiny Qwen2 model (byte tokenizer) and random words: a smoke test of the whole benchmark."""
     rng = random.Random(seed)
@@ -144,7 +126,7 @@ def tiny_workload(min_tokens: int, max_questions: int, seed: int) -> Workload:
     text = words(max(1, min_tokens // 5))
     questions = [words(5) + "?" for _ in range(max_questions)]
     model = tiny_model("qwen2", seed=seed, vocab_size=300)
-    return _workload(model, byte_tokenizer(), text, questions, {"dataset": "random words (--tiny)"})
+    return _workload(model, tiny_byte_tokenizer(), text, questions, {"dataset": "random words (--tiny)"})
 
 
 def heldout_queries(model, context_cache, question_ids: list[torch.Tensor], cap: int, seed: int) -> dict:

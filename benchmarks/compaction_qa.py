@@ -68,7 +68,7 @@ from hf_structkv.compaction import (
 )
 from hf_structkv.eval.squad import SquadQuestion, contains_answer, normalize_answer, squad_document, squad_titles
 from hf_structkv.generation import generation_inputs
-from hf_structkv.models import load_default_model, tiny_model
+from hf_structkv.models import load_default_model, tiny_byte_tokenizer, tiny_model
 from hf_structkv.prompts import document_chat_prompt, question_text
 
 TASKS = ("squad", "hotpotqa", "needle")
@@ -489,9 +489,8 @@ def load_model(tiny: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The embedded model, or (``tiny``) a random tiny Qwen2 model with the byte tokenizer of compaction_loss.py."""
     if not tiny:
         return load_default_model()
-    from compaction_loss import byte_tokenizer  # the benchmarks folder is on sys.path when a script runs
 
-    return tiny_model("qwen2", vocab_size=300, max_position_embeddings=8192), byte_tokenizer()
+    return tiny_model("qwen2", vocab_size=300, max_position_embeddings=8192), tiny_byte_tokenizer()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

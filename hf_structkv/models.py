@@ -31,6 +31,7 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
 )
@@ -268,3 +269,22 @@ def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **o
     torch.manual_seed(seed)  # weights are drawn in float32, then cast, so dtypes share them
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     return model.to(dtype).eval()
+
+
+def tiny_byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer for tiny test models, built offline: ids 3..258 are the 256 bytes (pad 0, eos 1, bos 2,
+    as `tiny_model`), with a minimal chat template. Use it with ``tiny_model(arch, vocab_size=300)`` (259 ids)."""
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    vocab = {"<pad>": 0, "</s>": 1, "<s>": 2}
+    vocab.update({char: 3 + i for i, char in enumerate(sorted(ByteLevel.alphabet()))})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", bos_token="<s>")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<s>{{ m.role }}: {{ m.content }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+    )
+    return tokenizer

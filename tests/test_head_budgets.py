@@ -14,9 +14,6 @@ import huggingface_hub
 import pytest
 import torch
 from huggingface_hub import CommitInfo, HfApi
-from tokenizers import Tokenizer, decoders, models
-from tokenizers.pre_tokenizers import ByteLevel
-from transformers import PreTrainedTokenizerFast
 
 from hf_structkv import CompactedCache, enable
 from hf_structkv.cli import main
@@ -32,7 +29,7 @@ from hf_structkv.compaction.budgets import (
     influence_curve,
 )
 from hf_structkv.hub import STRUCTURE_FIELDS, model_fingerprint
-from hf_structkv.models import tiny_model
+from hf_structkv.models import tiny_byte_tokenizer, tiny_model
 
 TEXT = (
     "Ada Lovelace wrote the first published program in 1843. She worked with Charles Babbage on the Analytical "
@@ -42,21 +39,6 @@ QUESTIONS = ("Who wrote the first program?", "When?")
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer (ids 3..258 are the bytes; pad 0, eos 1, bos 2) with a small chat template."""
-    vocab = {"<pad>": 0, "</s>": 1, "<s>": 2}
-    vocab.update({char: 3 + i for i, char in enumerate(sorted(ByteLevel.alphabet()))})
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", bos_token="<s>")
-    tokenizer.chat_template = (
-        "{% for m in messages %}<s>{{ m.role }}: {{ m.content }}</s>{% endfor %}"
-        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
-    )
-    return tokenizer
-
-
 def tiny(arch: str = "qwen2", **overrides):
     return tiny_model(arch, vocab_size=300, **overrides)
 
@@ -349,7 +331,7 @@ def test_a_head_that_hurts_more_gets_more_and_flat_curves_are_uniform():
 # ---------------------------------------------------------------------------------------------------- measurement
 @pytest.fixture(scope="module")
 def tokenizer():
-    return byte_tokenizer()
+    return tiny_byte_tokenizer()
 
 
 def measure(model, tokenizer, **kwargs):

@@ -202,3 +202,15 @@ def test_default_model_reloads_from_snapshot(default_model, monkeypatch):
     assert time.perf_counter() - start < 30
     assert model.dtype == torch.bfloat16 and not model.training
     assert tokenizer.eos_token == "<|im_end|>"
+
+
+def test_tiny_byte_tokenizer_round_trips_bytes_and_renders_chats():
+    from hf_structkv.models import tiny_byte_tokenizer
+
+    tokenizer = tiny_byte_tokenizer()
+    text = "héllo, wörld ✓"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert len(ids) == len(text.encode("utf-8")) and all(3 <= i < 259 for i in ids)
+    assert tokenizer.decode(ids) == text
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert chat == "<s>user: hi</s><s>assistant: "
