@@ -20,10 +20,12 @@ from .softmax_stats import (
     BLOCK_N,
     SplitStats,
     auto_splits,
+    launch_options,
     online_softmax_step,
     query_rows,
     row_block_size,
     scores,
+    stats_arguments,
     stats_dot,
     store_result,
 )
@@ -336,7 +338,7 @@ def triton_compacted_attention(
         appended_values,
         mask_arg,
         out,
-        *((out, out, out) if stats is None else (stats.m, stats.exp_sum, stats.acc)),
+        *stats_arguments(stats, out),
         float(scaling),
         float(softcap or 1.0),
         n_kv_heads,
@@ -356,13 +358,7 @@ def triton_compacted_attention(
         *mask_strides,
         *out.stride(),
         MASK_KIND=mask_kind,
-        USE_SOFTCAP=bool(softcap),
-        WRITE_PARTIALS=stats is not None,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_DV=block_dv,
+        **launch_options(query, softcap, stats, head_dim, block_m, block_dv),
     )
     if stats is not None:
         stats.merge_into(out, n_kv_heads, group, block_m)

@@ -24,10 +24,12 @@ from .softmax_stats import (
     BLOCK_N,
     SplitStats,
     auto_splits,
+    launch_options,
     online_softmax_step,
     query_rows,
     row_block_size,
     scores,
+    stats_arguments,
     stats_dot,
     store_result,
 )
@@ -303,7 +305,7 @@ def triton_mixed_precision_attention(
             value_scales,
             visible,
             out,
-            *((out, out, out) if stats is None else (stats.m, stats.exp_sum, stats.acc)),
+            *stats_arguments(stats, out),
             float(scaling),
             float(softcap or 1.0),
             n_kv_heads,
@@ -324,13 +326,7 @@ def triton_mixed_precision_attention(
             *visible.stride(),
             *out.stride(),
             INT4=is_int4,
-            USE_SOFTCAP=bool(softcap),
-            WRITE_PARTIALS=stats is not None,
-            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-            BLOCK_M=block_m,
-            BLOCK_N=BLOCK_N,
-            BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-            BLOCK_DV=block_dv,
+            **launch_options(query, softcap, stats, head_dim, block_m, block_dv),
         )
         split_base += n_splits
     if stats is not None:

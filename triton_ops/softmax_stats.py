@@ -214,6 +214,28 @@ class SplitStats:
         )
 
 
+def stats_arguments(stats: SplitStats | None, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three statistics pointers of a kernel launch: the split buffers, or ``out`` as an unused placeholder
+    when the kernel writes its result directly (one split)."""
+    return (out, out, out) if stats is None else (stats.m, stats.exp_sum, stats.acc)
+
+
+def launch_options(
+    query: torch.Tensor, softcap: float | None, stats: SplitStats | None, head_dim: int, block_m: int, block_dv: int
+) -> dict:
+    """Compile-time options shared by the attention kernels: soft-capping, partial-statistics output, FP32 dot
+    products for FP32 inputs (TF32 otherwise) and the block sizes."""
+    return {
+        "USE_SOFTCAP": bool(softcap),
+        "WRITE_PARTIALS": stats is not None,
+        "DOT_PRECISION": "ieee" if query.dtype == torch.float32 else "tf32",
+        "BLOCK_M": block_m,
+        "BLOCK_N": BLOCK_N,
+        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
+        "BLOCK_DV": block_dv,
+    }
+
+
 def row_block_size(n_rows: int) -> int:
     """``BLOCK_M``: 16 rows (the smallest ``tl.dot`` tile) for decode-sized groups, 64 for chunks."""
     return 16 if n_rows <= 16 else 64
