@@ -280,3 +280,12 @@ def test_exact_ledger_with_a_non_dyadic_budget():
     for i in range(1, 2001):
         charged += COSTS.total(controller.step((SCAFFOLD,)))
         assert controller.balance == float((i + 1) * allowance - charged)
+
+
+def test_policy_table_is_a_retention_policy_whose_controller_is_algorithm_2():
+    from hf_structkv.policy import RetentionController, RetentionPolicy
+
+    table = PolicyTable.all_high(COSTS)
+    assert isinstance(table, RetentionPolicy)
+    controller = table.controller(table.costs)
+    assert isinstance(controller, PolicyController) and isinstance(controller, RetentionController)

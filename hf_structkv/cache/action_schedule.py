@@ -25,7 +25,8 @@ class ActionSchedule:
     tokens), `crop` (rolls controllers and actions back), the batch-row operations.
 
     Args:
-        policy: the frozen `PolicyTable` (tags -> actions, floors, priorities, budget, sink and window).
+        policy: the frozen retention policy (`RetentionPolicy`: a `PolicyTable`, whose controllers run Algorithm 2,
+            or any object with ``costs``, ``sink_tokens``, ``window`` and ``controller(costs)``).
         costs: the model's `GroupCosts`.
         processor: the `StructuralLogitsProcessor` used in the same ``generate`` call, or ``None`` (then every
             generated token is unresolved and gets the policy's protection for unresolved tokens).
@@ -34,8 +35,6 @@ class ActionSchedule:
     """
 
     def __init__(self, policy, costs: GroupCosts, processor=None, prefill_plan: torch.Tensor | None = None):
-        from ..policy.controller import PolicyController
-
         if prefill_plan is not None:
             if not isinstance(prefill_plan, torch.Tensor) or prefill_plan.dim() != 3 or prefill_plan.shape[-1] != 3:
                 raise ValueError("prefill_plan must be an int tensor [batch, prompt_tokens, 3] of Action values")
@@ -45,7 +44,6 @@ class ActionSchedule:
         self.costs = costs
         self.processor = processor
         self.prefill_plan = None if prefill_plan is None else prefill_plan.to(torch.int64).cpu()
-        self._controller_class = PolicyController
         self.controllers: list = []
         self.first_length = 0
         self.decided: list[list[tuple[Action, Action, Action] | None]] = []
@@ -64,7 +62,7 @@ class ActionSchedule:
         if self.prefill_plan is not None and self.prefill_plan.shape[0] != batch_size:
             raise ValueError(f"prefill_plan has {self.prefill_plan.shape[0]} rows for a batch of {batch_size}")
         self.first_length = first_length
-        self.controllers = [self._controller_class(self.policy, self.costs) for _ in range(batch_size)]
+        self.controllers = [self.policy.controller(self.costs) for _ in range(batch_size)]
         self.decided = [[] for _ in range(batch_size)]
 
     def _prompt_length(self) -> int | None:

@@ -231,7 +231,7 @@ class StructuredMixedPrecisionCache(Cache):
 
     Args:
         model: the model (or its config: then enable the model yourself).
-        policy: a `PolicyTable` built for this model's layer and head dimensions.
+        policy: a `PolicyTable` built for this model's layer and head dimensions (or any `RetentionPolicy`).
         processor: the `StructuralLogitsProcessor` of the same generation (``None``: every generated token is
             unresolved, i.e. fully protected by the policy).
         prefill_plan: optional actions for the prompt tokens, int ``[B, P, 3]`` (see `ActionSchedule`).

@@ -3,6 +3,7 @@
 from .controller import PolicyController
 from .costs import Action, GroupCosts, layer_groups
 from .prefill import PrefillPlan, PrefillPolicy, batch_prefill_plan, illustrative_prefill_policy, plan_prefill
+from .retention import RetentionController, RetentionPolicy
 from .table import PolicyEntry, PolicyLookup, PolicyTable, illustrative_policy
 
 __all__ = [
@@ -13,6 +14,8 @@ __all__ = [
     "PolicyLookup",
     "PolicyTable",
     "PrefillPlan",
+    "RetentionController",
+    "RetentionPolicy",
     "PrefillPolicy",
     "batch_prefill_plan",
     "illustrative_prefill_policy",

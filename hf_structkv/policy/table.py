@@ -429,6 +429,12 @@ class PolicyTable:
         )
 
     # ------------------------------------------------------------------------------------------------ JSON
+    def controller(self, costs: GroupCosts):
+        """A fresh `PolicyController` (Algorithm 2) for one sequence of a model with ``costs``."""
+        from .controller import PolicyController
+
+        return PolicyController(self, costs)
+
     def to_json_dict(self) -> dict[str, Any]:
         """The ``policy_table.json`` content (see the module docstring)."""
         return {
