@@ -63,7 +63,6 @@ from hf_structkv.compaction import (
     QUERY_TIERS,
     SelfStudy,
     compact,
-    default_head_budgets,
     prefill_context,
 )
 from hf_structkv.eval.squad import SquadQuestion, contains_answer, normalize_answer, squad_document, squad_titles
@@ -504,9 +503,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--query-cap", type=int, default=2048, help="fitting queries per KV head (calibrated methods)")
     parser.add_argument("--on-policy", action="store_true", help="on-policy calibration (one forward per layer)")
-    parser.add_argument("--budgets", choices=("uniform", "default"), default="uniform", help="default: shipped ones")
+    parser.add_argument(
+        "--budgets", choices=("auto", "uniform"), default="auto", help="auto: compact()'s default (shipped allocation)"
+    )
     parser.add_argument("--chunk-tokens", type=int, default=None, help="compact chunk by chunk (None: one chunk)")
-    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=8, help="questions answered per generate call")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tiny", action="store_true", help="random tiny model, byte tokenizer (smoke test)")
@@ -518,8 +519,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(not 1 <= ratio < math.inf for ratio in args.ratios):
         parser.error("--ratios must be finite numbers >= 1")
-    if args.budgets == "default" and args.tiny:
-        parser.error("--budgets default is the embedded model's allocation; use uniform with --tiny")
     try:
         args.variants = list(dict.fromkeys(map(Variant.parse, args.methods)))
     except ValueError as err:
@@ -532,7 +531,6 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     model, tokenizer = load_model(args.tiny)
-    budgets = default_head_budgets(model) if args.budgets == "default" else "uniform"
 
     def count_tokens(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False).input_ids)
@@ -570,7 +568,7 @@ def main(argv: list[str] | None = None) -> None:
                         ratio=ratio,
                         method=variant.method,
                         queries=variant.queries,
-                        budgets=budgets,
+                        budgets=args.budgets,
                         chunk_tokens=args.chunk_tokens,
                         seed=seed,
                         progress=False,

@@ -202,7 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
             "facts, a JSON structuring and three questions answered; CPU-sized answer lengths)",
         )
         p.add_argument(
-            "--budgets", default="uniform", help="'uniform' (default) or the path of a saved head-budget allocation"
+            "--budgets",
+            default="auto",
+            help="'auto' (default: the shipped sensitivity-based allocation for the embedded model's structure, else "
+            "uniform), 'uniform', or the path of a saved head-budget allocation",
         )
         p.add_argument(
             "--chunk-tokens",

@@ -121,7 +121,7 @@ def test_parser_defaults():
     assert (args.model, args.dtype, args.squad_article, args.squad_paragraphs) == ("default", "float32", "Normans", 20)
     assert (args.ratio, args.method, args.context_file) == (8.0, "kv_surgeon", None)
     assert (args.on_policy, args.query_cap) == (False, 4096)
-    assert (args.queries, args.budgets, args.chunk_tokens) == ("repeat", "uniform", None)
+    assert (args.queries, args.budgets, args.chunk_tokens) == ("repeat", "auto", None)
     assert (args.push, args.private) == (None, False)
     args = build_parser().parse_args(["generate", "--cache", "c", "--question", "a", "--question", "b"])
     assert args.question == ["a", "b"] and args.max_new_tokens == 48

@@ -154,7 +154,11 @@ def test_compact_metadata(llama):
     assert metadata["hyperparameters"] == {"ratio": 2.0, "seed": 0, "sink_tokens": 3}
     assert isinstance(metadata["hyperparameters"]["ratio"], float)
     assert metadata["calibration"] == "none (query-free selection)"
-    assert metadata["budgets"] == {"source": "uniform", "rule": "max(1, floor(chunk_length / ratio)) per KV head"}
+    assert metadata["budgets"] == {
+        "source": "uniform",
+        "rule": "max(1, floor(chunk_length / ratio)) per KV head",
+        "requested": "auto",
+    }
     assert metadata["chunking"] == {"chunk_tokens": None, "document_lengths": [16], "chunk_spans": [[0, 16]]}
     assert metadata["prefill_chunk_tokens"] == 1024
     assert 0 <= metadata["compaction_seconds"] < 60
@@ -375,6 +379,14 @@ def test_budgets_from_a_real_head_budgets_file(llama, tmp_path):
     uniform = compact(llama, None, ids, ratio=4, method="streaming_llm")
     assert from_file.head_lengths() == uniform.head_lengths() == [[10, 10], [10, 10]]
     assert from_file.metadata["budgets"]["provenance"] == {"kind": "uniform"}
+
+
+def test_auto_budgets_fall_back_to_uniform_for_a_model_without_a_shipped_allocation(llama):
+    ids = context_ids(40)
+    auto = compact(llama, None, ids, ratio=4, method="streaming_llm")
+    uniform = compact(llama, None, ids, ratio=4, method="streaming_llm", budgets="uniform")
+    assert auto.head_lengths() == uniform.head_lengths() == [[10, 10], [10, 10]]
+    assert auto.metadata["budgets"]["requested"] == "auto" and "requested" not in uniform.metadata["budgets"]
 
 
 class TestBudgetsRejectBadInput:

@@ -435,6 +435,23 @@ def test_shipped_allocation_matches_the_embedded_model(default_model):
     assert budgets.fingerprint["tokenizer_hash"] == current["tokenizer_hash"]
 
 
+@pytest.mark.slow
+def test_compact_uses_the_shipped_allocation_by_default_on_the_embedded_model(default_model):
+    from hf_structkv import compact
+
+    model, tokenizer = default_model
+    ids = tokenizer("The quick brown fox jumps over the lazy dog. " * 20, return_tensors="pt").input_ids
+    cache = compact(model, tokenizer, ids, ratio=10, method="streaming_llm", progress=False)
+    expected = default_head_budgets(model).token_budgets(10.0, ids.shape[1])
+    assert cache.metadata["budgets"]["source"] == "shipped" and cache.metadata["budgets"]["requested"] == "auto"
+    assert [cache.head_lengths()[i] for i in sorted(expected)] == [
+        [max(1, c) for c in expected[i]] for i in sorted(expected)
+    ]
+    uniform = compact(model, tokenizer, ids, ratio=10, method="streaming_llm", budgets="uniform", progress=False)
+    assert uniform.metadata["budgets"]["source"] == "uniform"
+    assert {n for layer in uniform.head_lengths() if layer for n in layer} == {ids.shape[1] // 10}
+
+
 def test_cli_head_budgets_on_a_tiny_model(tmp_path, tokenizer):
     model_dir, out = tmp_path / "tiny", tmp_path / "budgets"
     tiny().save_pretrained(model_dir)

@@ -87,8 +87,17 @@ def _budget_source(budgets, model: PreTrainedModel) -> tuple[object | None, dict
     A path or Hub id is read by ``HeadBudgets.load(path, model=model)``, which checks that it was computed for
     ``model``.
     """
+    uniform = {"source": "uniform", "rule": "max(1, floor(chunk_length / ratio)) per KV head"}
     if isinstance(budgets, str) and budgets == "uniform":
-        return None, {"source": "uniform", "rule": "max(1, floor(chunk_length / ratio)) per KV head"}
+        return None, uniform
+    if isinstance(budgets, str) and budgets == "auto":
+        from .budgets import default_head_budgets
+
+        try:
+            shipped = default_head_budgets(model)
+        except ValueError:  # another attention structure: no shipped allocation applies
+            return None, uniform | {"requested": "auto"}
+        return shipped, {"source": "shipped", "requested": "auto", "provenance": shipped.provenance}
     if isinstance(budgets, (str, os.PathLike)):
         from .budgets import HeadBudgets
 
@@ -173,7 +182,7 @@ def compact(
     ratio: float = 50.0,
     method: str = "kv_surgeon",
     queries: str = "repeat",
-    budgets="uniform",
+    budgets="auto",
     chunk_tokens: int | None = None,
     seed: int = 0,
     progress: bool = True,
@@ -218,8 +227,11 @@ def compact(
         method: one of ``METHODS``.
         queries: calibration tier for calibrated methods, one of ``QUERY_TIERS``: ``"repeat"`` (one teacher-forced
             repetition per chunk) or ``"self_study"`` (the repetition and four generated conversations per chunk).
-        budgets: ``"uniform"``; a ``HeadBudgets`` (any object with ``token_budgets(ratio, length) -> {global layer:
-            [kept entries per KV head]}``), asked once per chunk; or the folder, file or Hub id of a saved one
+        budgets: ``"auto"`` (default): the sensitivity-based allocation shipped for the embedded model
+            (`default_head_budgets`) when ``model`` has its attention structure, else uniform; ``"uniform"`` (every
+            KV head keeps the same share: the ablation); a ``HeadBudgets`` (any object with
+            ``token_budgets(ratio, length) -> {global layer: [kept entries per KV head]}``), asked once per chunk;
+            or the folder, file or Hub id of a saved one
             (``HeadBudgets.load(budgets, model=model)``). A count of 0 is raised to 1.
         chunk_tokens: compact chunk by chunk, each of at most this many tokens, packing whole consecutive documents
             (a document longer than ``chunk_tokens`` is cut into near-equal pieces; see `chunk_spans`); ``None``: the
