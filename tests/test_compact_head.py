@@ -297,3 +297,54 @@ def test_bad_input_raises_naming_the_argument(kwargs, error, match):
     arguments = {"keys": keys, "values": values, "queries": calib, "budget": 4} | kwargs
     with pytest.raises(error, match=match):
         compact_head(**arguments)
+
+
+def test_problem_split_is_a_seeded_disjoint_partition_of_the_queries():
+    from hf_structkv.compaction.methods import HeadProblem
+
+    keys, values, queries, _ = random_head(11, queries=25)
+    problem = HeadProblem.build(keys, values, queries)
+    fit, check = problem.split(0.2, seed=3)
+    assert (fit.queries.shape[0], check.queries.shape[0]) == (20, 5)
+    rows = {tuple(q.tolist()) for q in torch.cat([fit.queries, check.queries])}
+    assert rows == {tuple(q.tolist()) for q in queries}
+    assert torch.equal(check.queries, problem.split(0.2, seed=3)[1].queries)
+    assert not torch.equal(check.queries, problem.split(0.2, seed=4)[1].queries)
+    assert fit.keys is problem.keys and fit.values is problem.values
+    with pytest.raises(ValueError, match="at least two calibration queries"):
+        HeadProblem.build(keys, values, queries[:1]).split(0.2, seed=0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_refit_guard_returns_the_refit_or_the_eviction_that_wins_on_the_check_split(seed):
+    from hf_structkv.compaction.methods import HeadProblem, evict, refit_head
+
+    # Few queries (N = 12 < 16 kept entries): the value solve interpolates them and can overfit.
+    keys, values, queries, _ = random_head(seed, length=40, queries=12)
+    budget = 16
+    guarded = compact_head(keys, values, queries, budget, method="loo", refit_guard=0.25, seed=seed)
+    plain = compact_head(keys, values, queries, budget, method="loo", seed=seed)
+    problem = HeadProblem.build(keys, values, queries)
+    fit, check = problem.split(0.25, seed)
+    refit_wins = check.relative_loss(refit_head(fit, plain.indices)) <= check.relative_loss(evict(check, plain.indices))
+    assert torch.equal(guarded.indices, plain.indices)
+    if refit_wins:
+        assert torch.equal(guarded.bias, plain.bias) and torch.equal(guarded.values, plain.values)
+    else:
+        assert torch.equal(guarded.bias, torch.zeros_like(guarded.bias))
+        assert torch.equal(guarded.values, values[plain.indices])
+
+
+def test_refit_guard_evicts_where_the_refit_overfits_and_refits_where_it_generalises():
+    def evicted(queries, budget):
+        outcomes = []
+        for seed in range(6):
+            keys, values, calib, _ = random_head(seed, length=40, queries=queries)
+            guarded = compact_head(keys, values, calib, budget, method="loo", refit_guard=0.3, seed=seed)
+            outcomes.append(bool(torch.equal(guarded.values, values[guarded.indices])))
+        return sum(outcomes)
+
+    assert evicted(queries=10, budget=20) >= 4  # fewer queries than kept entries: the value solve interpolates
+    assert evicted(queries=120, budget=8) <= 2  # well-posed: the refit generalises
+    with pytest.raises(ValueError, match=r"refit_guard must be in \[0, 1\)"):
+        compact_head(*random_head(0)[:3], 5, method="loo", refit_guard=1.0)

@@ -247,6 +247,27 @@ def test_kv_surgeon_pipeline_records_calibration_and_heldout_quality():
     kept = layer.prefix_offsets[1]
     assert layer.prefix_bias.abs().max() > 0  # multipliers were fitted
     assert not torch.equal(layer.prefix_values[:kept], full.layers[0].values[0, 0, : int(kept)])
+    assert cache.metadata["hyperparameters"] == {"ratio": 4.0, "seed": 0, "refit_guard": 0.2}
+
+
+def test_compact_guards_the_refit_by_default_and_refit_guard_zero_is_the_papers_refit():
+    from hf_structkv.compaction.pipeline import DEFAULT_REFIT_GUARD, _split_queries
+    from hf_structkv.compaction.queries import repeat_pass_queries
+
+    model, tokenizer, ids = tiny_model("llama"), WordTokenizer(), context_ids(40)
+    full = prefill_context(model, ids)
+    fit, _ = _split_queries(repeat_pass_queries(model, tokenizer, ids, cap=None)[0], 0.1, 50_000, 0)
+    for guard in (DEFAULT_REFIT_GUARD, 0.0):
+        kwargs = {} if guard == DEFAULT_REFIT_GUARD else {"refit_guard": 0.0}
+        cache = compact(model, tokenizer, ids, ratio=4, method="loo", on_policy=False, **kwargs)
+        assert cache.metadata["hyperparameters"]["refit_guard"] == guard
+        layer = cache.layers[0]
+        for h in range(2):
+            expected = compact_head(
+                full.layers[0].keys[0, h], full.layers[0].values[0, h], fit[h], 10, "loo", refit_guard=guard
+            )
+            a, b = layer.prefix_offsets[h], layer.prefix_offsets[h + 1]
+            torch.testing.assert_close(layer.prefix_values[a:b], expected.values)
 
 
 def test_on_policy_layer_is_fitted_to_queries_with_earlier_layers_compacted():
@@ -274,7 +295,9 @@ def test_on_policy_layer_is_fitted_to_queries_with_earlier_layers_compacted():
     queries = repeat_pass_queries(model, tokenizer, ids, cap=None, context_cache=selection.build(full))
     fit, _ = _split_queries(queries[1], 0.1, 50_000, 0)
     for h in range(2):
-        expected = compact_head(full.layers[1].keys[0, h], full.layers[1].values[0, h], fit[h], 10, "kv_surgeon")
+        expected = compact_head(
+            full.layers[1].keys[0, h], full.layers[1].values[0, h], fit[h], 10, "kv_surgeon", refit_guard=0.2
+        )
         a, b = on.layers[1].prefix_offsets[h], on.layers[1].prefix_offsets[h + 1]
         torch.testing.assert_close(on.layers[1].prefix_bias[a:b], expected.bias)
         torch.testing.assert_close(on.layers[1].prefix_values[a:b], expected.values)

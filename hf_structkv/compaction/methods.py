@@ -141,6 +141,17 @@ class HeadProblem:
         """``P̂ = diag(P_S w)^{-1} P_S diag(w)`` ``[N, t]``, ``w = exp(bias)``: the stable softmax of ``Z_S + bias``."""
         return torch.softmax(self.logits(indices) + bias, dim=1)
 
+    def split(self, fraction: float, seed: int) -> tuple[HeadProblem, HeadProblem]:
+        """Seeded disjoint split of the queries: ``(fit, check)`` problems over the same keys and values, ``check``
+        holding ``max(1, round(fraction N))`` queries and ``fit`` the rest (``N >= 2``)."""
+        if self.queries is None or self.queries.shape[0] < 2:
+            raise ValueError("a split needs at least two calibration queries")
+        n = self.queries.shape[0]
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(self.queries.device)
+        n_check = min(n - 1, max(1, round(fraction * n)))
+        fit, check = self.queries[order[n_check:]], self.queries[order[:n_check]]
+        return replace(self, queries=fit), replace(self, queries=check)
+
     def relative_loss(self, head: CompactedHead) -> float:
         """``L(S, w, V̂) / ‖O‖_F²`` (4) of ``head`` on this problem's queries (0 when both are zero)."""
         indices = head.indices.to(self.keys.device)
@@ -303,7 +314,7 @@ class HeadMethod:
         indices = torch.sort(self.select(problem, budget, seed)).values
         if not self.refit:
             return evict(problem, indices)
-        return refit_head(problem, indices, self.bias_bound, self.value_shrinkage)
+        return self.complete(problem, indices, seed)
 
 
 HEAD_METHODS: dict[str, type[HeadMethod]] = {}
@@ -317,18 +328,38 @@ def register(cls: type[HeadMethod]) -> type[HeadMethod]:
 
 @dataclass(frozen=True)
 class CalibratedMethod(HeadMethod):
-    """A selection rule scored on calibration queries, completed by the shared final refit (unless ``refit=False``)."""
+    """A selection rule scored on calibration queries, completed by the shared final refit (unless ``refit=False``).
+
+    Hyperparameters of the completion: ``bias_bound`` β (multipliers in ``[e^-β, e^β]``), ``value_shrinkage`` (see
+    `fit_values`), ``refit_guard`` (share of the queries held out to choose, per head, between the refit and plain
+    eviction of the same selection; 0, the paper's setting, always refits).
+    """
 
     needs_queries: ClassVar[bool] = True
     refit: bool = True
     bias_bound: float = 3.0
     value_shrinkage: float = 0.0
+    refit_guard: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.bias_bound > 0:
             raise ValueError(f"bias_bound must be > 0, got {self.bias_bound!r}")
+        if not 0 <= self.refit_guard < 1:
+            raise ValueError(f"refit_guard must be in [0, 1) (0: always refit), got {self.refit_guard!r}")
         if not self.value_shrinkage >= 0:
             raise ValueError(f"value_shrinkage must be >= 0 (0: plain least squares), got {self.value_shrinkage!r}")
+
+    def complete(self, problem: HeadProblem, indices: torch.Tensor, seed: int) -> CompactedHead:
+        """The shared final refit on ``indices``; with ``refit_guard = f > 0``, plain eviction instead when the refit,
+        fitted on a seeded ``1 - f`` share of the queries, loses more than eviction on the other ``f``."""
+        refit = refit_head(problem, indices, self.bias_bound, self.value_shrinkage)
+        if not self.refit_guard or problem.queries.shape[0] < 2:
+            return refit
+        fit, check = problem.split(self.refit_guard, seed)
+        trial = refit_head(fit, indices, self.bias_bound, self.value_shrinkage)
+        if check.relative_loss(trial) <= check.relative_loss(evict(check, indices)):
+            return refit
+        return evict(problem, indices)
 
 
 @register
