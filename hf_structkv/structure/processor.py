@@ -44,7 +44,8 @@ class StructuralLogitsProcessor(LogitsProcessor):
     """Masks what the grammar forbids and tags every generated token from its parser transition.
 
     Give exactly one of ``tools`` (BFCL / OpenAI tool definitions -> :func:`function_call_schema`), ``schema`` (a
-    JSON schema) or ``adapter`` (any :class:`GrammarAdapter`, e.g. a future SQL grammar).
+    JSON schema) or ``adapter`` (any :class:`GrammarAdapter`, e.g. the xgrammar SQL grammar
+    :class:`~hf_structkv.structure.xgrammar_sql.SqlGrammarAdapter`).
 
     Args:
         tokenizer: the model's tokenizer (needed for ``tools`` / ``schema``).
