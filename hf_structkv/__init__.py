@@ -4,7 +4,10 @@
   per-entry logit biases), saved and reused with ``model.generate(past_key_values=...)``.
 - `StructuredMixedPrecisionCache` (PASK): during constrained decoding, each generated token's K/V is kept BF16,
   packed INT4 or released per layer group, as a frozen `PolicyTable` decides from the structural tag that the
-  `StructuralLogitsProcessor` (lm-format-enforcer) resolves; `generate_calls` wires them into one call.
+  `StructuralLogitsProcessor` (lm-format-enforcer) resolves; `generate_calls` wires them into one call, `generate_sql`
+  does the same for text-to-SQL under one database's SQL grammar (xgrammar).
+- `calibrate` (PASK Algorithm 1): calibrates a `PolicyTable` and a `PrefillPolicy` from interventions and attention
+  distortion on the model's own BFCL trajectories (``hf-structkv calibrate``).
 - `enable(model)`: switches a model to hf_structkv's registered attention (no patching at import).
 """
 
@@ -15,6 +18,8 @@ from .cache.compacted import CompactedCache
 from .cache.mixed_precision import StructuredMixedPrecisionCache
 from .compaction.pipeline import compact
 from .policy import PolicyController, PolicyTable, illustrative_policy
+from .policy.calibration import calibrate
+from .sql_generation import generate_sql
 from .structure import StructuralLogitsProcessor
 from .structured_generation import generate_calls
 
@@ -25,9 +30,11 @@ __all__ = [
     "PolicyTable",
     "StructuralLogitsProcessor",
     "StructuredMixedPrecisionCache",
+    "calibrate",
     "compact",
     "enable",
     "generate_calls",
+    "generate_sql",
     "illustrative_policy",
     "is_enabled",
 ]

@@ -171,6 +171,13 @@ def cmd_compact_dataset(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    """PASK Algorithm 1 on BFCL: calibrate a decode PolicyTable (and a PrefillPolicy) and save them with a report."""
+    from .policy.calibration.cli import run_calibrate
+
+    return run_calibrate(args, lambda name: load_model(name, DTYPES[args.dtype]))
+
+
 def _fractions(text: str) -> list[float]:
     return [float(part) for part in text.split(",")]
 
@@ -275,6 +282,13 @@ def build_parser() -> argparse.ArgumentParser:
     budgets_p.add_argument("--push", metavar="REPO_ID", help="also push to this Hub repository")
     budgets_p.add_argument("--private", action="store_true", help="create the Hub repository private")
     budgets_p.set_defaults(func=cmd_head_budgets)
+
+    from .policy.calibration.cli import add_calibrate_options
+
+    calibrate_p = sub.add_parser("calibrate", help="PASK offline calibration (Algorithm 1) of a policy table on BFCL")
+    model_options(calibrate_p)
+    add_calibrate_options(calibrate_p)
+    calibrate_p.set_defaults(func=cmd_calibrate)
     return parser
 
 

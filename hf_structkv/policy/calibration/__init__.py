@@ -1,0 +1,41 @@
+"""PASK offline calibration (Algorithm 1, §3.4, §3.6, A.4, B.4, B.6): from task interventions and attention
+distortion on a model's own reference trajectories to a frozen `PolicyTable` and `PrefillPolicy`.
+
+Modules, one job each: `buckets` (what an intervention acts on), `references` (cached all-high trajectories),
+`interventions` (single-bucket policies and the exact window shortcut), `task_sensitivity` (Runtime-V), `floors`
+(envelope, eq. 5-6), `distortion` (Runtime-D, eq. 7), `path` (priorities eq. 8, greedy nested path), `reserve`
+(eqs. 10, 16), `candidates` (tables and nominal budgets), `selection` (eq. 9), `runner` (`calibrate`), `cli`
+(``hf-structkv calibrate``).
+"""
+
+from .buckets import Bucket
+from .floors import DEFAULT_THRESHOLDS, envelope, protection_floor, protection_floors
+from .interventions import BucketIntervention, prefill_intervention_plan, reaches_generation
+from .path import greedy_path, upgrade_priorities
+from .references import ReferenceTrajectory, reference_trajectories
+from .reserve import left_quantile, reserve_statistics, reserve_table
+from .runner import CalibrationResult, CalibrationSettings, calibrate
+from .selection import dev_candidate_indices, select_cheapest
+
+__all__ = [
+    "DEFAULT_THRESHOLDS",
+    "Bucket",
+    "BucketIntervention",
+    "CalibrationResult",
+    "CalibrationSettings",
+    "ReferenceTrajectory",
+    "calibrate",
+    "dev_candidate_indices",
+    "envelope",
+    "greedy_path",
+    "left_quantile",
+    "prefill_intervention_plan",
+    "protection_floor",
+    "protection_floors",
+    "reaches_generation",
+    "reference_trajectories",
+    "reserve_statistics",
+    "reserve_table",
+    "select_cheapest",
+    "upgrade_priorities",
+]

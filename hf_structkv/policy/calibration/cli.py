@@ -1,0 +1,103 @@
+"""The ``hf-structkv calibrate`` subcommand: options and the run (BFCL data, `calibrate`, saving)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+__all__ = ["CPU_SIZES", "PAPER_SIZES", "add_calibrate_options", "run_calibrate"]
+
+CPU_SIZES = {"calibration_cases": 3, "dev_cases": 3, "max_dev_candidates": 3, "max_new_tokens": 128}
+"""Defaults sized for a CPU: cases per category of each partition, candidates evaluated per path, generation cap."""
+PAPER_SIZES = {"calibration_cases": None, "dev_cases": None, "max_dev_candidates": None, "max_new_tokens": 192}
+"""``--paper-sizes``: whole calibration / development partitions, every candidate, 192 new tokens (D.8)."""
+
+
+def _tau(text: str) -> tuple[float, float]:
+    try:
+        low, high = (float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tau takes LOW,HIGH (e.g. 0.005,0.01), got {text!r}") from None
+    return low, high
+
+
+def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
+    """The options of ``hf-structkv calibrate`` (after the shared ``--model`` / ``--dtype``)."""
+    from ...eval.bfcl import CATEGORIES
+
+    parser.add_argument("--benchmark", default="bfcl", choices=["bfcl"], help="calibration data (BFCL v4)")
+    parser.add_argument("--out", required=True, help="folder for policy_table.json, prefill_policy.json, report")
+    parser.add_argument("--categories", nargs="+", default=["simple_python", "multiple"], choices=CATEGORIES)
+    parser.add_argument("--calibration-cases", type=int, help="cases per category of the calibration partition")
+    parser.add_argument("--dev-cases", type=int, help="cases per category of the development partition")
+    parser.add_argument(
+        "--max-dev-candidates",
+        type=int,
+        help="candidates evaluated per greedy path, spread along it, cheapest first, stopping at the first within "
+        "alpha (default 3; --paper-sizes: all)",
+    )
+    parser.add_argument("--max-new-tokens", type=int, help="generation cap (default 128; --paper-sizes: 192)")
+    parser.add_argument(
+        "--paper-sizes",
+        action="store_true",
+        help="the paper's sizes (whole partitions, every candidate evaluated): for a GPU",
+    )
+    parser.add_argument("--tau", type=_tau, action="append", help="threshold pair LOW,HIGH (repeatable)")
+    parser.add_argument("--alpha-decode", type=float, default=0.05)
+    parser.add_argument("--alpha-prefill", type=float, default=0.02)
+    parser.add_argument("--window", type=int, default=None, help="recent window of the table (default 32)")
+    parser.add_argument("--decode-only", action="store_true", help="skip the prefill companion")
+    parser.add_argument("--seed", type=int, default=0, help="split and torch seed")
+    parser.add_argument("--cache-dir", help="reference-trajectory cache (default ~/.cache/hf_structkv/calibration)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads")
+
+
+def run_calibrate(args: argparse.Namespace, load_model) -> int:
+    """Load the model (``load_model(name)``) and the BFCL partitions, run `calibrate`, save the result in ``--out``."""
+    from ...eval.bfcl import bfcl_split
+    from ..table import DEFAULT_WINDOW
+    from .floors import DEFAULT_THRESHOLDS
+    from .runner import CalibrationSettings, calibrate
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes = dict(PAPER_SIZES if args.paper_sizes else CPU_SIZES)
+    for name in sizes:
+        if getattr(args, name) is not None:
+            sizes[name] = getattr(args, name)
+    settings = CalibrationSettings(
+        max_new_tokens=sizes["max_new_tokens"],
+        window=args.window or DEFAULT_WINDOW,
+        thresholds=tuple(args.tau or DEFAULT_THRESHOLDS),
+        alpha_decode=args.alpha_decode,
+        alpha_prefill=args.alpha_prefill,
+        max_dev_candidates=sizes["max_dev_candidates"],
+        stages=("decode",) if args.decode_only else ("decode", "prefill"),
+        seed=args.seed,
+    )
+    calibration = bfcl_split(args.categories, "calibration", seed=args.seed, limit=sizes["calibration_cases"])
+    development = bfcl_split(args.categories, "development", seed=args.seed, limit=sizes["dev_cases"])
+    model, tokenizer = load_model(args.model)
+    cache_dir = Path(args.cache_dir) if args.cache_dir else Path.home() / ".cache" / "hf_structkv" / "calibration"
+    data = {
+        "benchmark": "BFCL v4 (bfcl-eval)",
+        "categories": list(args.categories),
+        "split_seed": args.seed,
+        "calibration_cases_per_category": sizes["calibration_cases"],
+        "development_cases_per_category": sizes["dev_cases"],
+        "model": args.model,
+    }
+    result = calibrate(
+        model, tokenizer, calibration, development, settings, cache_dir=cache_dir, progress=True, data=data
+    )
+    result.save_pretrained(args.out)
+    decode = result.report["decode"]["selected"]
+    print(json.dumps({"decode_budget": result.table.budget, "decode_selected": decode}, indent=1))
+    if result.prefill_policy is not None:
+        selected = result.report["prefill"]["selected"]
+        print(json.dumps({"prefill_budget": result.prefill_policy.budget, "prefill_selected": selected}, indent=1))
+    print(f"saved -> {args.out}")
+    return 0

@@ -1,0 +1,202 @@
+"""Reference trajectories: greedy generations of calibration / development cases under the all-high policy, with each
+generated token's candidate tags, each prompt token's span labels and the AST checker's verdict; cached on disk.
+
+One case is generated alone (batch 1): BFCL cases mostly carry their own tools, and one ``generate`` call serves one
+grammar; batch 1 also makes the window shortcut of `task_sensitivity` exact (a batch's padding and shapes change the
+floating-point results of the other rows).
+
+The cache is one JSON file per (model fingerprint, tokenizer, case ids, generation settings), named by the hash of
+that key, in ``cache_dir``: a re-run with the same model, cases and settings reads it instead of generating.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import KW_ONLY, asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ... import __version__
+from ...eval.bfcl import BfclEntry
+from ...eval.bfcl_checker import check_calls
+from ...hub import model_fingerprint
+from ...structure.prompt_spans import label_prompt, token_labels
+from ...structure.tags import StructuralTag
+from ...structured_generation import _chat, generate_calls
+from ..table import PolicyTable
+
+__all__ = ["CaseRun", "ReferenceTrajectory", "reference_trajectories", "run_case"]
+
+TokenTags = tuple[str, ...] | None
+"""A generated token's candidate tag keys (``class|role|state|next``; ``()`` unresolved); ``None``: a stop token."""
+
+
+@dataclass(frozen=True)
+class CaseRun:
+    """One generation of one case.
+
+    Attributes:
+        tokens: the generated ids up to and including the first stop token (``T`` tokens).
+        tags: per generated token its candidate tag keys (`TokenTags`).
+        valid: the AST checker's verdict.
+        text: the generated text.
+    """
+
+    tokens: tuple[int, ...]
+    tags: tuple[TokenTags, ...]
+    valid: bool
+    text: str
+
+    def candidates(self, index: int) -> tuple[StructuralTag, ...] | None:
+        """The candidate tags of generated token ``index`` as `StructuralTag` values (``None``: stop token)."""
+        keys = self.tags[index]
+        return None if keys is None else tuple(StructuralTag.from_key(key) for key in keys)
+
+
+@dataclass(frozen=True)
+class ReferenceTrajectory(CaseRun):
+    """A `CaseRun` under the all-high policy, with what the distortion and prefill measurements need.
+
+    Attributes:
+        case_id, category: the BFCL case.
+        prompt_ids: the prompt's ids (``P``).
+        prompt_labels: per prompt token its span labels (`token_labels`).
+        seconds: the generation's wall time.
+    """
+
+    _: KW_ONLY
+    case_id: str
+    category: str
+    prompt_ids: tuple[int, ...]
+    prompt_labels: tuple[tuple[str, ...], ...]
+    seconds: float
+
+    @property
+    def num_decoded(self) -> int:
+        """Non-stop generated tokens (the tokens the decode ledger charges)."""
+        return sum(tags is not None for tags in self.tags)
+
+
+def run_case(
+    model,
+    tokenizer,
+    entry: BfclEntry,
+    policy,
+    max_new_tokens: int,
+    prefill_plan: torch.Tensor | None = None,
+) -> tuple[CaseRun, int, str]:
+    """Generate one case with `generate_calls` (greedy, batch 1) under ``policy`` and score it.
+
+    Args:
+        prefill_plan: optional prompt actions ``[1, P, 3]``.
+
+    Returns:
+        ``(run, prompt_length, prompt_text)``.
+    """
+    result = generate_calls(
+        model, tokenizer, list(entry.messages), entry.tools, policy, max_new_tokens, prefill_plan=prefill_plan
+    )
+    processor = result.processor
+    generated = result.sequences[0, result.prompt_length :].tolist()
+    stops = processor.adapter.stop_token_ids
+    end = next((i + 1 for i, token in enumerate(generated) if token in stops), len(generated))
+    if processor.num_tagged(0) < end:  # the last token was never fed back: let the processor tag it
+        processor(result.sequences[:, : result.prompt_length + end], torch.zeros(1, model.config.vocab_size))
+    tags = tuple(None if tags is None else tuple("|".join(tag) for tag in tags) for tags in processor.tags(0)[:end])
+    verdict = check_calls(entry.category, entry.tools, entry.ground_truth, result.calls[0])
+    prompt = tokenizer.apply_chat_template(
+        _chat(list(entry.messages)), tools=list(entry.tools), add_generation_prompt=True, tokenize=False
+    )
+    run = CaseRun(tokens=tuple(generated[:end]), tags=tags, valid=bool(verdict["valid"]), text=result.texts[0])
+    return run, result.prompt_length, prompt
+
+
+def _reference(model, tokenizer, entry: BfclEntry, policy: PolicyTable, max_new_tokens: int) -> ReferenceTrajectory:
+    start = time.perf_counter()
+    run, prompt_length, prompt = run_case(model, tokenizer, entry, policy, max_new_tokens)
+    seconds = time.perf_counter() - start
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    if len(prompt_ids) != prompt_length:
+        raise RuntimeError(
+            f"case {entry.id}: the rebuilt prompt has {len(prompt_ids)} tokens, generation saw {prompt_length}"
+        )
+    labels = token_labels(tokenizer, prompt, label_prompt(prompt, entry.tools))
+    return ReferenceTrajectory(
+        **asdict(run),
+        case_id=entry.id,
+        category=entry.category,
+        prompt_ids=tuple(prompt_ids),
+        prompt_labels=tuple(tuple(token) for token in labels),
+        seconds=seconds,
+    )
+
+
+def _cache_key(model, tokenizer, entries: Sequence[BfclEntry], policy: PolicyTable, max_new_tokens: int) -> dict:
+    return {
+        "hf_structkv_version": __version__,
+        "fingerprint": model_fingerprint(model, tokenizer),
+        "dtype": str(model.dtype),
+        "cases": [entry.id for entry in entries],
+        "max_new_tokens": max_new_tokens,
+        "window": policy.window,
+        "sink_tokens": policy.sink_tokens,
+    }
+
+
+def reference_trajectories(
+    model,
+    tokenizer,
+    entries: Sequence[BfclEntry],
+    max_new_tokens: int,
+    window: int,
+    sink_tokens: int,
+    cache_dir: str | Path | None = None,
+    progress: bool = False,
+    desc: str = "reference",
+) -> list[ReferenceTrajectory]:
+    """All-high greedy trajectories of ``entries`` (in order), read from / written to ``cache_dir`` when given.
+
+    Args:
+        window, sink_tokens: the all-high policy's recent window and sinks (the settings of the calibrated table).
+    """
+    if not entries or not all(isinstance(entry, BfclEntry) for entry in entries):
+        raise ValueError("entries must be a non-empty list of BfclEntry objects (bfcl_split)")
+    policy = PolicyTable.all_high(model, window=window, sink_tokens=sink_tokens)
+    key = _cache_key(model, tokenizer, entries, policy, max_new_tokens)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    path = None if cache_dir is None else Path(cache_dir) / f"references-{digest}.json"
+    if path is not None and path.is_file():
+        stored = json.loads(path.read_text(encoding="utf-8"))
+        if stored.get("key") == key:
+            return [_from_json(record) for record in stored["trajectories"]]
+    trajectories = [
+        _reference(model, tokenizer, entry, policy, max_new_tokens)
+        for entry in tqdm(entries, desc=desc, unit="case", disable=not progress)
+    ]
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        record = {"key": key, "trajectories": [asdict(t) for t in trajectories]}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record), encoding="utf-8")
+        tmp.replace(path)
+    return trajectories
+
+
+def _from_json(record: dict[str, Any]) -> ReferenceTrajectory:
+    return ReferenceTrajectory(
+        tokens=tuple(record["tokens"]),
+        tags=tuple(None if tags is None else tuple(tags) for tags in record["tags"]),
+        valid=record["valid"],
+        text=record["text"],
+        case_id=record["case_id"],
+        category=record["category"],
+        prompt_ids=tuple(record["prompt_ids"]),
+        prompt_labels=tuple(tuple(labels) for labels in record["prompt_labels"]),
+        seconds=record["seconds"],
+    )

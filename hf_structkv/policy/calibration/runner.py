@@ -1,0 +1,444 @@
+"""Algorithm 1 end to end: reference trajectories, Runtime-V, Runtime-D, priorities, greedy paths, budgets, reserve
+and development selection, for the decode table and then the prefill companion (decode held all-high).
+
+`calibrate` returns a `CalibrationResult`: the selected `PolicyTable` (provenance ``"calibrated"``, card fields
+``thresholds`` and ``calibration`` filled), the selected `PrefillPolicy` (or ``None`` when the prefill stage is not
+run) and a JSON report of every measurement (``V``, ``D``, ``N̄``, ``ρ``, floors, paths, development results).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ... import __version__
+from ...eval.bfcl import BfclEntry
+from ...hub import model_fingerprint
+from ...structure.prompt_spans import PROMPT_LABELS
+from ..costs import Action, GroupCosts
+from ..prefill import PrefillPolicy
+from ..table import DEFAULT_SINK_TOKENS, DEFAULT_WINDOW, PolicyEntry, PolicyTable
+from .buckets import Bucket, bucket_order
+from .candidates import all_high_candidate, decode_candidate, prefill_candidate
+from .distortion import attention_distortion, capture_reference_states
+from .floors import DEFAULT_THRESHOLDS, check_thresholds, envelope, protection_floors
+from .interventions import occurrences, prefill_positions
+from .path import greedy_path, upgrade_priorities
+from .references import reference_trajectories
+from .reserve import DEFAULT_RESERVE_HORIZON, DEFAULT_RESERVE_QUANTILE
+from .selection import DevResult, dev_candidate_indices, evaluate_controller, select_cheapest
+from .task_sensitivity import (
+    decode_generator,
+    intervention_runs,
+    needs_generation,
+    prefill_generator,
+    task_sensitivity,
+)
+
+__all__ = ["REPORT_NAME", "STAGES", "CalibrationResult", "CalibrationSettings", "calibrate"]
+
+STAGES = ("decode", "prefill")
+REPORT_NAME = "calibration_report.json"
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """What a calibration run is parameterised by (all recorded in the card).
+
+    Attributes:
+        max_new_tokens: generation cap of every run (reference, interventions, development).
+        window, sink_tokens: the recent window and sinks of the calibrated table (and of every run).
+        thresholds: the threshold pairs ``τ = (τ_low, τ_high)``, one greedy path each.
+        alpha_decode, alpha_prefill: development tolerances ``α_D``, ``α_P``.
+        reserve_horizon, reserve_quantile: ``K`` and ``β`` of the reserve.
+        max_dev_candidates: candidates evaluated per path (`dev_candidate_indices`); ``None`` = all.
+        stages: ``("decode",)`` or ``("decode", "prefill")``.
+        seed: seeds torch (greedy decoding is deterministic; the split seed is the caller's).
+    """
+
+    max_new_tokens: int = 128
+    window: int = DEFAULT_WINDOW
+    sink_tokens: int = DEFAULT_SINK_TOKENS
+    thresholds: tuple[tuple[float, float], ...] = DEFAULT_THRESHOLDS
+    alpha_decode: float = 0.05
+    alpha_prefill: float = 0.02
+    reserve_horizon: int = DEFAULT_RESERVE_HORIZON
+    reserve_quantile: float = DEFAULT_RESERVE_QUANTILE
+    max_dev_candidates: int | None = None
+    stages: tuple[str, ...] = STAGES
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "thresholds", check_thresholds(self.thresholds))
+        for name in ("max_new_tokens", "window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be an int >= 0, got {self.sink_tokens!r}")
+        for name in ("alpha_decode", "alpha_prefill"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
+        if not self.stages or any(s not in STAGES for s in self.stages) or self.stages[0] != "decode":
+            raise ValueError(f"stages must be ('decode',) or ('decode', 'prefill'), got {self.stages!r}")
+        dev_candidate_indices(1, self.max_dev_candidates)  # validates max_dev_candidates
+
+
+@dataclass
+class CalibrationResult:
+    """The selected decode table, the selected prefill policy (``None`` without the prefill stage), the report."""
+
+    table: PolicyTable
+    prefill_policy: PrefillPolicy | None
+    report: dict[str, Any] = field(default_factory=dict)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write ``policy_table.json`` + ``README.md``, ``prefill_policy.json`` (when present) and the report."""
+        directory = Path(directory)
+        self.table.save_pretrained(directory)
+        if self.prefill_policy is not None:
+            self.prefill_policy.save_pretrained(directory)
+        (directory / REPORT_NAME).write_text(json.dumps(self.report, indent=1) + "\n", encoding="utf-8")
+
+
+@dataclass
+class _Stage:
+    """What differs between the decode and the prefill stage."""
+
+    name: str
+    buckets: list[Bucket]
+    mean_counts: dict[Bucket, float]
+    generate: Callable
+    build: Callable  # (actions, floors, priorities, tau) -> candidate
+    evaluate: Callable[[Any], DevResult]
+    cost: Callable[[DevResult], float]
+    nominal: Callable[[Any], float]
+    alpha: float
+
+
+def calibrate(
+    model,
+    tokenizer,
+    calibration: Sequence[BfclEntry],
+    development: Sequence[BfclEntry],
+    settings: CalibrationSettings = CalibrationSettings(),
+    cache_dir: str | Path | None = None,
+    progress: bool = False,
+    log: Callable[[str], None] = print,
+    data: dict[str, Any] | None = None,
+) -> CalibrationResult:
+    """Run Algorithm 1 on ``calibration`` (fits) and ``development`` (selection) cases.
+
+    Args:
+        cache_dir: where reference trajectories are cached (``None``: not cached).
+        log: receives progress lines (the time estimate after the reference pass).
+        data: a description of the data recorded in the card (benchmark, categories, split seed).
+
+    Raises:
+        ValueError: empty case lists, overlapping calibration and development cases, invalid settings.
+    """
+    if not calibration or not development:
+        raise ValueError("calibration and development must each hold at least one BfclEntry (bfcl_split)")
+    overlap = {e.id for e in calibration} & {e.id for e in development}
+    if overlap:
+        raise ValueError(f"calibration and development cases overlap: {sorted(overlap)[:5]}; use disjoint splits")
+    torch.manual_seed(settings.seed)
+    start = time.perf_counter()
+    costs = GroupCosts.from_config(model.config)
+    fingerprint = model_fingerprint(model)
+    common = dict(max_new_tokens=settings.max_new_tokens, window=settings.window, sink_tokens=settings.sink_tokens)
+    refs = reference_trajectories(
+        model, tokenizer, calibration, **common, cache_dir=cache_dir, progress=progress, desc="reference (cal)"
+    )
+    dev_refs = reference_trajectories(
+        model, tokenizer, development, **common, cache_dir=cache_dir, progress=progress, desc="reference (dev)"
+    )
+    reference = PolicyTable.all_high(model, window=settings.window, sink_tokens=settings.sink_tokens)
+    reference_error = sum(not r.valid for r in dev_refs) / len(dev_refs)
+    stages = [_decode_stage(model, tokenizer, calibration, development, refs, costs, settings, fingerprint)]
+    if "prefill" in settings.stages:
+        stages.append(_prefill_stage(model, tokenizer, development, refs, reference, costs, settings, fingerprint))
+    _log_estimate(log, settings, refs, dev_refs, stages, len(development))
+    report: dict[str, Any] = {
+        "hf_structkv_version": __version__,
+        "settings": _settings_json(settings),
+        "data": dict(data or {}),
+        "calibration_cases": [r.case_id for r in refs],
+        "development_cases": [r.case_id for r in dev_refs],
+        "reference": {
+            "calibration_accuracy": sum(r.valid for r in refs) / len(refs),
+            "development_accuracy": 1 - reference_error,
+        },
+    }
+    selected = {}
+    for stage in stages:
+        selected[stage.name], report[stage.name] = _run_stage(
+            stage, calibration, refs, reference_error, settings, model, costs, progress, log
+        )
+    report["seconds"] = round(time.perf_counter() - start, 1)
+    table = _final_table(selected["decode"], report, settings, costs, fingerprint)
+    prefill = selected.get("prefill")
+    if prefill is not None:
+        prefill = _final_prefill(prefill, report, settings, costs, fingerprint)
+    return CalibrationResult(table=table, prefill_policy=prefill, report=report)
+
+
+# ------------------------------------------------------------------------------------------------ stages
+def _decode_stage(model, tokenizer, calibration, development, refs, costs, settings, fingerprint) -> _Stage:
+    keys = sorted({key for r in refs for tags in r.tags if tags for key in tags})
+    buckets = [Bucket(key, c) for key in keys for c in range(len(costs.groups))]
+    counts = {b: sum(len(occurrences(r, b.key)) for r in refs) / len(refs) for b in buckets}
+
+    def build(actions, floors, priorities, tau):
+        return decode_candidate(
+            actions,
+            floors,
+            priorities,
+            refs,
+            costs,
+            settings.reserve_horizon,
+            settings.reserve_quantile,
+            sink_tokens=settings.sink_tokens,
+            window=settings.window,
+            fingerprint=fingerprint,
+            thresholds={"tau_low": tau[0], "tau_high": tau[1]},
+        )
+
+    return _Stage(
+        name="decode",
+        buckets=buckets,
+        mean_counts=counts,
+        generate=decode_generator(
+            model, tokenizer, costs, settings.max_new_tokens, settings.sink_tokens, settings.window
+        ),
+        build=build,
+        evaluate=lambda table: evaluate_controller(model, tokenizer, development, table, settings.max_new_tokens),
+        cost=lambda result: result.decode_ratio,
+        nominal=lambda table: table.budget,
+        alpha=settings.alpha_decode,
+    )
+
+
+def _prefill_stage(model, tokenizer, development, refs, reference, costs, settings, fingerprint) -> _Stage:
+    def positions(r, label):
+        return prefill_positions(r, label, settings.sink_tokens, settings.window)
+
+    labels = [label for label in PROMPT_LABELS if any(positions(r, label) for r in refs)]
+    buckets = [Bucket(label, c) for label in labels for c in range(len(costs.groups))]
+    counts = {b: sum(len(positions(r, b.key)) for r in refs) / len(refs) for b in buckets}
+
+    def build(actions, floors, priorities, tau):
+        return prefill_candidate(
+            actions,
+            floors,
+            priorities,
+            refs,
+            costs,
+            settings.sink_tokens,
+            settings.window,
+            fingerprint=fingerprint,
+            thresholds={"tau_low": tau[0], "tau_high": tau[1]},
+        )
+
+    def evaluate(policy):
+        return evaluate_controller(
+            model, tokenizer, development, reference, settings.max_new_tokens, prefill_policy=policy
+        )
+
+    return _Stage(
+        name="prefill",
+        buckets=buckets,
+        mean_counts=counts,
+        generate=prefill_generator(model, tokenizer, reference, settings.max_new_tokens),
+        build=build,
+        evaluate=evaluate,
+        cost=lambda result: result.prefill_ratio,
+        nominal=lambda policy: policy.budget,
+        alpha=settings.alpha_prefill,
+    )
+
+
+def _run_stage(stage: _Stage, calibration, refs, reference_error, settings, model, costs, progress, log):
+    """Runtime-V, Runtime-D, priorities, one greedy path per τ, development selection of one stage."""
+    runs = intervention_runs(
+        calibration, refs, stage.buckets, stage.name, stage.generate, settings.sink_tokens, settings.window, progress
+    )
+    sensitivity = task_sensitivity(runs, refs)
+    distortion = attention_distortion(
+        refs,
+        stage.buckets,
+        stage.name,
+        costs,
+        settings.sink_tokens,
+        settings.window,
+        lambda r: capture_reference_states(model, r),
+    )
+    priorities = upgrade_priorities(distortion, stage.mean_counts, costs)
+    evaluated: dict[str, tuple[Any, DevResult, dict]] = {}
+    paths = []
+    for tau in settings.thresholds:
+        floors = protection_floors(sensitivity, tau)
+        path = greedy_path(floors, priorities)
+        candidates = [stage.build(actions, floors, priorities, tau) for actions in path]
+        evaluated_here = []
+        for index in dev_candidate_indices(len(candidates), settings.max_dev_candidates):
+            candidate = candidates[index]
+            identity = json.dumps(candidate.to_json_dict()["entries"]) + repr(stage.nominal(candidate))
+            if identity not in evaluated:
+                result = stage.evaluate(candidate)
+                evaluated[identity] = (candidate, result, {"tau": list(tau), "index": index})
+                log(
+                    f"{stage.name} tau={tau} candidate {index}/{len(candidates) - 1}: nominal budget "
+                    f"{stage.nominal(candidate):.3f}, dev accuracy {1 - result.error_rate:.3f} "
+                    f"(all-high {1 - reference_error:.3f}), measured {stage.cost(result):.3f}"
+                )
+            result = evaluated[identity][1]
+            evaluated_here.append(index)
+            passed = result.error_rate - reference_error <= stage.alpha + 1e-12
+            if settings.max_dev_candidates is not None and passed:
+                break
+        paths.append(
+            {
+                "tau": list(tau),
+                "floors": {str(b): a.name for b, a in sorted(floors.items())},
+                "upgrades": [_upgrade(path[i], path[i + 1]) for i in range(len(path) - 1)],
+                "nominal_budgets": [stage.nominal(c) for c in candidates],
+                "evaluated": evaluated_here,
+            }
+        )
+    rows = list(evaluated.values())
+    choice = select_cheapest(
+        [stage.cost(r) for _, r, _ in rows], [r.error_rate for _, r, _ in rows], reference_error, stage.alpha
+    )
+    report = {
+        "buckets": {
+            str(b): {
+                "V": {a.name: sensitivity[b][a] for a in (Action.L, Action.R)},
+                "V_envelope": dict(zip(("L", "R"), envelope(sensitivity[b][Action.L], sensitivity[b][Action.R]))),
+                "D": {a.name: distortion[b][a] for a in (Action.L, Action.R)},
+                "mean_count": stage.mean_counts[b],
+                "priorities": {"R->L": priorities[b][0], "L->H": priorities[b][1]},
+                "generated_cases": {a.name: runs.generated[b, a] for a in (Action.L, Action.R)},
+            }
+            for b in bucket_order(stage.buckets)
+        },
+        "runtime_v_seconds": round(runs.seconds, 1),
+        "runtime_v_generations": sum(runs.generated.values()),
+        "paths": paths,
+        "development": [
+            {
+                **where,
+                "nominal_budget": stage.nominal(candidate),
+                "accuracy": 1 - result.error_rate,
+                "measured_ratio": stage.cost(result),
+            }
+            for candidate, result, where in rows
+        ],
+        "alpha": stage.alpha,
+        "reference_development_accuracy": 1 - reference_error,
+    }
+    if choice is None:
+        report["selected"] = "all-high fallback"
+        return None, report
+    candidate, result, where = rows[choice]
+    report["selected"] = {**where, "accuracy": 1 - result.error_rate, "measured_ratio": stage.cost(result)}
+    return candidate, report
+
+
+def _upgrade(before: dict, after: dict) -> str:
+    (bucket,) = [b for b in after if after[b] != before[b]]
+    return f"{bucket}: {before[bucket].name}->{after[bucket].name}"
+
+
+# ------------------------------------------------------------------------------------------------ outputs
+def _final_table(selected, report, settings, costs, fingerprint) -> PolicyTable:
+    chosen = report["decode"]["selected"]
+    card = _card(report, settings, "decode")
+    if selected is None:
+        return all_high_candidate(
+            costs,
+            sink_tokens=settings.sink_tokens,
+            window=settings.window,
+            fingerprint=fingerprint,
+            thresholds={"alpha_D": settings.alpha_decode},
+            calibration={**card, "decode_budget": 1.0, "selected": chosen},
+            description="PASK Algorithm 1 found no candidate within alpha_D: the all-high fallback (B_D = 1).",
+        )
+    return dataclasses.replace(
+        selected,
+        thresholds={**selected.thresholds, "alpha_D": settings.alpha_decode},
+        calibration={**card, "decode_budget": selected.budget, "selected": chosen},
+        description=(
+            f"PASK Algorithm 1 (offline calibration) on {len(report['calibration_cases'])} calibration and "
+            f"{len(report['development_cases'])} development BFCL cases; unobserved tags resolve to H."
+        ),
+    )
+
+
+def _final_prefill(selected, report, settings, costs, fingerprint) -> PrefillPolicy:
+    chosen = report["prefill"]["selected"]
+    card = {**_card(report, settings, "prefill"), "selected": chosen}
+    if selected is None:
+        high = PolicyEntry((Action.H,) * 3, (Action.H,) * 3, ((0.0, 0.0),) * 3)
+        return PrefillPolicy(
+            costs=costs,
+            entries=dict.fromkeys(PROMPT_LABELS, high),
+            budget=1.0,
+            thresholds={"alpha_P": settings.alpha_prefill},
+            calibration={**card, "prefill_budget": 1.0},
+            fingerprint=fingerprint,
+            description="PASK prefill calibration found no candidate within alpha_P: all prompt tokens H (B_P = 1).",
+        )
+    return dataclasses.replace(
+        selected,
+        thresholds={**selected.thresholds, "alpha_P": settings.alpha_prefill},
+        calibration={**card, "prefill_budget": selected.budget},
+        description="PASK prefill companion calibrated with Algorithm 1's machinery (decode held all-high).",
+    )
+
+
+def _card(report, settings, stage) -> dict[str, Any]:
+    return {
+        "algorithm": f"PASK Algorithm 1 ({stage})",
+        "data": report["data"],
+        "calibration_cases": len(report["calibration_cases"]),
+        "development_cases": len(report["development_cases"]),
+        "settings": _settings_json(settings),
+        "reference_development_accuracy": report["reference"]["development_accuracy"],
+        "runtime_v_generations": report[stage]["runtime_v_generations"],
+        "seconds": report["seconds"],
+    }
+
+
+def _settings_json(settings: CalibrationSettings) -> dict[str, Any]:
+    values = {name: getattr(settings, name) for name in settings.__dataclass_fields__}
+    values["thresholds"] = [list(pair) for pair in settings.thresholds]
+    values["stages"] = list(settings.stages)
+    return values
+
+
+def _log_estimate(log, settings, refs, dev_refs, stages, dev_cases) -> None:
+    """Print the number of generations ahead and their time at the reference pass's mean seconds per case."""
+    per_case = sum(r.seconds for r in (*refs, *dev_refs)) / (len(refs) + len(dev_refs))
+    generations = 0
+    for stage in stages:
+        generations += 2 * sum(
+            needs_generation(r, b, stage.name, settings.sink_tokens, settings.window)
+            for b in stage.buckets
+            for r in refs
+        )
+        path_length = 1 + 2 * len(stage.buckets)
+        evaluations = min(path_length, settings.max_dev_candidates or path_length) * len(settings.thresholds)
+        generations += evaluations * dev_cases
+    log(
+        f"reference pass: {len(refs)} calibration + {len(dev_refs)} development cases, {per_case:.1f} s per case; "
+        f"ahead: at most {generations} generations (Runtime-V exact count, development evaluations at most), "
+        f"about {generations * per_case / 60:.0f} min"
+    )

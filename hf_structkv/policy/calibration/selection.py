@@ -1,0 +1,96 @@
+"""Development selection (PASK eq. 9): evaluate complete controllers on development cases and keep the cheapest whose
+error rate is within ``α`` of the all-high reference's; the all-high controller is the fallback.
+
+Which candidates are evaluated (`dev_candidate_indices`): with ``max_candidates = None`` every candidate of every
+path (the paper's protocol: realised cost need not follow the nominal order). With ``max_candidates = N``, per path
+of ``J + 1`` candidates the ``N`` indices ``round(k · J / (N − 1))``, ``k = 0 .. N − 1`` (``[0]`` for ``N = 1``),
+deduplicated, are evaluated cheapest first (nominal cost is nondecreasing along a path, Prop. 2), and the path stops
+at the first candidate that passes the tolerance: its later candidates cost at least as much nominally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ...eval.bfcl import BfclEntry
+from ...eval.bfcl_checker import check_calls
+from ...structured_generation import generate_calls
+
+__all__ = ["DevResult", "dev_candidate_indices", "evaluate_controller", "select_cheapest"]
+
+
+def dev_candidate_indices(path_length: int, max_candidates: int | None) -> list[int]:
+    """The indices of a path's candidates to evaluate, in evaluation order (module docstring).
+
+    Raises:
+        ValueError: ``path_length < 1`` or ``max_candidates < 1``.
+    """
+    if isinstance(path_length, bool) or not isinstance(path_length, int) or path_length < 1:
+        raise ValueError(f"path_length must be a positive int, got {path_length!r}")
+    if max_candidates is None:
+        return list(range(path_length))
+    if isinstance(max_candidates, bool) or not isinstance(max_candidates, int) or max_candidates < 1:
+        raise ValueError(f"max_candidates must be a positive int or None (all), got {max_candidates!r}")
+    if max_candidates == 1:
+        return [0]
+    last = path_length - 1
+    return sorted({round(k * last / (max_candidates - 1)) for k in range(max_candidates)})
+
+
+@dataclass(frozen=True)
+class DevResult:
+    """A controller on the development cases.
+
+    Attributes:
+        error_rate: ``R̂_dev``: the fraction of cases the AST checker rejects.
+        decode_ratio: scheduled decode payload over Full KV, pooled over the cases' non-stop generated tokens.
+        prefill_ratio: scheduled prompt payload over Full KV, pooled over the cases' prompt tokens.
+        valid: the checker's verdict per case.
+    """
+
+    error_rate: float
+    decode_ratio: float
+    prefill_ratio: float
+    valid: tuple[bool, ...]
+
+
+def evaluate_controller(
+    model, tokenizer, entries: Sequence[BfclEntry], policy, max_new_tokens: int, prefill_policy=None
+) -> DevResult:
+    """Generate each case (batch 1) under ``policy`` (and ``prefill_policy``), score it, pool the measured costs."""
+    valid, decode_bits, decode_tokens, prompt_bits, prompt_tokens = [], 0.0, 0, 0.0, 0
+    for entry in entries:
+        result = generate_calls(
+            model, tokenizer, list(entry.messages), entry.tools, policy, max_new_tokens, prefill_policy=prefill_policy
+        )
+        valid.append(bool(check_calls(entry.category, entry.tools, entry.ground_truth, result.calls[0])["valid"]))
+        schedule = result.cache.schedule
+        prompt, decode, prompt_length = schedule.scheduled_bits_by_stage(result.cache.get_seq_length())
+        prompt_bits, prompt_tokens = prompt_bits + prompt, prompt_tokens + prompt_length
+        decode_bits += decode
+        decode_tokens += sum(decision is not None for decision in schedule.decided[0])
+    full = result.cache.costs.full
+    return DevResult(
+        error_rate=sum(not v for v in valid) / len(valid),
+        decode_ratio=decode_bits / (decode_tokens * full) if decode_tokens else 1.0,
+        prefill_ratio=prompt_bits / (prompt_tokens * full) if prompt_tokens else 1.0,
+        valid=tuple(valid),
+    )
+
+
+def select_cheapest(costs: Sequence[float], error_rates: Sequence[float], reference_error: float, alpha: float):
+    """Eq. 9: the index of the cheapest candidate with ``error − reference_error <= alpha`` (ties: the first), or
+    ``None`` when none passes (then the all-high fallback applies).
+
+    Raises:
+        ValueError: lists of different lengths, or ``alpha`` outside ``[0, 1]``.
+    """
+    if len(costs) != len(error_rates):
+        raise ValueError(
+            f"costs and error_rates must have one value per candidate, got {len(costs)} and {len(error_rates)}"
+        )
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+    passing = [i for i, error in enumerate(error_rates) if error - reference_error <= alpha + 1e-12]
+    return min(passing, key=lambda i: (costs[i], i)) if passing else None

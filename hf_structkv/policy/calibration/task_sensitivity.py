@@ -1,0 +1,130 @@
+"""Runtime-V: task sensitivity ``V(q, a) = R̂_cal(π_{q,a}) − R̂_cal(π_ref)`` by interventions over complete
+autoregressive generation, scored by BFCL's AST checker (PASK §3.4).
+
+Each calibration case is generated under the intervention (batch 1, `run_case`) unless the intervention provably
+reproduces the reference: a decode intervention whose bucket has no occurrence early enough to leave the recent window
+before the trajectory ends (`reaches_generation`), or a prefill intervention that lowers no prompt token (or a
+reference of one token). Skipped cases count with the reference's verdict (a zero contribution to ``V``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from ...eval.bfcl import BfclEntry
+from ..costs import Action, GroupCosts
+from .buckets import Bucket
+from .interventions import BucketIntervention, prefill_intervention_plan, prefill_positions, reaches_generation
+from .references import CaseRun, ReferenceTrajectory, run_case
+
+__all__ = [
+    "InterventionRuns",
+    "decode_generator",
+    "intervention_runs",
+    "needs_generation",
+    "prefill_generator",
+    "task_sensitivity",
+]
+
+ACTIONS = (Action.L, Action.R)
+
+
+@dataclass
+class InterventionRuns:
+    """What Runtime-V generated.
+
+    Attributes:
+        verdicts: ``{(bucket, action): [valid per case]}`` (skipped cases: the reference's verdict).
+        generated: ``{(bucket, action): number of cases generated}``.
+        seconds: total generation time.
+    """
+
+    verdicts: dict[tuple[Bucket, Action], list[bool]] = field(default_factory=dict)
+    generated: dict[tuple[Bucket, Action], int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def needs_generation(reference: ReferenceTrajectory, bucket: Bucket, stage: str, sink_tokens: int, window: int) -> bool:
+    """Whether an intervention on ``bucket`` can change ``reference``'s generation (else it is skipped)."""
+    if stage == "decode":
+        return reaches_generation(reference, bucket.key, window)
+    if stage == "prefill":
+        return len(reference.tokens) >= 2 and bool(prefill_positions(reference, bucket.key, sink_tokens, window))
+    raise ValueError(f"stage must be 'decode' or 'prefill', got {stage!r}")
+
+
+def intervention_runs(
+    entries: Sequence[BfclEntry],
+    references: Sequence[ReferenceTrajectory],
+    buckets: Sequence[Bucket],
+    stage: str,
+    generate: Callable[[BfclEntry, ReferenceTrajectory, Bucket, Action], CaseRun],
+    sink_tokens: int,
+    window: int,
+    progress: bool = False,
+) -> InterventionRuns:
+    """Verdicts of every intervention ``(bucket, a)``, ``a ∈ {L, R}``, on every case.
+
+    Args:
+        entries, references: the calibration cases and their reference trajectories (same order).
+        generate: ``(entry, reference, bucket, action) -> CaseRun`` of one intervened generation.
+    """
+    if len(entries) != len(references) or any(e.id != r.case_id for e, r in zip(entries, references)):
+        raise ValueError("entries and references must be the same cases in the same order")
+    todo = [[needs_generation(ref, bucket, stage, sink_tokens, window) for ref in references] for bucket in buckets]
+    runs = InterventionRuns()
+    total = sum(map(sum, todo)) * len(ACTIONS)
+    start = time.perf_counter()
+    with tqdm(total=total, desc=f"runtime-V ({stage})", unit="gen", disable=not progress) as bar:
+        for bucket, needed in zip(buckets, todo):
+            for action in ACTIONS:
+                verdicts = []
+                for entry, reference, run in zip(entries, references, needed):
+                    if run:
+                        verdicts.append(generate(entry, reference, bucket, action).valid)
+                        bar.update()
+                    else:
+                        verdicts.append(reference.valid)
+                runs.verdicts[bucket, action] = verdicts
+                runs.generated[bucket, action] = sum(needed)
+    runs.seconds = time.perf_counter() - start
+    return runs
+
+
+def task_sensitivity(
+    runs: InterventionRuns, references: Sequence[ReferenceTrajectory]
+) -> dict[Bucket, dict[Action, float]]:
+    """``{bucket: {Action.L: V(q, L), Action.R: V(q, R)}}``: error rate under the intervention minus the reference's."""
+    reference_errors = sum(not r.valid for r in references)
+    sensitivity: dict[Bucket, dict[Action, float]] = {}
+    for (bucket, action), verdicts in runs.verdicts.items():
+        errors = sum(not valid for valid in verdicts)
+        sensitivity.setdefault(bucket, {})[action] = (errors - reference_errors) / len(references)
+    return sensitivity
+
+
+def decode_generator(model, tokenizer, costs: GroupCosts, max_new_tokens: int, sink_tokens: int, window: int):
+    """``generate`` for `intervention_runs` of decode buckets: the case under `BucketIntervention`."""
+
+    def generate(entry: BfclEntry, reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> CaseRun:
+        policy = BucketIntervention(costs, bucket, action, sink_tokens, window)
+        return run_case(model, tokenizer, entry, policy, max_new_tokens)[0]
+
+    return generate
+
+
+def prefill_generator(model, tokenizer, reference_policy, max_new_tokens: int):
+    """``generate`` for `intervention_runs` of prefill buckets: decode all-high (``reference_policy``), the prompt
+    under `prefill_intervention_plan`."""
+
+    def generate(entry: BfclEntry, reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> CaseRun:
+        plan = prefill_intervention_plan(
+            reference, bucket, action, reference_policy.sink_tokens, reference_policy.window
+        )
+        return run_case(model, tokenizer, entry, reference_policy, max_new_tokens, prefill_plan=plan)[0]
+
+    return generate

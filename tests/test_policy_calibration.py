@@ -1,0 +1,419 @@
+"""PASK offline calibration (Algorithm 1): closed forms, brute-force references, the exact window shortcut, and an
+end-to-end `calibrate` on a tiny model with the real tokenizer."""
+
+import itertools
+import json
+import random
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from hf_structkv.eval.bfcl import bfcl_split
+from hf_structkv.models import ensure_default_snapshot, tiny_model
+from hf_structkv.policy import Action, GroupCosts, PolicyTable, PrefillPolicy
+from hf_structkv.policy.calibration import (
+    Bucket,
+    BucketIntervention,
+    CalibrationSettings,
+    calibrate,
+    dev_candidate_indices,
+    envelope,
+    greedy_path,
+    left_quantile,
+    protection_floor,
+    protection_floors,
+    reaches_generation,
+    reserve_statistics,
+    reserve_table,
+    select_cheapest,
+    upgrade_priorities,
+)
+from hf_structkv.policy.calibration.buckets import parse_bucket
+from hf_structkv.policy.calibration.distortion import attention_distortion, capture_reference_states
+from hf_structkv.policy.calibration.references import ReferenceTrajectory, reference_trajectories, run_case
+from hf_structkv.quant.int4 import dequantize_int4, quantize_int4
+from hf_structkv.structure.tags import StructuralTag
+from hf_structkv.structured_generation import generate_calls
+
+R, L, H = Action.R, Action.L, Action.H
+COSTS = GroupCosts.from_dims([2] * 6, [16] * 6)
+
+
+# ---------------------------------------------------------------------------------------------- envelope, floors
+@pytest.mark.parametrize(
+    ("v_low", "v_release", "want"),
+    [(-0.1, -0.2, (0.0, 0.0)), (0.02, 0.01, (0.02, 0.02)), (0.0, 0.03, (0.0, 0.03)), (0.01, 0.05, (0.01, 0.05))],
+)
+def test_envelope_closed_form(v_low, v_release, want):
+    assert envelope(v_low, v_release) == want
+
+
+def test_floors_closed_form():
+    tau_low, tau_high = 0.005, 0.01
+    assert protection_floor(0.02, 0.0, tau_low, tau_high) == H  # V̄(L) > τ_high (and V̄(R) >= V̄(L))
+    assert protection_floor(0.0, 0.004, tau_low, tau_high) == R  # V̄(R) <= τ_low
+    assert protection_floor(-0.5, 0.005, tau_low, tau_high) == R  # boundary: <= τ_low
+    assert protection_floor(0.0, 0.006, tau_low, tau_high) == L
+    assert protection_floor(0.01, 0.5, tau_low, tau_high) == L  # boundary: not > τ_high
+    assert protection_floor(0.006, -1.0, tau_low, tau_high) == L  # the envelope lifts V̄(R) to V̄(L)
+    floors = protection_floors({Bucket("a", 0): {L: 0.5, R: 0.5}, Bucket("a", 1): {L: 0, R: 0}}, (0.005, 0.01))
+    assert floors == {Bucket("a", 0): H, Bucket("a", 1): R}
+    with pytest.raises(ValueError, match="tau_low <= tau_high"):
+        protection_floors({}, (0.02, 0.01))
+
+
+def test_bucket_text_round_trip_and_errors():
+    bucket = Bucket("pure_scaffold|scaffold_separator|boundary|no_lookahead", 2)
+    assert str(bucket).endswith("::upper") and parse_bucket(str(bucket)) == bucket
+    with pytest.raises(ValueError, match="key::lower"):
+        parse_bucket("no-group")
+
+
+# ---------------------------------------------------------------------------------------------- priorities, path
+def test_priorities_formula():
+    a, b = Bucket("a", 0), Bucket("b", 2)
+    distortion = {a: {R: 9.0, L: 4.0}, b: {R: 1.0, L: 3.0}}
+    counts = {a: 2.0, b: 0.5}
+    got = upgrade_priorities(distortion, counts, COSTS)
+    for bucket in (a, b):
+        c = bucket.group
+        rl = COSTS.cost(L, c) - COSTS.cost(R, c)
+        lh = COSTS.cost(H, c) - COSTS.cost(L, c)
+        d = distortion[bucket]
+        want = (max(d[R] - d[L], 0) / (counts[bucket] * rl), max(d[L] - 0, 0) / (counts[bucket] * lh))
+        assert got[bucket] == pytest.approx(want)
+    assert got[b][0] == 0.0  # D(R) < D(L): a clipped, zero-score upgrade
+    with pytest.raises(ValueError, match="positive mean count"):
+        upgrade_priorities(distortion, {a: 1.0}, COSTS)
+
+
+def _brute_force_path(floors, priorities):
+    """Scan every eligible upgrade each step: the largest score, ties by serialized (key, group) order."""
+    current = dict(floors)
+    path = [dict(current)]
+    while any(a < H for a in current.values()):
+        eligible = [(b, current[b]) for b in sorted(current) if current[b] < H]
+        bucket, action = max(eligible, key=lambda item: priorities[item[0]][item[1]])  # first maximum: tie order
+        current[bucket] = Action(action + 1)
+        path.append(dict(current))
+    return path
+
+
+def test_greedy_path_is_nested_ends_all_high_and_equals_brute_force():
+    rng = random.Random(3)
+    buckets = [Bucket(key, c) for key in ("k1", "k2", "k3") for c in range(3)]
+    for _ in range(20):
+        floors = {b: Action(rng.randrange(3)) for b in buckets}
+        scores = [0.0, 0.5, 1.0, 2.0]  # repeated values exercise the tie order
+        priorities = {b: (rng.choice(scores), rng.choice(scores)) for b in buckets}
+        path = greedy_path(floors, priorities)
+        assert path == _brute_force_path(floors, priorities)
+        assert path[0] == floors and all(a == H for a in path[-1].values())
+        assert len(path) == 1 + sum(H - a for a in floors.values())
+        for before, after in itertools.pairwise(path):
+            assert all(after[b] >= before[b] for b in buckets)
+            assert sum(after[b] - before[b] for b in buckets) == 1
+
+
+# ---------------------------------------------------------------------------------------------- reserve
+def _brute_force_statistic(costs, u, allowance, horizon):
+    options = [sum(costs[u + 1 : u + 1 + h]) - h * allowance for h in range(0, min(horizon, len(costs) - 1 - u) + 1)]
+    return max(max(options), 0.0)
+
+
+def test_reserve_statistic_and_left_quantile_equal_brute_force():
+    rng = random.Random(0)
+    for _ in range(30):
+        costs = [rng.choice([0.0, 40.0, 100.0, 160.0]) for _ in range(rng.randrange(1, 15))]
+        allowance, horizon = rng.choice([50.0, 80.0]), rng.choice([0, 1, 3, 8])
+        got = reserve_statistics(costs, allowance, horizon)
+        assert got == [pytest.approx(_brute_force_statistic(costs, u, allowance, horizon)) for u in range(len(costs))]
+    for n in range(1, 12):
+        values = [rng.choice(range(6)) for _ in range(n)]
+        for beta in (0.1, 0.5, 0.8, 1.0):
+            # inf{x : F(x) >= β} over the sample points
+            want = min(x for x in values if sum(v <= x for v in values) / n >= beta)
+            assert left_quantile(values, beta) == want
+    assert left_quantile([5, 1, 4, 2, 3], 0.8) == 4  # rank ⌈0.8 · 5⌉ = 4
+    with pytest.raises(ValueError, match="beta"):
+        left_quantile([1.0], 0.0)
+
+
+def test_reserve_table_by_state_and_pooled():
+    floor_costs = [[100.0, 0.0, 100.0, 100.0], [0.0, 100.0]]
+    states = [[frozenset({"boundary"}), frozenset({"critical"}), frozenset({"boundary", "critical"}), frozenset()]]
+    states.append([frozenset({"critical"}), frozenset({"boundary"})])
+    by_state, pooled = reserve_table(floor_costs, states, allowance=50.0, horizon=2, beta=0.8)
+    stats = [reserve_statistics(c, 50.0, 2) for c in floor_costs]
+    flat = [(s, st) for per, sts in zip(stats, states) for s, st in zip(per, sts)]
+    assert pooled == left_quantile([s for s, _ in flat], 0.8)
+    for state in ("boundary", "critical"):
+        assert by_state[state] == left_quantile([s for s, st in flat if state in st], 0.8)
+
+
+# ---------------------------------------------------------------------------------------------- selection
+def test_selection_picks_cheapest_within_alpha_and_falls_back():
+    costs, errors = [0.2, 0.3, 0.5, 0.1], [0.5, 0.45, 0.4, 0.9]
+    assert select_cheapest(costs, errors, reference_error=0.4, alpha=0.05) == 1
+    assert select_cheapest(costs, errors, reference_error=0.4, alpha=0.1) == 0
+    assert select_cheapest(costs, errors, reference_error=0.2, alpha=0.05) is None
+    assert select_cheapest([0.3, 0.3], [0.0, 0.0], 0.0, 0.05) == 0  # ties: the first
+    with pytest.raises(ValueError, match="one value per candidate"):
+        select_cheapest([0.1], [], 0.0, 0.05)
+    assert dev_candidate_indices(7, None) == list(range(7))
+    assert dev_candidate_indices(7, 3) == [0, 3, 6]
+    assert dev_candidate_indices(2, 5) == [0, 1]
+    assert dev_candidate_indices(9, 1) == [0]
+    with pytest.raises(ValueError, match="max_candidates"):
+        dev_candidate_indices(3, 0)
+
+
+def test_settings_errors_are_named():
+    with pytest.raises(ValueError, match="tau_low <= tau_high"):
+        CalibrationSettings(thresholds=((0.1, 0.05),))
+    with pytest.raises(ValueError, match="stages"):
+        CalibrationSettings(stages=("prefill",))
+    with pytest.raises(ValueError, match="max_candidates"):
+        CalibrationSettings(max_dev_candidates=0)
+    with pytest.raises(ValueError, match="R or L"):
+        BucketIntervention(COSTS, Bucket("pure_scaffold|scaffold_separator|boundary|no_lookahead", 0), H, 4, 8)
+
+
+# ---------------------------------------------------------------------------------------------- tiny model
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(ensure_default_snapshot(), local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_model("qwen2", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, num_hidden_layers=3)
+
+
+@pytest.fixture(scope="module")
+def cases():
+    return bfcl_split(["simple_python"], "calibration", limit=2), bfcl_split(["simple_python"], "development", limit=2)
+
+
+WINDOW = 3
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def references(model, tokenizer, cases, tmp_path_factory):
+    return reference_trajectories(
+        model, tokenizer, cases[0], MAX_NEW, WINDOW, 4, cache_dir=tmp_path_factory.mktemp("refs")
+    )
+
+
+def test_window_shortcut_equals_a_real_intervened_generation(model, tokenizer, cases, references):
+    """Every skipped (bucket, action, case) generates exactly the reference; the all-high reference does not depend
+    on the window, so one reference serves several windows."""
+    costs = GroupCosts.from_config(model.config)
+    checked = {True: 0, False: 0}
+    for window in (WINDOW, 12, 17):
+        for entry, reference in zip(cases[0], references):
+            for key in sorted({key for tags in reference.tags if tags for key in tags}):
+                reaches = reaches_generation(reference, key, window)
+                checked[reaches] += 1
+                if reaches:
+                    continue
+                for group, action in ((0, R), (2, L)):
+                    policy = BucketIntervention(costs, Bucket(key, group), action, 4, window)
+                    run = run_case(model, tokenizer, entry, policy, MAX_NEW)[0]
+                    assert run.tokens == reference.tokens and run.valid == reference.valid
+    assert checked[True] and checked[False]
+
+
+def test_intervention_controller_lowers_only_occurrences():
+    key = "schema_bearing|required|critical|no_lookahead"
+    other = "pure_scaffold|scaffold_separator|boundary|no_lookahead"
+    controller = BucketIntervention(COSTS, Bucket(key, 1), L, 4, 8).controller(COSTS)
+    tags = [StructuralTag.from_key(k) for k in (key, other)]
+    assert controller.step([tags[0]]) == (H, L, H)
+    assert controller.step(tags) == (H, L, H)  # several candidates: an occurrence of each
+    assert controller.step([tags[1]]) == (H, H, H)
+    assert controller.step(()) == (H, H, H) and controller.step(None) is None
+    assert controller.scheduled_bits == 2 * COSTS.total((H, L, H)) + 2 * COSTS.full  # stop tokens are free
+    controller.rollback(1)
+    assert controller.num_steps == 1 and controller.scheduled_bits == COSTS.total((H, L, H))
+
+
+def test_reference_cache_is_reused_and_keyed(model, tokenizer, cases, tmp_path):
+    first = reference_trajectories(model, tokenizer, cases[0][:1], MAX_NEW, WINDOW, 4, cache_dir=tmp_path)
+    (path,) = tmp_path.glob("references-*.json")
+    record = json.loads(path.read_text())
+    record["trajectories"][0]["text"] = "from the cache"
+    path.write_text(json.dumps(record))
+    again = reference_trajectories(model, tokenizer, cases[0][:1], MAX_NEW, WINDOW, 4, cache_dir=tmp_path)
+    assert again[0].text == "from the cache" and again[0].tokens == first[0].tokens
+    other = reference_trajectories(model, tokenizer, cases[0][:1], MAX_NEW, WINDOW + 1, 4, cache_dir=tmp_path)
+    assert other[0].text == first[0].text and len(list(tmp_path.glob("references-*.json"))) == 2
+    with pytest.raises(ValueError, match="non-empty list"):
+        reference_trajectories(model, tokenizer, [], MAX_NEW, WINDOW, 4)
+
+
+# ---------------------------------------------------------------------------------------------- Runtime-D
+def _toy_reference(tags, prompt_labels):
+    return ReferenceTrajectory(
+        tokens=tuple(range(len(tags))),
+        tags=tuple(tags),
+        valid=True,
+        text="",
+        case_id="toy",
+        category="simple_python",
+        prompt_ids=tuple(range(len(prompt_labels))),
+        prompt_labels=tuple(prompt_labels),
+        seconds=0.0,
+    )
+
+
+def _brute_force_distortion(reference, states, key, stage, action, sink, window, costs, group):
+    """Per query and layer: rebuild the keys / values the query sees, attention head by head, max over heads."""
+    prompt, tokens = len(reference.prompt_ids), len(reference.tokens)
+    total = 0.0
+    for layer, (queries, keys, values, scaling) in states.items():
+        if costs.group_of_layer(layer) != group:
+            continue
+        groups = queries.shape[0] // keys.shape[0]
+        for j in range(tokens - 1):
+            worst = 0.0
+            for h in range(queries.shape[0]):
+                kv = h // groups
+                q = queries[h, j]
+                ref_k, ref_v = keys[kv, : prompt + j + 1], values[kv, : prompt + j + 1]
+                new_k, new_v, keep = [], [], []
+                for n in range(prompt + j + 1):
+                    if stage == "decode":
+                        i = n - prompt
+                        hit = i >= 0 and n >= sink and key in (reference.tags[i] or ()) and j >= i + window + 1
+                    else:
+                        hit = sink <= n < prompt - window and key in reference.prompt_labels[n]
+                    k, v = keys[kv, n], values[kv, n]
+                    if hit and action == L:
+                        k = dequantize_int4(*quantize_int4(k[None]), k.shape[-1])[0]
+                        v = dequantize_int4(*quantize_int4(v[None]), v.shape[-1])[0]
+                    new_k.append(k)
+                    new_v.append(v)
+                    keep.append(not (hit and action == R))
+                ref_out = torch.softmax(ref_k @ q * scaling, -1) @ ref_v
+                kept = torch.tensor(keep)
+                new_k, new_v = torch.stack(new_k)[kept], torch.stack(new_v)[kept]
+                out = torch.softmax(new_k @ q * scaling, -1) @ new_v
+                worst = max(worst, float((ref_out - out).square().sum()))
+            total += worst
+    return total
+
+
+def test_distortion_equals_brute_force_on_random_states():
+    costs = GroupCosts.from_dims([2] * 3, [8] * 3)
+    a, b = "schema_bearing|required|critical|no_lookahead", "pure_scaffold|scaffold_separator|boundary|no_lookahead"
+    tags = [(a,), (b,), (a, b), (a,), (), (b,), (a,), (a,), None]
+    labels = (
+        [("protected_content",)] * 3
+        + [("function_name",), ("function_name", "schema_scaffold")] * 2
+        + [("protected_content",)]
+    )
+    reference = _toy_reference(tags, labels)
+    generator = torch.Generator().manual_seed(0)
+    total = len(labels) + len(tags)
+    states = {
+        layer: (
+            torch.randn(4, len(tags) - 1, 8, generator=generator),
+            torch.randn(2, total, 8, generator=generator),
+            torch.randn(2, total, 8, generator=generator),
+            8**-0.5,
+        )
+        for layer in range(3)
+    }
+    sink, window = 2, 2
+    for stage, keys in (("decode", (a, b)), ("prefill", ("function_name", "schema_scaffold", "protected_content"))):
+        buckets = [Bucket(key, c) for key in keys for c in range(3)]
+        got = attention_distortion([reference], buckets, stage, costs, sink, window, lambda r: states)
+        for bucket in buckets:
+            for action in (R, L):
+                want = _brute_force_distortion(
+                    reference, states, bucket.key, stage, action, sink, window, costs, bucket.group
+                )
+                assert got[bucket][action] == pytest.approx(want, rel=1e-4, abs=1e-7)
+        assert any(got[bucket][R] > 0 for bucket in buckets)
+
+
+def test_reference_states_reproduce_the_model_attention(model, references):
+    """The captured queries / keys / values give back the layer's attention output of a plain forward."""
+    states = capture_reference_states(model, references[0])
+    assert sorted(states) == [0, 1, 2]
+    queries, keys, values, scaling = states[0]
+    tokens, prompt = len(references[0].tokens), len(references[0].prompt_ids)
+    assert queries.shape == (4, tokens - 1, 16) and keys.shape == (2, prompt + tokens, 16)
+    assert scaling == pytest.approx(16**-0.5)
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+SETTINGS = CalibrationSettings(max_new_tokens=MAX_NEW, window=WINDOW, max_dev_candidates=2)
+
+
+@pytest.fixture(scope="module")
+def calibrated(model, tokenizer, cases, tmp_path_factory):
+    return calibrate(model, tokenizer, *cases, SETTINGS, cache_dir=tmp_path_factory.mktemp("cache"), log=lambda _: None)
+
+
+def test_calibrate_end_to_end_gives_loadable_tables_that_generate_calls_accepts(
+    model, tokenizer, cases, calibrated, tmp_path
+):
+    calibrated.save_pretrained(tmp_path)
+    table = PolicyTable.from_pretrained(tmp_path, model=model)
+    prefill = PrefillPolicy.from_pretrained(tmp_path, model=model)
+    assert table == calibrated.table and prefill == calibrated.prefill_policy
+    assert table.provenance == "calibrated" and table.window == WINDOW
+    card = dict(table.calibration)
+    assert card["calibration_cases"] == 2 and card["development_cases"] == 2
+    assert card["decode_budget"] == table.budget and "alpha_D" in table.thresholds
+    report = json.loads((tmp_path / "calibration_report.json").read_text())
+    decode = report["decode"]
+    for path in decode["paths"]:
+        budgets = path["nominal_budgets"]
+        assert budgets == sorted(budgets) and budgets[-1] == pytest.approx(1.0)  # Prop. 2, ends all-high
+        assert path["evaluated"] and path["evaluated"] == sorted(path["evaluated"])
+    # the selected candidate is the cheapest evaluated one within alpha of all-high on development
+    reference = report["reference"]["development_accuracy"]
+    passing = [r for r in decode["development"] if reference - r["accuracy"] <= SETTINGS.alpha_decode + 1e-12]
+    if passing:
+        cheapest = min(passing, key=lambda r: r["measured_ratio"])
+        assert decode["selected"]["measured_ratio"] == cheapest["measured_ratio"]
+    else:
+        assert decode["selected"] == "all-high fallback" and table.budget == 1.0
+    entry = cases[1][0]
+    result = generate_calls(
+        model, tokenizer, list(entry.messages), entry.tools, table, max_new_tokens=8, prefill_policy=prefill
+    )
+    assert result.sequences.shape[0] == 1 and 0 < result.bytes_report()["budget_ratio"] <= 1
+
+
+def test_calibrate_is_deterministic(model, tokenizer, cases, calibrated, tmp_path):
+    again = calibrate(model, tokenizer, *cases, SETTINGS, cache_dir=tmp_path, log=lambda _: None)
+    for result in (again, calibrated):
+        result.report["decode"].pop("runtime_v_seconds")  # wall times differ, nothing else may
+    assert again.table.entries == calibrated.table.entries and again.table.budget == calibrated.table.budget
+    assert again.table.reserve_by_state == calibrated.table.reserve_by_state
+    assert again.prefill_policy.entries == calibrated.prefill_policy.entries
+    assert json.dumps(again.report["decode"]) == json.dumps(calibrated.report["decode"])
+
+
+def test_calibrate_errors_are_named(model, tokenizer, cases):
+    with pytest.raises(ValueError, match="disjoint"):
+        calibrate(model, tokenizer, cases[0], cases[0], SETTINGS)
+    with pytest.raises(ValueError, match="at least one"):
+        calibrate(model, tokenizer, [], cases[1], SETTINGS)
+
+
+def test_cli_calibrate_options():
+    from hf_structkv.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["calibrate", "--out", "x", "--calibration-cases", "2", "--tau", "0.01,0.02", "--tau", "0,0", "--paper-sizes"]
+    )
+    assert args.func.__name__ == "cmd_calibrate" and args.tau == [(0.01, 0.02), (0.0, 0.0)] and args.paper_sizes
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["calibrate", "--out", "x", "--tau", "0.01"])
