@@ -329,3 +329,25 @@ def test_compaction_loss_reductions_match_hand_counts():
     assert [v["met"] for v in verdicts] == [False, False, False]  # 67% < 90%; am_hak lowest at 10x; 2x > 1.5x
     assert verdicts[1]["measured"] == "10x: kv_surgeon 0.2000, lowest am_hak 0.1000; 50x: kv_surgeon 0.3000 lowest"
     assert verdicts[2]["measured"] == "2.00x loo's time per head"
+
+
+# --------------------------------------------------------------------------------- benchmarks/bfcl_budget.py
+def test_bfcl_budget_tiny_run_writes_records_and_plot(tmp_path):
+    pytest.importorskip("bfcl_eval")
+    pytest.importorskip("matplotlib")
+    out, plot = tmp_path / "bfcl_budget.json", tmp_path / "bfcl_budget.png"
+    command = [sys.executable, str(BENCHMARKS / "bfcl_budget.py"), "--tiny", "--categories", "simple_python"]
+    command += ["--max-new-tokens", "6", "--budgets", "0.33", "1.0", "--out", str(out), "--plot", str(plot)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    subprocess.run(command, check=True, env=env, timeout=600, capture_output=True)
+    result = json.loads(out.read_text())
+    methods = ["full_kv", "streaming_llm", "h2o", "snapkv", "mikv", "pask"]
+    assert [(r["method"], r["target_B"]) for r in result["records"]] == [("full_kv", 1.0)] + [
+        (m, 0.33) for m in methods[1:]
+    ]
+    for record in result["records"]:
+        assert record["cases"] == 1 and 0 <= record["accuracy"] <= 1 and 0 < record["measured_B"] <= 1
+        assert set(record["per_category"]) == {"simple_python"} and record["nbytes"] > 0
+    assert result["records"][0]["measured_B"] == 1.0
+    assert result["records"][-1]["label"] == "pask (illustrative)"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -66,16 +66,38 @@ class Int4Partition:
         return keys, values
 
 
-def _stats(
+def _scores(
     grouped_query: torch.Tensor, part: DensePartition | Int4Partition, scaling: float, softcap: float | None
-) -> PartitionStats:
-    """FP32 statistics of one partition for ``grouped_query`` ``[B, H_kv, g, q, D]``."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP32 logits ``[B, H_kv, g, q, n]`` of one partition for ``grouped_query`` ``[B, H_kv, g, q, D]`` (invisible
+    entries ``-inf``) and its values ``[B, H_kv, n, D_v]``."""
     keys, values = part.float_keys_values()  # [B, H_kv, n, D], [B, H_kv, n, D_v]
     scores = (grouped_query @ keys.unsqueeze(2).transpose(-1, -2)) * scaling  # [B, H_kv, g, q, n]
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~part.visible[:, None, None], float("-inf"))
+    return scores.masked_fill(~part.visible[:, None, None], float("-inf")), values
+
+
+def _stats(
+    grouped_query: torch.Tensor, part: DensePartition | Int4Partition, scaling: float, softcap: float | None
+) -> PartitionStats:
+    """FP32 statistics of one partition for ``grouped_query`` ``[B, H_kv, g, q, D]``."""
+    scores, values = _scores(grouped_query, part, scaling, softcap)
     return partition_stats(scores, values.unsqueeze(2))
+
+
+def _grouped_query(query: torch.Tensor, partitions: list[DensePartition | Int4Partition]) -> torch.Tensor:
+    """``query`` ``[B, H_q, q, D]`` as FP32 ``[B, H_kv, g, q, D]`` over the partitions' KV heads."""
+    if not partitions:
+        raise ValueError("partitions must hold at least one partition")
+    batch, n_q_heads, q_len, head_dim = query.shape
+    n_kv_heads = partitions[0].num_kv_heads
+    if any(part.num_kv_heads != n_kv_heads for part in partitions) or n_q_heads % n_kv_heads:
+        raise ValueError(
+            f"{n_q_heads} query heads cannot be grouped over the partitions' KV heads "
+            f"{[part.num_kv_heads for part in partitions]}"
+        )
+    return query.float().view(batch, n_kv_heads, n_q_heads // n_kv_heads, q_len, head_dim)
 
 
 def mixed_precision_attention(
@@ -95,15 +117,34 @@ def mixed_precision_attention(
     Returns:
         ``[B, q, H_q, D_v]`` in ``query.dtype``; a row that sees no key gets zeros.
     """
-    if not partitions:
-        raise ValueError("partitions must hold at least one partition")
-    batch, n_q_heads, q_len, head_dim = query.shape
-    n_kv_heads = partitions[0].num_kv_heads
-    if any(part.num_kv_heads != n_kv_heads for part in partitions) or n_q_heads % n_kv_heads:
-        raise ValueError(
-            f"{n_q_heads} query heads cannot be grouped over the partitions' KV heads "
-            f"{[part.num_kv_heads for part in partitions]}"
-        )
-    grouped = query.float().view(batch, n_kv_heads, n_q_heads // n_kv_heads, q_len, head_dim)
+    batch, n_q_heads, q_len, _ = query.shape
+    grouped = _grouped_query(query, partitions)
     out = merge_partitions([_stats(grouped, part, scaling, softcap) for part in partitions])  # [B, H_kv, g, q, D_v]
     return out.reshape(batch, n_q_heads, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
+
+
+def attention_mass(
+    query: torch.Tensor,
+    partitions: list[DensePartition | Int4Partition],
+    scaling: float,
+    softcap: float | None = None,
+) -> list[torch.Tensor]:
+    """Attention probability mass each entry receives, summed over query heads and query rows: the statistic of
+    attention-based retention baselines (H2O, SnapKV, MiKV). The softmax runs over the union of the partitions, as in
+    `mixed_precision_attention` (same logits, FP32), so a row's masses sum to 1 per query head.
+
+    Args:
+        query, partitions, scaling, softcap: as `mixed_precision_attention`.
+
+    Returns:
+        One FP32 tensor ``[B, n]`` per partition (its entries in order); a row that sees no key adds nothing.
+    """
+    grouped = _grouped_query(query, partitions)
+    scores = [_scores(grouped, part, scaling, softcap)[0] for part in partitions]  # each [B, H_kv, g, q, n]
+    row_max = torch.stack([s.amax(dim=-1) if s.shape[-1] else s.new_full(s.shape[:-1], -torch.inf) for s in scores])
+    row_max = row_max.amax(dim=0)  # [B, H_kv, g, q]
+    shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = [torch.exp(s - shift.unsqueeze(-1)) for s in scores]
+    total = sum(w.sum(dim=-1) for w in weights)
+    inverse = torch.where(total > 0, 1 / total.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(total))
+    return [(w * inverse.unsqueeze(-1)).sum(dim=(1, 2, 3)) for w in weights]

@@ -46,12 +46,10 @@ def structkv_attention(
     if mixed_layer is not None:
         if dropout and module.training:
             raise ValueError("a mixed-precision cache is for inference: put the model in eval mode (dropout must be 0)")
-        out = mixed_precision_attention_for(query)(
-            query,
-            mixed_layer.partitions(attention_mask, query.shape[-2]),
-            scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
-            softcap=kwargs.get("softcap"),
-        )
+        partitions = mixed_layer.partitions(attention_mask, query.shape[-2])
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        out = mixed_precision_attention_for(query)(query, partitions, scaling=scaling, softcap=kwargs.get("softcap"))
+        mixed_layer.record_attention(query, partitions, scaling, kwargs.get("softcap"))  # no-op unless requested
         return out, None
     prefix_layer = kwargs.pop(PREFIX_KWARG, None)
     if prefix_layer is None:

@@ -7,6 +7,11 @@ schedule is computed lazily, in token order, when a layer asks for the actions o
 Prompt tokens without a plan are ``H``; a prefill plan carries its own sink protection (`plan_prefill` protects each
 row's first real tokens, which left padding moves away from position 0); generated tokens among the first
 ``sink_tokens`` positions are ``H``.
+
+With attention statistics (an `AttentionMass`, for the attention-based baselines of `hf_structkv.policy.baselines`)
+the controllers plan the prompt themselves, once, when prompt actions are first needed (the first commit, after the
+prompt forward): ``controller.plan_prompt(mass [groups, P], real [P]) -> [P, groups]``; and each generated token is
+decided by ``controller.step(candidates, TokenStatistics(position, mass))`` with the mass accumulated so far.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import copy
 import torch
 
 from ..policy.costs import Action, GroupCosts
+from .attention_mass import AttentionMass, TokenStatistics
 
 
 class ActionSchedule:
@@ -32,9 +38,23 @@ class ActionSchedule:
             generated token is unresolved and gets the policy's protection for unresolved tokens).
         prefill_plan: optional int tensor ``[B, P, 3]`` of `Action` values for the ``P`` prompt tokens per layer
             group (the prefill companion's plan); prompt tokens beyond it, and all when ``None``, are ``H``.
+        statistics: the cache's `AttentionMass` when the policy decides from attention statistics (then the
+            controllers plan the prompt: no ``prefill_plan``), else ``None``.
     """
 
-    def __init__(self, policy, costs: GroupCosts, processor=None, prefill_plan: torch.Tensor | None = None):
+    def __init__(
+        self,
+        policy,
+        costs: GroupCosts,
+        processor=None,
+        prefill_plan: torch.Tensor | None = None,
+        statistics: AttentionMass | None = None,
+    ):
+        if statistics is not None and prefill_plan is not None:
+            raise ValueError(
+                "this policy plans the prompt from attention statistics itself: do not pass a prefill_plan (or "
+                "prefill_policy) with it"
+            )
         if prefill_plan is not None:
             if not isinstance(prefill_plan, torch.Tensor) or prefill_plan.dim() != 3 or prefill_plan.shape[-1] != 3:
                 raise ValueError("prefill_plan must be an int tensor [batch, prompt_tokens, 3] of Action values")
@@ -44,6 +64,7 @@ class ActionSchedule:
         self.costs = costs
         self.processor = processor
         self.prefill_plan = None if prefill_plan is None else prefill_plan.to(torch.int64).cpu()
+        self.statistics = statistics
         self.controllers: list = []
         self.first_length = 0
         self.decided: list[list[tuple[Action, Action, Action] | None]] = []
@@ -65,6 +86,19 @@ class ActionSchedule:
         self.controllers = [self.policy.controller(self.costs) for _ in range(batch_size)]
         self.decided = [[] for _ in range(batch_size)]
 
+    def _plan_prompt(self) -> None:
+        """With attention statistics: the controllers' prompt plans ``[B, P, groups]``, made once, after the prompt
+        forward (a no-op before it and afterwards)."""
+        stats = self.statistics
+        if stats is None or self.prefill_plan is not None or stats.prompt_real is None or not self.controllers:
+            return
+        real = stats.prompt_real  # [B, P]
+        plans = [
+            self.controllers[row].plan_prompt(stats.row_mass(row, real.shape[1]), real[row])
+            for row in range(self.batch_size)
+        ]
+        self.prefill_plan = torch.stack(plans).to(torch.int64)
+
     def _prompt_length(self) -> int | None:
         if self.processor is None:
             return 0 if self.prefill_plan is None else self.prefill_plan.shape[1]
@@ -80,12 +114,18 @@ class ActionSchedule:
                 candidates = self.processor.tag_at(row, i)
             else:
                 raise _untagged(f"generated token {i} of sequence {row}")
-            decided.append(self.controllers[row].step(candidates))
+            if self.statistics is None:
+                decided.append(self.controllers[row].step(candidates))
+            else:
+                position = self._prompt_length() + i
+                mass = self.statistics.row_mass(row, position + 1)
+                decided.append(self.controllers[row].step(candidates, TokenStatistics(position, mass)))
         actions = decided[index]
         return (Action.R, Action.R, Action.R) if actions is None else actions
 
     def actions(self, start: int, count: int, group: int) -> torch.Tensor:
         """Actions ``[B, count]`` (int64 `Action` values) of positions ``start .. start + count - 1`` in ``group``."""
+        self._plan_prompt()
         result = torch.full((self.batch_size, count), int(Action.H), dtype=torch.int64)
         stop = start + count
         if self.prefill_plan is not None:
@@ -122,11 +162,14 @@ class ActionSchedule:
         self.decided = [list(self.decided[i]) for i in rows]
         if self.prefill_plan is not None:
             self.prefill_plan = self.prefill_plan[indices.cpu()]
+        if self.statistics is not None:
+            self.statistics.select_rows(indices)
 
     def scheduled_bits_by_stage(self, num_tokens: int) -> tuple[float, float, int]:
         """The ledger's payload over the first ``num_tokens`` positions of every sequence, in bits, split by stage:
         ``(prompt_bits, decode_bits, prompt_length)``. Prompt tokens cost their planned actions; generated tokens
         their controller's charges (stop tokens free); tokens whose tags are available are scheduled first."""
+        self._plan_prompt()
         prompt_length = min(self._prompt_length() or 0, num_tokens)
         prompt = 0.0
         for group in range(3):

@@ -19,14 +19,17 @@ partition reads the columns of its slots, so padding and absolute positions surv
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
-from ..attention.mixed_reference import DensePartition, Int4Partition
+from ..attention.mixed_reference import DensePartition, Int4Partition, attention_mass
 from ..policy.costs import Action, GroupCosts
 from ..quant.int4 import quantize_int4
 from .action_schedule import ActionSchedule
+from .attention_mass import AttentionMass
 from .slot_store import SlotStore
 
 MIXED_KWARG = "mixed_precision_layer"
@@ -64,17 +67,19 @@ class MixedPrecisionLayer(CacheLayerMixin):
         group: the layer group (0 lower, 1 middle, 2 upper) whose actions this layer applies.
         schedule: the cache's shared `ActionSchedule`.
         window: tokens kept in the recent region at full precision before their action applies (>= 1).
+        statistics: the cache's `AttentionMass` when its policy asks for attention statistics, else ``None``.
     """
 
     is_sliding = False
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, group: int, schedule: ActionSchedule, window: int):
+    def __init__(self, group: int, schedule: ActionSchedule, window: int, statistics: AttentionMass | None = None):
         super().__init__()
         self.group = group
         self.schedule = schedule
         self.window = window
+        self.statistics = statistics
         self.first_recent = 0
         self.high = SlotStore()
         self.low = SlotStore()
@@ -165,6 +170,49 @@ class MixedPrecisionLayer(CacheLayerMixin):
         parts.append(DensePartition(self.keys, self.values, visible[..., self.first_recent :]))
         return parts
 
+    def record_attention(
+        self,
+        query: torch.Tensor,
+        partitions: list[DensePartition | Int4Partition],
+        scaling: float,
+        softcap: float | None = None,
+    ) -> None:
+        """Add this forward's attention mass per slot to the cache's `AttentionMass` (a no-op without statistics).
+
+        Args:
+            query: ``[B, H_q, q, D]``; partitions: what `partitions` returned for this forward.
+
+        Raises:
+            ValueError: statistics are requested while attention runs on the Triton backend.
+        """
+        stats = self.statistics
+        if stats is None:
+            return
+        seen, q_len = self.get_seq_length(), query.shape[-2]
+        recent = partitions[-1]
+        if seen == q_len:  # first forward: the recent region holds every slot
+            stats.set_prompt(recent.visible[:, -1])
+        rows = stats.counted_rows(seen - q_len, q_len)
+        if rows is None:
+            return
+        from ..attention.backend import BACKEND_ENV, choose_backend
+
+        if choose_backend(query) != "torch":
+            raise ValueError(
+                "attention statistics (H2O / SnapKV / MiKV baselines) are computed by the torch reference only: set "
+                f"{BACKEND_ENV}=torch, or use a policy without attention statistics"
+            )
+        counted = [replace(part, visible=part.visible[:, rows]) for part in partitions]
+        masses = attention_mass(query[:, :, rows], counted, scaling, softcap)  # each [B, n_part]
+        positions = [self.high.view()[1]] if self.high.num_entries() else []
+        positions += [self.low.view()[1]] if self.low.num_entries() else []
+        recent_slots = torch.arange(self.first_recent, seen, device=query.device)
+        positions.append(recent_slots.expand(query.shape[0], -1))
+        slot_mass = torch.zeros(query.shape[0], seen, device=query.device)
+        for mass, slots in zip(masses, positions, strict=True):
+            slot_mass.scatter_add_(1, slots.long().clamp_min(0), mass * (slots >= 0))
+        stats.add(self.group, slot_mass)
+
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` slots (a negative value removes that many from the end). Tokens already
         quantised or released stay so: only accounting and not-yet-committed tokens are restored."""
@@ -199,7 +247,7 @@ class MixedPrecisionLayer(CacheLayerMixin):
         self.select_rows(torch.arange(self.keys.shape[0], device=self.keys.device)[indices])
 
     def reset(self) -> None:
-        self.__init__(self.group, self.schedule, self.window)
+        self.__init__(self.group, self.schedule, self.window, self.statistics)
 
     def nbytes(self) -> int:
         """Allocated bytes: recent region, both stores with their scales and slot maps (padding included)."""
@@ -235,6 +283,9 @@ class StructuredMixedPrecisionCache(Cache):
         processor: the `StructuralLogitsProcessor` of the same generation (``None``: every generated token is
             unresolved, i.e. fully protected by the policy).
         prefill_plan: optional actions for the prompt tokens, int ``[B, P, 3]`` (see `ActionSchedule`).
+
+    A policy with an ``attention_statistics()`` method (the attention-based baselines) gets an `AttentionMass` that
+    the layers fill during attention (torch reference only) and plans the prompt itself at its first commit.
     """
 
     def __init__(self, model, policy, processor=None, prefill_plan: torch.Tensor | None = None):
@@ -260,14 +311,17 @@ class StructuredMixedPrecisionCache(Cache):
             )
         self.policy = policy
         self.processor = processor
-        self.schedule = ActionSchedule(policy, self.costs, processor, prefill_plan)
+        make_statistics = getattr(policy, "attention_statistics", None)
+        self.statistics: AttentionMass | None = make_statistics() if callable(make_statistics) else None
+        self.schedule = ActionSchedule(policy, self.costs, processor, prefill_plan, self.statistics)
         layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers
         layers = []
         for idx, layer_type in enumerate(layer_types):
             if layer_type in ("sliding_attention", "chunked_attention"):
                 layers.append(DynamicSlidingWindowLayer(sliding_window=text_config.sliding_window))
             else:
-                layers.append(MixedPrecisionLayer(self.costs.group_of_layer(idx), self.schedule, policy.window))
+                group = self.costs.group_of_layer(idx)
+                layers.append(MixedPrecisionLayer(group, self.schedule, policy.window, self.statistics))
         super().__init__(layers=layers)
 
     def mixed_layers(self) -> list[MixedPrecisionLayer]:
@@ -275,7 +329,17 @@ class StructuredMixedPrecisionCache(Cache):
 
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` tokens (negative: remove that many); restores controllers, ledger and
-        pending actions of the removed tokens (the processor rewinds itself on its next call)."""
+        pending actions of the removed tokens (the processor rewinds itself on its next call).
+
+        Raises:
+            NotImplementedError: the policy records attention statistics (mass already given to earlier slots by
+                the removed queries cannot be taken back).
+        """
+        if self.statistics is not None:
+            raise NotImplementedError(
+                "crop is not supported with attention statistics (H2O / SnapKV / MiKV baselines): the attention mass "
+                "of removed queries cannot be taken back; generate without speculative decoding"
+            )
         seen = self.get_seq_length()
         length = seen + max_length if max_length < 0 else min(max_length, seen)
         super().crop(max_length)

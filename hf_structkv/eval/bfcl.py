@@ -206,6 +206,7 @@ def evaluate_bfcl(
     policy,
     max_new_tokens: int = 256,
     progress: bool = False,
+    prefill_policy=None,
 ) -> BfclEvaluation:
     """Answer each entry with `generate_calls` (greedy, batch 1, the entry's tools as the grammar and in the chat
     template) on a mixed-precision cache under ``policy``, and score the calls with BFCL's AST checker.
@@ -216,6 +217,7 @@ def evaluate_bfcl(
         max_new_tokens: generation cap; a text cut off by it is incomplete JSON and scored invalid
             (``ast_decoder:decoder_failed``).
         progress: show a tqdm bar over the entries.
+        prefill_policy: optional `PrefillPolicy` for the prompt tokens (`generate_calls`).
     """
     if isinstance(entries, BfclEntry) or not entries:
         raise ValueError("entries must be a non-empty list of BfclEntry objects (load_bfcl / bfcl_split)")
@@ -227,7 +229,13 @@ def evaluate_bfcl(
     for entry in tqdm(entries, desc="bfcl", unit="case", disable=not progress):
         start = time.perf_counter()
         result = generate_calls(
-            model, tokenizer, list(entry.messages), entry.tools, policy, max_new_tokens=max_new_tokens
+            model,
+            tokenizer,
+            list(entry.messages),
+            entry.tools,
+            policy,
+            max_new_tokens=max_new_tokens,
+            prefill_policy=prefill_policy,
         )
         seconds = time.perf_counter() - start
         calls = result.calls[0]

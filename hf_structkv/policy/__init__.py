@@ -1,5 +1,6 @@
 """PASK policies: retention actions and payload costs, the frozen policy table, the online controller (Algorithm 2)."""
 
+from .baselines import H2O, MiKV, SnapKV, StreamingLLM
 from .controller import PolicyController
 from .costs import Action, GroupCosts, layer_groups
 from .prefill import PrefillPlan, PrefillPolicy, batch_prefill_plan, illustrative_prefill_policy, plan_prefill
@@ -8,6 +9,10 @@ from .table import PolicyEntry, PolicyLookup, PolicyTable, illustrative_policy
 
 __all__ = [
     "Action",
+    "H2O",
+    "MiKV",
+    "SnapKV",
+    "StreamingLLM",
     "GroupCosts",
     "PolicyController",
     "PolicyEntry",
