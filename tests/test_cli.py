@@ -15,6 +15,7 @@ import torch
 from hf_structkv import CompactedCache
 from hf_structkv.cli import DTYPES, build_parser, load_model, main, read_context
 from hf_structkv.compaction import prefill_context
+from hf_structkv.compaction.budgets import default_head_budgets
 from hf_structkv.eval.squad import squad_document
 from hf_structkv.generation import generation_inputs
 from hf_structkv.hub import CACHE_FILES
@@ -199,7 +200,9 @@ def test_compact_writes_the_cache_and_prints_its_bytes(compacted, default_model)
     ids, suffix = context_ids(default_model[1])
     length = ids.shape[1]
     assert cache.original_length == length
-    assert cache.head_lengths() == [[length // 4] * 2] * 24
+    shipped = default_head_budgets(default_model[0]).token_budgets(4.0, length)  # budgets="auto" on this model
+    assert cache.head_lengths() == [[max(1, n) for n in shipped[i]] for i in range(24)]
+    assert cache.metadata["budgets"]["source"] == "shipped"
     assert cache.metadata["question_suffix"] == suffix
     assert cache.metadata["method"] == "kv_surgeon" and cache.metadata["hyperparameters"]["ratio"] == 4.0
     assert cache.metadata["calibration"]["on_policy"] is False
@@ -224,7 +227,8 @@ def test_info_prints_metadata_length_and_bytes(compacted, capsys):
     assert config["original_length"] == cache.original_length and config["method"] == "kv_surgeon"
     assert config["fingerprint"]["num_hidden_layers"] == 24
     assert number(r"original length\s+(\d+)", printed) == cache.original_length
-    assert number(r"kept entries \(global layers, all heads\) ([\d,]+)", printed) == 48 * (cache.original_length // 4)
+    kept = sum(n for layer in cache.head_lengths() if layer for n in layer)
+    assert number(r"kept entries \(global layers, all heads\) ([\d,]+)", printed) == kept
     assert number(r"stored bytes\s+([\d,]+)", printed) == cache.nbytes()
     assert number(r"biases \+ offsets ([\d,]+)", printed) == cache.overhead_nbytes()
     assert number(r"full DynamicCache\s+([\d,]+)", printed) == cache.full_nbytes()
@@ -261,7 +265,9 @@ def test_compact_a_context_file(tmp_path, default_model):
     path = tmp_path / "context.txt"
     path.write_text("The Normans gave their name to Normandy, a region in France.", encoding="utf-8")
     folder = tmp_path / "file_cache"
-    printed = run_cli(["compact", "--context-file", str(path), "--ratio", "2", "--out", str(folder)])
+    printed = run_cli(
+        ["compact", "--context-file", str(path), "--ratio", "2", "--budgets", "uniform", "--out", str(folder)]
+    )
     tokenizer = default_model[1]
     context_text, _ = document_chat_prompt(tokenizer, path.read_text(encoding="utf-8"))
     length = tokenizer(context_text, add_special_tokens=False, return_tensors="pt").input_ids.shape[1]

@@ -212,5 +212,7 @@ def test_tiny_byte_tokenizer_round_trips_bytes_and_renders_chats():
     ids = tokenizer(text, add_special_tokens=False).input_ids
     assert len(ids) == len(text.encode("utf-8")) and all(3 <= i < 259 for i in ids)
     assert tokenizer.decode(ids) == text
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert chat == "<s>user: hi</s><s>assistant: "

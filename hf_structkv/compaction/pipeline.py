@@ -86,8 +86,11 @@ def _split_queries(queries: torch.Tensor, heldout_fraction: float, cap: int, see
     return queries[:, order[n_heldout:][:cap]], queries[:, order[:n_heldout]]
 
 
-def _budget_source(budgets, model: PreTrainedModel) -> tuple[object | None, dict]:
+def _budget_source(budgets, model: PreTrainedModel, ratio: float) -> tuple[object | None, dict]:
     """``budgets`` -> (an object with ``token_budgets(ratio, length)``, or None for uniform; its metadata record).
+
+    ``"auto"`` is the shipped allocation when it was computed for ``model``'s structure and ``ratio`` is within its
+    range (``ratio >= 1 / CAP_FRACTION``: no head keeps more than that share), uniform otherwise.
 
     A path or Hub id is read by ``HeadBudgets.load(path, model=model)``, which checks that it was computed for
     ``model``.
@@ -96,8 +99,10 @@ def _budget_source(budgets, model: PreTrainedModel) -> tuple[object | None, dict
     if isinstance(budgets, str) and budgets == "uniform":
         return None, uniform
     if isinstance(budgets, str) and budgets == "auto":
-        from .budgets import default_head_budgets
+        from .budgets import CAP_FRACTION, default_head_budgets
 
+        if ratio * CAP_FRACTION < 1:  # every head keeps more than the allocation's cap: only uniform fits
+            return None, uniform | {"requested": "auto"}
         try:
             shipped = default_head_budgets(model)
         except ValueError:  # another attention structure: no shipped allocation applies
@@ -272,7 +277,7 @@ def compact(
     if self_study is not None and not isinstance(self_study, SelfStudy):
         raise TypeError(f"self_study must be a SelfStudy or None, got {type(self_study).__name__}")
     self_study = SelfStudy() if self_study is None else self_study
-    budget_source, budget_record = _budget_source(budgets, model)
+    budget_source, budget_record = _budget_source(budgets, model, ratio)
     context_ids, document_lengths = context_documents(tokenizer, context)
     spans = chunk_spans(document_lengths, chunk_tokens)
     start = time.perf_counter()
