@@ -2,9 +2,9 @@
 mixed-precision cache, the same ledger (B.3) and the same held-out cases (PASK Table 1 / Fig. 3 protocol, CPU-sized).
 
 1. Development split only: Full KV answers the first ``--dev-cases`` cases of each category; their prompt and decoded
-   lengths fix each baseline's budget knob by its knob arithmetic (`for_budget`: StreamingLLM's sink count, SnapKV's
-   prompt ratio, H2O's and MiKV's heavy ratio; the other Table 8 knobs at the stated defaults, the recent window equal
-   to PASK's). Nothing is chosen on the test split.
+   lengths fix each baseline's budget knob by its knob arithmetic (`for_budget`: StreamingLLM's recent prompt tokens,
+   SnapKV's prompt ratio, H2O's and MiKV's heavy ratio; the other Table 8 knobs at the stated defaults, the recent
+   window equal to PASK's). Nothing is chosen on the test split.
 2. Test split: every method answers the first ``--cases`` test cases of each category greedily under the tools' JSON
    schema (`evaluate_bfcl`, batch 1), scored by BFCL's AST checker, at each target B < 1 (B = 1 keeps everything:
    that row is Full KV, run once). PASK runs its decode table and prefill policy with both budgets (``B_D``, ``B_P``)

@@ -1,7 +1,7 @@
 """hf_structkv: smaller KV caches for HuggingFace transformers.
 
 - `CompactedCache`: a long reusable context read once, compacted offline per KV head (kept keys, refit values,
-  per-entry logit biases), saved and reused with ``model.generate(past_key_values=...)``.
+  per-entry logit biases), saved and reused with ``model.generate(cache=...)`` (or the older ``past_key_values=``).
 - `StructuredMixedPrecisionCache` (PASK): during constrained decoding, each generated token's K/V is kept BF16,
   packed INT4 or released per layer group, as a frozen `PolicyTable` decides from the structural tag that the
   `StructuralLogitsProcessor` (lm-format-enforcer) resolves; `generate_calls` wires them into one call, `generate_sql`

@@ -9,7 +9,7 @@ from transformers.cache_utils import Cache
 def generation_inputs(
     cache: Cache, question_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
-    """``input_ids`` / ``attention_mask`` for ``model.generate(**inputs, past_key_values=cache)``.
+    """``input_ids`` / ``attention_mask`` for ``model.generate(**inputs, cache=cache)``.
 
     ``generate`` reads only the tokens after the cache's (logical) length and derives positions from the mask, so the
     context part is a run of placeholder ids with mask 1; a left-padded batch of questions keeps its padding, which

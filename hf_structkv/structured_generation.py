@@ -214,7 +214,7 @@ def generate_structured(
         **batch,
         max_new_tokens=max_new_tokens,
         logits_processor=LogitsProcessorList([processor]),
-        past_key_values=cache,
+        cache=cache,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
         **generate_kwargs,
     )

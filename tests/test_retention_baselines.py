@@ -293,10 +293,14 @@ def test_snapkv_prompt_plan_matches_brute_force(model, pooling, kernel):
     )
 
 
-def test_streaming_llm_plan_keeps_the_first_real_tokens(model):
-    real = torch.tensor([False, False, True, True, True, True, True])
-    plan = StreamingLLM(model, sink_tokens=3, window=2).controller(costs_of(model)).plan_prompt(torch.zeros(3, 7), real)
-    assert plan[:, 0].tolist() == [R, R, H, H, H, R, R] and torch.equal(plan[:, 0], plan[:, 2])
+def test_streaming_llm_plan_keeps_the_first_real_tokens_and_the_recent_ones(model):
+    real = torch.tensor([False, False, True, True, True, True, True, True])
+    plan = StreamingLLM(model, sink_tokens=3, window=2).controller(costs_of(model)).plan_prompt(torch.zeros(3, 8), real)
+    assert plan[:, 0].tolist() == [R, R, H, H, H, R, R, R] and torch.equal(plan[:, 0], plan[:, 2])
+    recent = StreamingLLM(model, sink_tokens=2, window=2, recent_tokens=2).controller(costs_of(model))
+    assert recent.plan_prompt(torch.zeros(3, 8), real)[:, 1].tolist() == [R, R, H, H, R, R, H, H]
+    short = torch.tensor([False, False, False, False, False, False, True, True])  # recent window over padding only
+    assert recent.plan_prompt(torch.zeros(3, 8), short)[:, 1].tolist() == [R, R, R, R, R, R, H, H]
 
 
 # ----------------------------------------------------------------------------------------- on a tiny model

@@ -272,7 +272,7 @@ class StructuredMixedPrecisionCache(Cache):
 
         proc = StructuralLogitsProcessor(tokenizer, tools=tools)
         cache = StructuredMixedPrecisionCache(model, policy, processor=proc)
-        model.generate(**inputs, logits_processor=[proc], past_key_values=cache)
+        model.generate(**inputs, logits_processor=[proc], cache=cache)
 
     The model must run hf_structkv's attention (``hf_structkv.enable(model)``; the constructor does it when given
     a model). Sliding-window layers keep transformers' own sliding layer. One cache serves one ``generate`` call.

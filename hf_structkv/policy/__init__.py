@@ -5,7 +5,7 @@ from .controller import PolicyController
 from .costs import Action, GroupCosts, layer_groups
 from .prefill import PrefillPlan, PrefillPolicy, batch_prefill_plan, illustrative_prefill_policy, plan_prefill
 from .retention import RetentionController, RetentionPolicy
-from .table import PolicyEntry, PolicyLookup, PolicyTable, illustrative_policy
+from .table import PolicyEntry, PolicyLookup, PolicyTable, calibrated_policy, illustrative_policy
 
 __all__ = [
     "Action",
@@ -23,6 +23,7 @@ __all__ = [
     "RetentionPolicy",
     "PrefillPolicy",
     "batch_prefill_plan",
+    "calibrated_policy",
     "illustrative_prefill_policy",
     "illustrative_policy",
     "layer_groups",

@@ -50,6 +50,7 @@ __all__ = [
     "PolicyEntry",
     "PolicyLookup",
     "PolicyTable",
+    "calibrated_policy",
     "illustrative_policy",
 ]
 
@@ -74,6 +75,7 @@ CONVENTIONS = {
 }
 UPGRADE_STEPS = ("R->L", "L->H")
 ILLUSTRATIVE_POLICY = "qwen2.5-coder-0.5b-instruct-illustrative"
+CALIBRATED_POLICY = "qwen2.5-coder-0.5b-instruct-calibrated"
 
 _JSON_FIELDS = (
     "format_version",
@@ -641,12 +643,27 @@ class PolicyTable:
 def illustrative_policy(model: Any = None) -> PolicyTable:
     """The hand-written, **not calibrated** policy table shipped for the embedded model (Qwen2.5-Coder-0.5B-Instruct):
     scaffold tokens cheap (``R`` / ``L``), dispatch keys and required values ``H``, free generation ``L``,
-    ``B_D = 0.5``. It stands in until a calibrated table exists; it promises no accuracy.
+    ``B_D = 0.5``. It promises no accuracy; `calibrated_policy` is the table Algorithm 1 produced.
 
     Args:
         model: when given, checked against the table's fingerprint and costs.
     """
-    resource = importlib.resources.files("hf_structkv") / "data" / "policies" / ILLUSTRATIVE_POLICY
+    return _shipped_policy(ILLUSTRATIVE_POLICY, model)
+
+
+def calibrated_policy(model: Any = None) -> PolicyTable:
+    """The decode policy table calibrated by `hf_structkv.calibrate` (PASK Algorithm 1) for the embedded model on a
+    small CPU-sized BFCL calibration / development split; the table's card and ``calibration`` record say on what
+    data, with which thresholds, the realised ``B_D`` and the development accuracy against all-high.
+
+    Args:
+        model: when given, checked against the table's fingerprint and costs.
+    """
+    return _shipped_policy(CALIBRATED_POLICY, model)
+
+
+def _shipped_policy(name: str, model: Any) -> PolicyTable:
+    resource = importlib.resources.files("hf_structkv") / "data" / "policies" / name
     with importlib.resources.as_file(resource) as folder:
         return PolicyTable.from_pretrained(folder, model=model)
 
