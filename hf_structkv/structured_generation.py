@@ -116,6 +116,12 @@ def _chat(question: str | Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
     )
 
 
+def call_prompt(tokenizer: PreTrainedTokenizerBase, question, tools: Sequence[Mapping[str, Any]]) -> str:
+    """The exact prompt text `generate_calls` builds for one question (a text or a list of chat messages): the
+    tokenizer's chat template with the call instruction and ``tools``, ending with the generation prompt."""
+    return tokenizer.apply_chat_template(_chat(question), tools=list(tools), add_generation_prompt=True, tokenize=False)
+
+
 def _parse_calls(text: str) -> list[dict] | None:
     try:
         calls = json.loads(text)
@@ -158,10 +164,7 @@ def generate_calls(
         questions = [questions]  # one question: a text, or one chat (a list of messages)
     if not questions or isinstance(questions, Mapping):
         raise ValueError("questions must be a non-empty string or a non-empty list of questions")
-    prompts = [
-        tokenizer.apply_chat_template(_chat(question), tools=list(tools), add_generation_prompt=True, tokenize=False)
-        for question in questions
-    ]
+    prompts = [call_prompt(tokenizer, question, tools) for question in questions]
     batch = left_padded_batch(tokenizer, prompts, model.device)
     if prefill_policy is not None:
         if prefill_plan is not None:

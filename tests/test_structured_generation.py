@@ -96,6 +96,16 @@ def test_chat_messages_keep_their_system_message_after_the_call_instruction():
     assert _chat([{"role": "user", "content": "Hi"}])[0]["content"] == CALL_INSTRUCTION
 
 
+def test_call_prompt_is_the_prompt_generate_calls_feeds_the_model(model, tokenizer):
+    from hf_structkv.structured_generation import call_prompt
+
+    result = generate_calls(model, tokenizer, "Weather in Oslo?", TOOLS, PolicyTable.all_high(model), max_new_tokens=2)
+    prompt = call_prompt(tokenizer, "Weather in Oslo?", TOOLS)
+    assert prompt.endswith("<|im_start|>assistant\n") and "get_weather" in prompt
+    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+    assert torch.equal(result.sequences[:, : result.prompt_length], ids)
+
+
 @pytest.mark.slow
 def test_embedded_model_calls_the_tool_with_the_illustrative_policy(default_model):
     model, tokenizer = default_model

@@ -28,7 +28,7 @@ from ...eval.bfcl_checker import check_calls
 from ...hub import model_fingerprint
 from ...structure.prompt_spans import label_prompt, token_labels
 from ...structure.tags import StructuralTag
-from ...structured_generation import _chat, generate_calls
+from ...structured_generation import call_prompt, generate_calls
 from ..table import PolicyTable
 
 __all__ = ["CaseRun", "ReferenceTrajectory", "reference_trajectories", "run_case"]
@@ -110,9 +110,7 @@ def run_case(
         processor(result.sequences[:, : result.prompt_length + end], torch.zeros(1, model.config.vocab_size))
     tags = tuple(None if tags is None else tuple("|".join(tag) for tag in tags) for tags in processor.tags(0)[:end])
     verdict = check_calls(entry.category, entry.tools, entry.ground_truth, result.calls[0])
-    prompt = tokenizer.apply_chat_template(
-        _chat(list(entry.messages)), tools=list(entry.tools), add_generation_prompt=True, tokenize=False
-    )
+    prompt = call_prompt(tokenizer, list(entry.messages), entry.tools)
     run = CaseRun(tokens=tuple(generated[:end]), tags=tags, valid=bool(verdict["valid"]), text=result.texts[0])
     return run, result.prompt_length, prompt
 
