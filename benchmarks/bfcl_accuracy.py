@@ -23,17 +23,20 @@ import transformers
 
 from hf_structkv.eval.bfcl import CATEGORIES, SPLITS, bfcl_split, evaluate_bfcl
 from hf_structkv.models import load_default_model
-from hf_structkv.policy import PolicyTable, illustrative_policy
+from hf_structkv.policy import PolicyTable, calibrated_policy, illustrative_policy
 
 
 def load_policy(name: str, model) -> PolicyTable:
-    """``all_high``, ``illustrative`` (hand-written, not calibrated) or a saved `PolicyTable` folder."""
+    """``all_high``, ``illustrative`` (hand-written, not calibrated), ``calibrated`` (the shipped Algorithm 1 table) or
+    a saved `PolicyTable` folder."""
     if name == "all_high":
         return PolicyTable.all_high(model)
     if name == "illustrative":
         return illustrative_policy(model)
+    if name == "calibrated":
+        return calibrated_policy(model)
     if not Path(name).is_dir():
-        raise ValueError(f"--policy must be all_high, illustrative or a PolicyTable folder, got {name!r}")
+        raise ValueError(f"--policy must be all_high, illustrative, calibrated or a PolicyTable folder, got {name!r}")
     return PolicyTable.from_pretrained(name, model=model)
 
 
@@ -60,7 +63,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=10, help="cases per category (the split's seeded sample)")
     parser.add_argument("--seed", type=int, default=0, help="split seed")
     parser.add_argument(
-        "--policy", nargs="+", default=["all_high", "illustrative"], help="all_high | illustrative | PATH"
+        "--policy", nargs="+", default=["all_high", "illustrative"], help="all_high | illustrative | calibrated | PATH"
     )
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)

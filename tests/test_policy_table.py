@@ -472,3 +472,32 @@ def test_illustrative_policy_fits_the_embedded_model(default_model):
     model, _ = default_model
     table = illustrative_policy(model=model)
     assert table.costs == GroupCosts.from_config(model.config)
+
+
+# ---------------------------------------------------------------------------------------------------- calibrated
+def test_calibrated_policy_is_algorithm_1_output_with_its_record():
+    from hf_structkv.policy import calibrated_policy
+
+    table = calibrated_policy()
+    assert table.provenance == "calibrated" and table.fingerprint is not None
+    assert table.costs == GroupCosts.from_dims([2] * 24, [64] * 24)
+    assert 0 <= table.budget <= 1 and "alpha_D" in table.thresholds
+    report = Path(__file__).parents[1] / "hf_structkv/data/policies/qwen2.5-coder-0.5b-instruct-calibrated"
+    assert (report / "calibration_report.json").is_file()
+
+
+def test_shipped_calibrated_files_are_what_save_pretrained_writes(tmp_path):
+    from hf_structkv.policy import calibrated_policy
+
+    calibrated_policy().save_pretrained(tmp_path)
+    shipped = Path(__file__).parents[1] / "hf_structkv/data/policies/qwen2.5-coder-0.5b-instruct-calibrated"
+    for name in POLICY_FILES:
+        assert (shipped / name).read_text() == (tmp_path / name).read_text(), name
+
+
+@pytest.mark.slow
+def test_calibrated_policy_fits_the_embedded_model(default_model):
+    from hf_structkv.policy import calibrated_policy
+
+    model, _ = default_model
+    assert calibrated_policy(model=model).costs == GroupCosts.from_config(model.config)
