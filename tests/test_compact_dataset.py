@@ -314,7 +314,7 @@ def test_compact_dataset_options():
         8.0,
         "kv_surgeon",
         "repeat",
-        "uniform",
+        "auto",
     )
     assert (args.chunk_tokens, args.on_policy, args.query_cap) == (None, False, 4096)
 
