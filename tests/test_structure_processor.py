@@ -314,3 +314,17 @@ def test_a_character_outside_the_engines_alphabet_leaves_tokens_unresolved(token
     assert all(tags[:broken]) and not any(tags[broken:])
     assert masks[broken][0, tokens[broken]]  # the engine allowed the token
     assert tokenizer.eos_token_id in masks[broken + 1][0].nonzero().flatten().tolist()
+
+
+def test_stop_token_ids_default_to_the_tokenizers_eos_and_reject_bad_ids():
+    from types import SimpleNamespace
+
+    from hf_structkv.structure.adapter import stop_token_ids
+
+    assert stop_token_ids(SimpleNamespace(eos_token_id=7)) == frozenset({7})
+    assert stop_token_ids(SimpleNamespace(eos_token_id=7), [1, 2, 2]) == frozenset({1, 2})
+    with pytest.raises(ValueError, match="the tokenizer has no eos_token_id"):
+        stop_token_ids(SimpleNamespace(eos_token_id=None))
+    for bad in ([], [-1], [True], [1.0]):
+        with pytest.raises(ValueError, match="eos_token_id must be a non-negative int"):
+            stop_token_ids(SimpleNamespace(eos_token_id=7), bad)

@@ -11,12 +11,14 @@ accepts tokens one at a time (returning their candidate tags), rewinds, and says
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from .tags import ROLES, StructuralTag
 
-__all__ = ["GrammarAdapter", "GrammarSequence"]
+__all__ = ["GrammarAdapter", "GrammarSequence", "stop_token_ids"]
 
 
 class GrammarSequence(ABC):
@@ -75,3 +77,21 @@ class GrammarAdapter(ABC):
         family = getattr(self, "family", None)
         if family not in ROLES:
             raise ValueError(f"{type(self).__name__}.family must be one of {tuple(ROLES)}, got {family!r}")
+
+
+def stop_token_ids(
+    tokenizer: PreTrainedTokenizerBase, eos_token_id: int | Iterable[int] | None = None
+) -> frozenset[int]:
+    """The stop token ids an adapter ends sequences on: ``eos_token_id`` (an int or ints), default the tokenizer's.
+
+    Raises:
+        ValueError: no ``eos_token_id`` given and the tokenizer has none, or ids that are not non-negative ints.
+    """
+    if eos_token_id is None:
+        eos_token_id = tokenizer.eos_token_id
+        if eos_token_id is None:
+            raise ValueError("the tokenizer has no eos_token_id; pass eos_token_id=... (an int or a list of ints)")
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"eos_token_id must be a non-negative int or a non-empty list of them, got {eos_token_id!r}")
+    return frozenset(ids)

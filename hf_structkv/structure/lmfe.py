@@ -26,7 +26,7 @@ from lmformatenforcer import JsonSchemaParser, TokenEnforcer, TokenEnforcerToken
 from lmformatenforcer.characterlevelparser import CharacterLevelParser
 from transformers import PreTrainedTokenizerBase
 
-from .adapter import GrammarAdapter, GrammarSequence
+from .adapter import GrammarAdapter, GrammarSequence, stop_token_ids
 from .json_tags import token_tags
 from .tags import StructuralTag
 
@@ -76,17 +76,6 @@ def tokenizer_data(tokenizer: PreTrainedTokenizerBase, stop_token_ids: Iterable[
     return data
 
 
-def _stop_ids(tokenizer: PreTrainedTokenizerBase, eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
-    if eos_token_id is None:
-        eos_token_id = tokenizer.eos_token_id
-        if eos_token_id is None:
-            raise ValueError("the tokenizer has no eos_token_id; pass eos_token_id=... (an int or a list of ints)")
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise ValueError(f"eos_token_id must be a non-negative int or a non-empty list of them, got {eos_token_id!r}")
-    return frozenset(ids)
-
-
 class JsonSchemaAdapter(GrammarAdapter):
     """Function-calling JSON under a JSON schema, enforced by lm-format-enforcer (family ``"function_calling"``).
 
@@ -109,7 +98,7 @@ class JsonSchemaAdapter(GrammarAdapter):
     ):
         if not isinstance(schema, Mapping):
             raise TypeError(f"schema must be a dict (a JSON schema), got {type(schema).__name__}")
-        self._stops = _stop_ids(tokenizer, eos_token_id)
+        self._stops = stop_token_ids(tokenizer, eos_token_id)
         self._data = tokenizer_data(tokenizer, self._stops)
         self._schema = dict(schema)
         try:

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from .adapter import GrammarAdapter, GrammarSequence
+from .adapter import GrammarAdapter, GrammarSequence, stop_token_ids
 from .sql_grammar import DatabaseSchema, SqlGrammar, sql_grammar
 from .sql_tags import EarleySet, SqlTagger
 from .tags import StructuralTag
@@ -48,17 +48,6 @@ def _grammar_and_tagger(schema: DatabaseSchema) -> tuple[SqlGrammar, SqlTagger]:
     return grammar, SqlTagger(grammar)
 
 
-def _stop_ids(tokenizer: PreTrainedTokenizerBase, eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
-    if eos_token_id is None:
-        eos_token_id = tokenizer.eos_token_id
-        if eos_token_id is None:
-            raise ValueError("the tokenizer has no eos_token_id; pass eos_token_id=... (an int or a list of ints)")
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise ValueError(f"eos_token_id must be a non-negative int or a non-empty list of them, got {eos_token_id!r}")
-    return frozenset(ids)
-
-
 class SqlGrammarAdapter(GrammarAdapter):
     """SQL over one database's schema (:mod:`~hf_structkv.structure.sql_grammar`), enforced by xgrammar.
 
@@ -85,7 +74,7 @@ class SqlGrammarAdapter(GrammarAdapter):
         if not isinstance(schema, DatabaseSchema):
             raise TypeError(f"schema must be a DatabaseSchema (from_spider), got {type(schema).__name__}")
         self.schema = schema
-        self._stops = _stop_ids(tokenizer, eos_token_id)
+        self._stops = stop_token_ids(tokenizer, eos_token_id)
         self.grammar, self._tagger = _grammar_and_tagger(schema)
         compiler, self._token_bytes = _compiler(tokenizer)
         self._compiled = compiler.compile_grammar(self.grammar.ebnf)
