@@ -40,17 +40,30 @@ def load_policy(name: str, model) -> PolicyTable:
     return PolicyTable.from_pretrained(name, model=model)
 
 
-def print_table(results: list[dict], categories: list[str]) -> None:
-    header = f"{'policy':<16}{'cases':>6}{'accuracy':>10}" + "".join(f"{c[:14]:>16}" for c in categories)
-    print(header + f"{'mean B':>8}{'stored MB':>11}{'Dynamic MB':>12}{'s / case':>10}")
+def print_table(
+    results: list[dict],
+    groups: list[str],
+    group_key: str = "per_category",
+    score_key: str = "accuracy",
+    score_label: str = "accuracy",
+    width: int = 16,
+) -> None:
+    """One row per ``{"policy", "summary"}`` result: cases, the overall score, the score of each group (a BFCL
+    category, a Spider hardness level; ``summary[group_key][group][score_key]``), mean B, bytes and time."""
+    score_width = max(8, len(score_label) + 2)
+    header = f"{'policy':<16}{'cases':>6}{score_label:>{score_width}}"
+    print(
+        header + "".join(f"{g[: width - 2]:>{width}}" for g in groups) + f"{'mean B':>8}{'stored MB':>11}"
+        f"{'Dynamic MB':>12}{'s / case':>10}"
+    )
     for result in results:
         summary = result["summary"]
-        per_category = "".join(
-            f"{summary['per_category'][c]['accuracy']:>16.1%}" if c in summary["per_category"] else f"{'':>16}"
-            for c in categories
+        per_group = "".join(
+            f"{summary[group_key][g][score_key]:>{width}.1%}" if g in summary[group_key] else f"{'':>{width}}"
+            for g in groups
         )
         print(
-            f"{result['policy']:<16}{summary['cases']:>6}{summary['accuracy']:>10.1%}{per_category}"
+            f"{result['policy']:<16}{summary['cases']:>6}{summary[score_key]:>{score_width}.1%}{per_group}"
             f"{summary['mean_budget_ratio']:>8.3f}{summary['nbytes'] / 2**20:>11.2f}"
             f"{summary['full_nbytes'] / 2**20:>12.2f}{summary['seconds'] / summary['cases']:>10.1f}"
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -22,6 +23,9 @@ import transformers
 from hf_structkv.eval.spider import HARDNESS, evaluate_spider, load_spider
 from hf_structkv.models import load_default_model
 from hf_structkv.policy import PolicyTable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bfcl_accuracy import print_table as print_scores  # noqa: E402
 
 
 def load_policy(name: str, model) -> PolicyTable:
@@ -37,19 +41,8 @@ def load_policy(name: str, model) -> PolicyTable:
 
 
 def print_table(results: list[dict]) -> None:
-    header = f"{'policy':<16}{'cases':>6}{'exact':>8}" + "".join(f"{level:>9}" for level in HARDNESS)
-    print(header + f"{'mean B':>8}{'stored MB':>11}{'Dynamic MB':>12}{'s / case':>10}")
-    for result in results:
-        summary = result["summary"]
-        levels = "".join(
-            f"{summary['per_hardness'][level]['exact_match']:>9.1%}" if level in summary["per_hardness"] else f"{'':>9}"
-            for level in HARDNESS
-        )
-        print(
-            f"{result['policy']:<16}{summary['cases']:>6}{summary['exact_match']:>8.1%}{levels}"
-            f"{summary['mean_budget_ratio']:>8.3f}{summary['nbytes'] / 2**20:>11.2f}"
-            f"{summary['full_nbytes'] / 2**20:>12.2f}{summary['seconds'] / summary['cases']:>10.1f}"
-        )
+    """Exact match overall and per Spider hardness level (`print_scores` with Spider's summary keys)."""
+    print_scores(results, list(HARDNESS), "per_hardness", "exact_match", "exact", width=9)
 
 
 def main() -> None:
