@@ -95,6 +95,52 @@ def test_positions_select_the_same_queries_as_the_full_capture(positions):
         assert torch.equal(selected[layer], expected)
 
 
+@pytest.mark.parametrize(("arch", "layers"), [("llama", [0]), ("llama", [1]), ("gemma3", [1, 3]), ("gemma3", [3])])
+def test_chosen_layers_equal_the_full_capture_and_stop_the_forward(arch, layers):
+    model = tiny_model(arch)
+    ids = token_ids(10)
+    full = capture_queries(model, ids)
+    ran = []
+    blocks = model.model.layers
+    hooks = [block.register_forward_pre_hook(lambda m, a, i=i: ran.append(i)) for i, block in enumerate(blocks)]
+    try:
+        chosen = capture_queries(model, ids, layers=layers)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert sorted(chosen) == layers
+    for layer in layers:
+        assert torch.equal(chosen[layer], full[layer])
+    assert ran == list(range(max(layers) + 1))  # the decoder layers after the last chosen one never ran
+    assert model.config._attn_implementation == "sdpa" and _ACTIVE.get() is None
+
+
+def test_chosen_layers_are_validated():
+    model = tiny_model("gemma3")
+    with pytest.raises(ValueError, match=r"layers \[0\] are not global"):
+        capture_queries(model, token_ids(6), layers=[0])  # a sliding-window layer
+    with pytest.raises(ValueError, match=r"layers \[7\] are not global"):
+        capture_queries(model, token_ids(6), layers=[7])
+    with pytest.raises(ValueError, match="non-empty"):
+        capture_queries(model, token_ids(6), layers=[])
+    with pytest.raises(TypeError, match="collection"):
+        capture_queries(model, token_ids(6), layers=3)
+
+
+def test_conversation_queries_of_chosen_layers_equal_the_full_capture():
+    model = tiny_model("qwen2")
+    context = token_ids(9)
+    conversations = [
+        Conversation("a", token_ids(3, seed=1)[0], token_ids(5, seed=2)[0]),
+        Conversation("b", token_ids(2, seed=3)[0], token_ids(4, seed=4)[0]),
+    ]
+    cache = prefill_context(model, context)
+    full = conversation_queries(model, context, conversations, cache)
+    chosen = conversation_queries(model, context, conversations, cache, layers=[1])
+    assert list(chosen) == [1] and torch.equal(chosen[1], full[1])
+    assert cache.get_seq_length() == 9  # the context cache is left as it is
+
+
 def test_attention_implementation_is_restored_also_when_the_forward_raises():
     model = tiny_model("llama")
     capture_queries(model, token_ids(4))

@@ -249,8 +249,9 @@ def compact(
         seed: for randomised methods, query sampling and self-study generation.
         progress: show tqdm bars (prefill, conversations, layers).
         on_policy: fit layer ``l`` to queries computed with layers ``< l`` already compacted (one forward per layer,
-            conversation and chunk); ``False`` captures the queries once, from the full cache. Self-study answers are
-            generated once, from the full cache, and re-run on-policy as fixed token sequences.
+            conversation and chunk, stopped after layer ``l``: about half a full forward each); ``False`` captures
+            the queries once, from the full cache. Self-study answers are generated once, from the full cache, and
+            re-run on-policy as fixed token sequences.
         query_cap: at most this many fitting queries per KV head and chunk (seeded subsample).
         heldout_fraction: share of each chunk's captured queries held out to measure the relative loss.
         self_study: lengths and sampling of the self-study conversations (default ``SelfStudy()``: CPU-sized;
@@ -294,8 +295,10 @@ def compact(
     global_layers = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
     for layer_idx in tqdm(global_layers, desc=f"compact ({method})", disable=not progress):
         if rule.needs_queries and (captured is None or on_policy):
-            context_cache = selection.build(cache)
-            captured = [conversation_queries(model, context_ids, chunk, context_cache) for chunk in conversations]
+            context_cache, layers = selection.build(cache), [layer_idx] if on_policy else None
+            captured = [
+                conversation_queries(model, context_ids, chunk, context_cache, layers) for chunk in conversations
+            ]
         layer, scaling = cache.layers[layer_idx], scalings.get(layer_idx)
         per_chunk = []
         for index, (begin, end) in enumerate(spans):

@@ -46,11 +46,18 @@ Positions = slice | torch.Tensor | None
 
 @dataclass
 class _Recorder:
-    """Where the recording attention puts the queries of the forward in progress."""
+    """Where the recording attention puts the queries of the forward in progress; with ``layers`` set, only those
+    layers are recorded and the forward stops once the last of them is."""
 
     delegate: Callable
     positions: slice | torch.Tensor
+    layers: frozenset[int] | None = None
     queries: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class _CaptureComplete(Exception):
+    """Raised by the recording attention when every requested layer is recorded: the rest of the forward is not
+    needed (caught by `capture_queries`)."""
 
 
 _ACTIVE: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("hf_structkv_query_recorder", default=None)
@@ -82,11 +89,14 @@ def recording_attention(
     recorder = _ACTIVE.get()
     if recorder is None:
         raise RuntimeError(f"{RECORD_NAME!r} attention runs only inside hf_structkv's capture_queries")
-    if kwargs.get("sliding_window") is None:
+    wanted = recorder.layers is None or module.layer_idx in recorder.layers
+    if kwargs.get("sliding_window") is None and wanted:
         if query.shape[0] != 1:
             raise ValueError(f"capture_queries records a single sequence, got a batch of {query.shape[0]}")
         selected = query[0][:, recorder.positions].detach()
         recorder.queries[module.layer_idx] = _group_by_kv_head(selected, key.shape[1])
+        if recorder.layers is not None and recorder.layers.issubset(recorder.queries):
+            raise _CaptureComplete
     return recorder.delegate(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -113,32 +123,56 @@ def _check_positions(positions: Positions) -> slice | torch.Tensor:
     return positions
 
 
+def _check_layers(layers) -> frozenset[int] | None:
+    """``None`` (every global layer) or a non-empty collection of layer indices -> a frozenset."""
+    if layers is None:
+        return None
+    try:
+        chosen = frozenset(layers)
+    except TypeError:
+        raise TypeError(f"layers must be a collection of layer indices or None, got {type(layers).__name__}") from None
+    if not chosen or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in chosen):
+        raise ValueError(f"layers must be non-empty layer indices >= 0, got {sorted(chosen, key=str)!r}")
+    return chosen
+
+
 def capture_queries(
-    model: PreTrainedModel, input_ids: torch.Tensor, positions: Positions = None, cache=None
+    model: PreTrainedModel, input_ids: torch.Tensor, positions: Positions = None, cache=None, layers=None
 ) -> dict[int, torch.Tensor]:
     """Run ``model`` once on ``input_ids [1, L]`` and return the queries of every global attention layer.
 
     Args:
         positions: which of the ``L`` new tokens to keep (a slice or 1-D indices); ``None`` keeps all.
         cache: a prefilled cache to continue (updated in place), e.g. from `prefill_context` or a `CompactedCache`.
+        layers: record only these global layers (indices) and stop the forward as soon as the last of them is
+            recorded (on-policy calibration needs one layer per pass). The layers after it then never run: a given
+            ``cache`` holds the new tokens only up to that layer, so pass a copy (`branch_cache`). ``None``: every
+            global layer, the whole forward.
 
     Returns:
-        ``{layer_idx: [H_kv, g * P, D]}`` for each non-sliding layer, ``g = H_q / H_kv`` and ``P`` selected
-        positions: the queries exactly as the attention function receives them (post-RoPE, post q/k-norm), the
-        ``g`` query heads of a KV head stacked head-major (rows ``j*P .. (j+1)*P - 1`` are query head ``h*g + j``).
+        ``{layer_idx: [H_kv, g * P, D]}`` for each non-sliding layer (of ``layers``), ``g = H_q / H_kv`` and ``P``
+        selected positions: the queries exactly as the attention function receives them (post-RoPE, post
+        q/k-norm), the ``g`` query heads of a KV head stacked head-major (rows ``j*P .. (j+1)*P - 1`` are query
+        head ``h*g + j``).
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [1, L], got shape {tuple(input_ids.shape)}")
+    chosen = _check_layers(layers)
     previous = model.config._attn_implementation
-    recorder = _Recorder(delegate=_register_recording(previous), positions=_check_positions(positions))
+    recorder = _Recorder(delegate=_register_recording(previous), positions=_check_positions(positions), layers=chosen)
     token = _ACTIVE.set(recorder)
     try:
         model.set_attn_implementation(RECORD_NAME)
         with torch.no_grad():
             model(input_ids.to(model.device), cache=cache, use_cache=cache is not None, logits_to_keep=1)
+    except _CaptureComplete:
+        pass
     finally:
         model.set_attn_implementation(previous)
         _ACTIVE.reset(token)
+    if chosen is not None and not chosen.issubset(recorder.queries):
+        missing = sorted(chosen - recorder.queries.keys())
+        raise ValueError(f"layers {missing} are not global attention layers of this model; nothing was recorded there")
     return recorder.queries
 
 
@@ -217,6 +251,7 @@ def conversation_queries(
     context_ids: torch.Tensor,
     conversations: Sequence[Conversation],
     context_cache=None,
+    layers=None,
 ) -> dict[int, torch.Tensor]:
     """Queries of the answer tokens of each conversation after the context, teacher-forced, one forward each.
 
@@ -226,10 +261,11 @@ def conversation_queries(
         context_cache: a cache holding exactly the context (e.g. a `CompactedCache` whose earlier layers are
             compacted, for on-policy calibration); each conversation then continues a `branch_cache` copy of it
             and the given cache is left as it is. ``None`` runs the context in every conversation's forward.
+        layers: only these global layers, each forward stopped after the last of them (`capture_queries`).
 
     Returns:
-        ``{layer_idx: [H_kv, g * A, D]}`` for each global layer, ``A`` = total answer tokens: the captures of the
-        conversations concatenated in order, each grouped per KV head as in `capture_queries`.
+        ``{layer_idx: [H_kv, g * A, D]}`` for each global layer (of ``layers``), ``A`` = total answer tokens: the
+        captures of the conversations concatenated in order, each grouped per KV head as in `capture_queries`.
     """
     if context_ids.dim() != 2 or context_ids.shape[0] != 1 or context_ids.shape[1] == 0:
         raise ValueError(f"context_ids must be [1, T] with T > 0, got shape {tuple(context_ids.shape)}")
@@ -247,7 +283,7 @@ def conversation_queries(
         else:
             sequence, cache, prefix = turn, branch_cache(context_cache), 0
         answer = slice(prefix + conversation.prompt_ids.numel(), None)
-        captures.append(capture_queries(model, sequence, positions=answer, cache=cache))
+        captures.append(capture_queries(model, sequence, positions=answer, cache=cache, layers=layers))
     if not captures:
         raise ValueError("no conversation has answer tokens, so there are no calibration queries")
     return {layer: torch.cat([capture[layer] for capture in captures], dim=1) for layer in captures[0]}
