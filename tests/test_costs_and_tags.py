@@ -4,7 +4,7 @@ import pytest
 
 from hf_structkv.models import tiny_model
 from hf_structkv.policy.costs import Action, GroupCosts, layer_groups
-from hf_structkv.structure.tags import StructuralTag
+from hf_structkv.structure.tags import NEXT, ROLES, STATES, TAG_CLASSES, TAG_VIEWS, StructuralTag, view_tags
 
 
 @pytest.mark.parametrize(
@@ -63,3 +63,35 @@ def test_tag_vocabulary_is_checked_per_family():
         StructuralTag("schema_bearing", "required", "boundary", "no_lookahead").validate("yaml")
     with pytest.raises(ValueError, match="four"):
         StructuralTag.from_key("a|b")
+
+
+@pytest.mark.parametrize("family", ["function_calling", "sql"])
+def test_tag_views_drop_exactly_their_fields(family):
+    from itertools import product
+
+    every = [StructuralTag(*f) for f in product(TAG_CLASSES, ROLES[family], STATES[family], NEXT)]
+    dropped = {"full": (), "no_role": (1,), "no_class": (0,), "no_state_lookahead": (2, 3)}
+    fixed = (TAG_CLASSES[0], ROLES[family][0], STATES[family][0], "no_lookahead")
+    assert set(dropped) == set(TAG_VIEWS)
+    for view, fields in dropped.items():
+        for tag in every:
+            expected = StructuralTag(*(fixed[i] if i in fields else tag[i] for i in range(4)))
+            assert view_tags((tag,), view, family) == (expected.validate(family),)
+        # tags equal outside the dropped fields become one tag; the others stay apart
+        kept = {tuple(tag[i] for i in range(4) if i not in fields) for tag in every}
+        assert len({view_tags((tag,), view, family) for tag in every}) == len(kept)
+    assert not any(tag.protects for t in every for tag in view_tags((t,), "no_state_lookahead", family))
+
+
+def test_tag_views_deduplicate_candidates_in_order_and_check_their_arguments():
+    a = StructuralTag("schema_bearing", "required", "critical", "no_lookahead")
+    b = StructuralTag("schema_bearing", "optional", "critical", "no_lookahead")
+    c = StructuralTag("free_generation", "optional", "boundary", "no_lookahead")
+    assert view_tags((a, b, c), "full", "function_calling") == (a, b, c)
+    merged = a._replace(role="scaffold_separator")
+    assert view_tags((a, b, c), "no_role", "function_calling") == (merged, c._replace(role="scaffold_separator"))
+    assert view_tags((), "no_class", "function_calling") == ()
+    with pytest.raises(ValueError, match="tag_view must be one of"):
+        view_tags((a,), "no_tags", "function_calling")
+    with pytest.raises(ValueError, match="family"):
+        view_tags((a,), "no_role", "yaml")

@@ -279,6 +279,9 @@ def test_mismatches_are_clear_errors():
         StructuredMixedPrecisionCache(model, PolicyTable.all_high(model.config), processor=object())
     with pytest.raises(TypeError, match="model must be"):
         StructuredMixedPrecisionCache("llama", PolicyTable.all_high(model.config))
+    ablated = PolicyTable.all_high(model.config, tag_view="no_role")
+    with pytest.raises(ValueError, match=r"calibrated on tag_view='no_role', the processor emits tag_view='full'"):
+        StructuredMixedPrecisionCache(model, ablated, processor=ParityTagger())
     tagger = ParityTagger()
     cache = StructuredMixedPrecisionCache(model, mixed_policy(model, window=1), processor=tagger)
     ids = torch.randint(3, 256, (1, 5))

@@ -1,6 +1,7 @@
 """PASK offline calibration (Algorithm 1): closed forms, brute-force references, the exact window shortcut, and an
 end-to-end `calibrate` on a tiny model with the real tokenizer."""
 
+import dataclasses
 import itertools
 import json
 import random
@@ -33,7 +34,7 @@ from hf_structkv.policy.calibration.buckets import parse_bucket
 from hf_structkv.policy.calibration.distortion import attention_distortion, capture_reference_states
 from hf_structkv.policy.calibration.references import ReferenceTrajectory, reference_trajectories, run_case
 from hf_structkv.quant.int4 import dequantize_int4, quantize_int4
-from hf_structkv.structure.tags import StructuralTag
+from hf_structkv.structure.tags import StructuralTag, view_tags
 from hf_structkv.structured_generation import generate_calls
 
 R, L, H = Action.R, Action.L, Action.H
@@ -401,6 +402,36 @@ def test_calibrate_is_deterministic(model, tokenizer, cases, calibrated, tmp_pat
     assert json.dumps(again.report["decode"]) == json.dumps(calibrated.report["decode"])
 
 
+def test_calibrate_with_a_tag_view_runs_on_viewed_tags_and_records_the_view(model, tokenizer, cases, tmp_path):
+    settings = dataclasses.replace(SETTINGS, tag_view="no_role", stages=("decode",))
+    result = calibrate(model, tokenizer, *cases, settings, cache_dir=tmp_path, log=lambda _: None)
+    assert result.table.tag_view == "no_role" and result.report["settings"]["tag_view"] == "no_role"
+    refs = reference_trajectories(
+        model, tokenizer, cases[0], MAX_NEW, WINDOW, 4, cache_dir=tmp_path, tag_view="no_role"
+    )
+    full_refs = reference_trajectories(model, tokenizer, cases[0], MAX_NEW, WINDOW, 4, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("references-*.json"))) == 3  # cal + dev of the view, cal of the full view
+    for full, viewed in zip(full_refs, refs, strict=True):
+        assert full.tokens == viewed.tokens  # all-high: the same tokens
+        want = [
+            None
+            if t is None
+            else tuple(
+                "|".join(v) for v in view_tags(tuple(map(StructuralTag.from_key, t)), "no_role", "function_calling")
+            )
+            for t in full.tags
+        ]
+        assert list(viewed.tags) == want
+    for key in result.table.entries:
+        parts = key.split("|")
+        assert len(parts) < 2 or parts[1] == "scaffold_separator"
+    entry = cases[1][0]
+    generated = generate_calls(model, tokenizer, list(entry.messages), entry.tools, result.table, max_new_tokens=8)
+    assert generated.processor.tag_view == "no_role"
+    with pytest.raises(ValueError, match="tag_view must be one of"):
+        CalibrationSettings(tag_view="positions")
+
+
 def test_calibrate_errors_are_named(model, tokenizer, cases):
     with pytest.raises(ValueError, match="disjoint"):
         calibrate(model, tokenizer, cases[0], cases[0], SETTINGS)
@@ -415,5 +446,7 @@ def test_cli_calibrate_options():
         ["calibrate", "--out", "x", "--calibration-cases", "2", "--tau", "0.01,0.02", "--tau", "0,0", "--paper-sizes"]
     )
     assert args.func.__name__ == "cmd_calibrate" and args.tau == [(0.01, 0.02), (0.0, 0.0)] and args.paper_sizes
+    assert args.tag_view == "full"
+    assert build_parser().parse_args(["calibrate", "--out", "x", "--tag-view", "no_role"]).tag_view == "no_role"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["calibrate", "--out", "x", "--tau", "0.01"])

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hf_structkv.hub import model_fingerprint
 from hf_structkv.models import tiny_model
 from hf_structkv.policy import Action, GroupCosts, PolicyEntry, PolicyLookup, PolicyTable, illustrative_policy
-from hf_structkv.structure.tags import NEXT, ROLES, STATES, TAG_CLASSES, StructuralTag
+from hf_structkv.structure.tags import NEXT, ROLES, STATES, TAG_CLASSES, TAG_VIEWS, StructuralTag
 
 R, L, H = Action.R, Action.L, Action.H
 COSTS = GroupCosts.from_dims([2] * 6, [16] * 6)  # groups [0, 2), [2, 4), [4, 6)
@@ -89,6 +89,7 @@ def tables(draw, family: str = "function_calling") -> PolicyTable:
         budget=draw(st.floats(0, 1)),
         reserve_by_state=by_state,
         reserve_pooled=draw(reserve_bits),
+        tag_view=draw(st.sampled_from(TAG_VIEWS)),
         provenance="illustrative",
     )
 
@@ -324,6 +325,7 @@ _ENTRY = "schema_bearing|required"
         (("group_costs", "layer_groups"), [[0, 3], [3, 6]], "must be the 3 layer groups of A.2"),
         (("group_costs", "rows"), [8, 8, -8], r"costs\.rows must hold one integer >= 0 per layer group"),
         (("thresholds", "tau_low"), "low", "thresholds must map names to finite numbers"),
+        (("tag_view",), "positions", "tag_view must be one of"),
     ],
 )
 def test_validation_errors(tmp_path, path, value, message):
@@ -334,6 +336,15 @@ def test_validation_errors(tmp_path, path, value, message):
     (tmp_path / "policy_table.json").write_text(json.dumps(record))
     with pytest.raises(ValueError, match=message):
         PolicyTable.from_pretrained(tmp_path)
+
+
+def test_a_file_without_tag_view_means_full_tags(tmp_path):
+    record = {**GOLDEN.to_json_dict(), "tag_view": "no_role"}
+    assert PolicyTable.from_json_dict(record).tag_view == "no_role"
+    del record["tag_view"]  # written before the field existed
+    assert PolicyTable.from_json_dict(record) == GOLDEN and GOLDEN.tag_view == "full"
+    ablated = PolicyTable.all_high(COSTS, tag_view="no_class")
+    assert ablated.tag_view == "no_class" and "`no_class`" in ablated.render_card()
 
 
 def test_calibrated_tables_need_a_fingerprint_that_fits_their_costs():

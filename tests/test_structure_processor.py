@@ -13,7 +13,7 @@ from hf_structkv.structure.adapter import GrammarAdapter, GrammarSequence
 from hf_structkv.structure.function_calls import function_call_schema
 from hf_structkv.structure.lmfe import JsonSchemaAdapter, _transformers_integration
 from hf_structkv.structure.processor import StructuralLogitsProcessor
-from hf_structkv.structure.tags import StructuralTag
+from hf_structkv.structure.tags import StructuralTag, view_tags
 
 TOOLS = [WEATHER, RESTAURANTS, STOCK]
 CALL_A = '[{"name": "get_weather", "arguments": {"location": "Oslo", "unit": "celsius"}}]'
@@ -328,3 +328,19 @@ def test_stop_token_ids_default_to_the_tokenizers_eos_and_reject_bad_ids():
     for bad in ([], [-1], [True], [1.0]):
         with pytest.raises(ValueError, match="eos_token_id must be a non-negative int"):
             stop_token_ids(SimpleNamespace(eos_token_id=7), bad)
+
+
+@pytest.mark.parametrize("view", ["no_role", "no_class", "no_state_lookahead"])
+def test_tag_view_records_the_viewed_parser_tags(tokenizer, view):
+    tokens = ids_of(tokenizer, CALL_B)
+    full = single_row_tags(tokenizer, tokens)
+    proc = StructuralLogitsProcessor(tokenizer, tools=TOOLS, tag_view=view)
+    assert proc.tag_view == view
+    run_rows(proc, torch.tensor([[1, 2]]), [tokens], len(tokenizer), pad=tokenizer.pad_token_id)
+    assert proc.tags(0)[: len(tokens)] == [view_tags(tags, view, "function_calling") for tags in full]
+    assert proc.tags(0) != full  # the view changed something on this call
+
+
+def test_unknown_tag_view_is_rejected(tokenizer):
+    with pytest.raises(ValueError, match="tag_view must be one of"):
+        StructuralLogitsProcessor(tokenizer, tools=TOOLS, tag_view="positions")

@@ -7,7 +7,7 @@ from transformers import AutoTokenizer, DynamicCache, LogitsProcessorList
 
 from hf_structkv.models import ensure_default_snapshot, tiny_model
 from hf_structkv.policy import PolicyTable, illustrative_policy
-from hf_structkv.structure import StructuralLogitsProcessor
+from hf_structkv.structure import StructuralLogitsProcessor, view_tags
 from hf_structkv.structured_generation import generate_calls
 
 TOOLS = [
@@ -52,6 +52,17 @@ def test_all_high_policy_equals_plain_generate_with_the_same_processor(model, to
     )
     assert torch.equal(result.sequences, want)
     assert result.bytes_report()["budget_ratio"] == 1.0
+
+
+def test_the_processor_emits_the_policys_tag_view(model, tokenizer):
+    full = generate_calls(model, tokenizer, QUESTIONS, TOOLS, PolicyTable.all_high(model.config), max_new_tokens=12)
+    policy = PolicyTable.all_high(model.config, tag_view="no_class")
+    ablated = generate_calls(model, tokenizer, QUESTIONS, TOOLS, policy, max_new_tokens=12)
+    assert full.processor.tag_view == "full" and ablated.processor.tag_view == "no_class"
+    assert torch.equal(full.sequences, ablated.sequences)  # all-high: the view changes tags, not tokens
+    for seq in range(2):
+        want = [None if t is None else view_tags(t, "no_class", "function_calling") for t in full.processor.tags(seq)]
+        assert ablated.processor.tags(seq) == want
 
 
 def test_mixed_policy_reports_tags_actions_and_bytes(model, tokenizer):

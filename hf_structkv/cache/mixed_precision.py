@@ -281,7 +281,8 @@ class StructuredMixedPrecisionCache(Cache):
         model: the model (or its config: then enable the model yourself).
         policy: a `PolicyTable` built for this model's layer and head dimensions (or any `RetentionPolicy`).
         processor: the `StructuralLogitsProcessor` of the same generation (``None``: every generated token is
-            unresolved, i.e. fully protected by the policy).
+            unresolved, i.e. fully protected by the policy); it must emit the policy's ``tag_view`` (a policy
+            without one means ``"full"``), else ``ValueError``.
         prefill_plan: optional actions for the prompt tokens, int ``[B, P, 3]`` (see `ActionSchedule`).
 
     A policy with an ``attention_statistics()`` method (the attention-based baselines) gets an `AttentionMass` that
@@ -308,6 +309,13 @@ class StructuredMixedPrecisionCache(Cache):
                 "processor must be the StructuralLogitsProcessor passed to generate (it provides prompt_length, "
                 "num_tagged(seq) and tag_at(seq, index)), "
                 f"got {type(processor).__name__}"
+            )
+        policy_view = getattr(policy, "tag_view", "full")
+        if processor is not None and getattr(processor, "tag_view", "full") != policy_view:
+            raise ValueError(
+                f"the policy was calibrated on tag_view={policy_view!r}, the processor emits "
+                f"tag_view={getattr(processor, 'tag_view', 'full')!r}: build the processor with "
+                "StructuralLogitsProcessor(..., tag_view=policy.tag_view)"
             )
         self.policy = policy
         self.processor = processor

@@ -41,7 +41,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from ..structure.tags import NEXT, ROLES, STATES, TAG_CLASSES, StructuralTag
+from ..structure.tags import NEXT, ROLES, STATES, TAG_CLASSES, StructuralTag, check_tag_view
 from .costs import GROUP_NAMES, Action, GroupCosts, layer_groups
 
 __all__ = [
@@ -87,6 +87,7 @@ _JSON_FIELDS = (
     "decode_budget",
     "sink_tokens",
     "window",
+    "tag_view",
     "reserve",
     "entries",
     "thresholds",
@@ -95,6 +96,9 @@ _JSON_FIELDS = (
     "description",
     "fingerprint",
 )
+
+_OPTIONAL_JSON_FIELDS = {"tag_view": "full"}
+"""Fields a table file may lack (written before they existed), with the value such a file means."""
 
 
 def _vocabulary(family: str) -> dict[str, list[str]]:
@@ -186,6 +190,9 @@ class PolicyTable:
         sink_tokens: the first positions of the sequence (prompt included) kept ``H`` (matters once a prefill plan
             quantises or releases prompt tokens).
         window: the most recent generated tokens kept ``H`` (>= 1: a token's tag arrives one step late).
+        tag_view: the view of the tags the table was calibrated on and must be served with (`TAG_VIEWS`:
+            ``"full"``, or a structural ablation such as ``"no_role"``); the processor feeding the cache must emit
+            the same view (``generate_calls`` builds it so).
         provenance: ``"calibrated"`` (Algorithm 1 output), ``"illustrative"`` (hand-written, not calibrated) or
             ``"reference"`` (the all-high policy).
         description: free text shown in the card.
@@ -203,6 +210,7 @@ class PolicyTable:
     reserve_pooled: float = 0.0
     sink_tokens: int = DEFAULT_SINK_TOKENS
     window: int = DEFAULT_WINDOW
+    tag_view: str = "full"
     provenance: str = "calibrated"
     description: str = ""
     thresholds: Mapping[str, float] = field(default_factory=dict)
@@ -277,6 +285,7 @@ class PolicyTable:
             raise ValueError(
                 f"window must be an integer >= 1 (a token's tag arrives one step after its K/V), got {self.window!r}"
             )
+        check_tag_view(self.tag_view, self.family)
 
     def _check_records(self) -> None:
         if self.provenance not in PROVENANCES:
@@ -398,11 +407,13 @@ class PolicyTable:
         family: str = "function_calling",
         sink_tokens: int = DEFAULT_SINK_TOKENS,
         window: int = DEFAULT_WINDOW,
+        tag_view: str = "full",
     ) -> PolicyTable:
         """The all-high reference policy (A.4): ``B_D = 1``, ``H`` actions and floors everywhere, ``Γ = 0``.
 
         Args:
             config_or_costs: a `GroupCosts`, a transformers config, or a model (whose fingerprint is then recorded).
+            tag_view: the tag view its generations record (the reference of a structural-ablation calibration).
         """
         model = config_or_costs if hasattr(config_or_costs, "config") else None
         if isinstance(config_or_costs, GroupCosts):
@@ -425,6 +436,7 @@ class PolicyTable:
             budget=1.0,
             sink_tokens=sink_tokens,
             window=window,
+            tag_view=tag_view,
             provenance="reference",
             description="The all-high reference policy: every generated token kept in high precision in every layer.",
             fingerprint=None if model is None else _hub().model_fingerprint(model),
@@ -454,6 +466,7 @@ class PolicyTable:
             "decode_budget": self.budget,
             "sink_tokens": self.sink_tokens,
             "window": self.window,
+            "tag_view": self.tag_view,
             "reserve": {"by_state": dict(self.reserve_by_state), "pooled": self.reserve_pooled},
             "entries": {key: _entry_to_json(entry) for key, entry in sorted(self.entries.items())},
             "thresholds": dict(self.thresholds),
@@ -479,7 +492,8 @@ class PolicyTable:
                 f"unknown format_version {record.get('format_version')!r} in {TABLE_NAME} (this hf_structkv "
                 f"{_hub().__version__} reads format {FORMAT_VERSION}); a newer hf_structkv may read it"
             )
-        unknown, missing = sorted(record.keys() - set(_JSON_FIELDS)), sorted(set(_JSON_FIELDS) - record.keys())
+        required = set(_JSON_FIELDS) - set(_OPTIONAL_JSON_FIELDS)
+        unknown, missing = sorted(record.keys() - set(_JSON_FIELDS)), sorted(required - record.keys())
         if unknown or missing:
             raise ValueError(f"{TABLE_NAME} has unknown fields {unknown} and lacks the fields {missing}")
         family = record["family"]
@@ -509,6 +523,7 @@ class PolicyTable:
             reserve_pooled=reserve["pooled"],
             sink_tokens=record["sink_tokens"],
             window=record["window"],
+            tag_view=record.get("tag_view", _OPTIONAL_JSON_FIELDS["tag_view"]),
             provenance=record["provenance"],
             description=record["description"],
             thresholds=_json_object(record["thresholds"], "thresholds"),
@@ -628,6 +643,7 @@ class PolicyTable:
             allowance=f"{allowance:,.1f}",
             sink_tokens=self.sink_tokens,
             window=self.window,
+            tag_view=self.tag_view,
             reserve_rows=_reserve_rows(self),
             entry_rows=_entry_rows(self.entries),
             resolution_rows=_resolution_rows(self),

@@ -10,7 +10,7 @@ from .processor import StructuralLogitsProcessor
 from .prompt_spans import PROMPT_LABELS, label_prompt, token_labels
 from .sql_grammar import DatabaseSchema, SqlGrammar, normalise_sql, sql_grammar
 from .sql_tags import SqlTagger
-from .tags import NEXT, ROLES, STATES, TAG_CLASSES, StructuralTag
+from .tags import NEXT, ROLES, STATES, TAG_CLASSES, TAG_VIEWS, StructuralTag, view_tags
 
 __all__ = [
     "NEXT",
@@ -18,6 +18,7 @@ __all__ = [
     "ROLES",
     "STATES",
     "TAG_CLASSES",
+    "TAG_VIEWS",
     "DatabaseSchema",
     "GrammarAdapter",
     "GrammarSequence",
@@ -32,4 +33,5 @@ __all__ = [
     "parameter_schema",
     "sql_grammar",
     "token_labels",
+    "view_tags",
 ]

@@ -23,7 +23,7 @@ from transformers import LogitsProcessor, PreTrainedTokenizerBase
 from .adapter import GrammarAdapter, GrammarSequence
 from .function_calls import function_call_schema
 from .lmfe import JsonSchemaAdapter
-from .tags import StructuralTag
+from .tags import StructuralTag, check_tag_view, view_tags
 
 __all__ = ["StructuralLogitsProcessor"]
 
@@ -53,10 +53,13 @@ class StructuralLogitsProcessor(LogitsProcessor):
         schema: a JSON schema for the output.
         adapter: a ready grammar adapter (its own stop tokens apply).
         eos_token_id: stop token id(s) for ``tools`` / ``schema``; default ``tokenizer.eos_token_id``.
+        tag_view: which fields of the tags the cache gets (`TAG_VIEWS`; ``"full"`` unless running a structural
+            ablation): recorded tags are the parser's tags as `view_tags` sees them. A `PolicyTable` records the view
+            it was calibrated on; ``generate_calls`` builds its processor with that view.
 
     Raises:
         ValueError: not exactly one of ``tools``, ``schema``, ``adapter``; ``eos_token_id`` with ``adapter``;
-            malformed tools or schema.
+            malformed tools or schema; an unknown ``tag_view``.
         TypeError: ``adapter`` is not a :class:`GrammarAdapter`, or ``tokenizer`` is missing / not a tokenizer.
     """
 
@@ -67,6 +70,7 @@ class StructuralLogitsProcessor(LogitsProcessor):
         schema: Mapping[str, Any] | None = None,
         adapter: GrammarAdapter | None = None,
         eos_token_id: int | Iterable[int] | None = None,
+        tag_view: str = "full",
     ):
         given = [
             name for name, value in (("tools", tools), ("schema", schema), ("adapter", adapter)) if value is not None
@@ -84,7 +88,9 @@ class StructuralLogitsProcessor(LogitsProcessor):
                 raise TypeError(f"tokenizer must be a transformers tokenizer, got {type(tokenizer).__name__}")
             schema = function_call_schema(tools) if tools is not None else schema
             adapter = JsonSchemaAdapter(tokenizer, schema, eos_token_id=eos_token_id)
+        check_tag_view(tag_view, adapter.family)
         self.adapter = adapter
+        self.tag_view = tag_view
         self._records: list[_SequenceRecord] = []
         self._prompt: torch.Tensor | None = None  # [batch, prompt_len] ids of the first call
 
@@ -160,6 +166,9 @@ class StructuralLogitsProcessor(LogitsProcessor):
                 "before each new generate call"
             )
 
+    def _viewed(self, candidates: tuple[StructuralTag, ...]) -> tuple[StructuralTag, ...]:
+        return candidates if self.tag_view == "full" else view_tags(candidates, self.tag_view, self.family)
+
     def _sync(self, record: _SequenceRecord, tokens: list[int]) -> None:
         """Rewind ``record`` to the common prefix with ``tokens``, then advance through the rest."""
         common = 0
@@ -180,5 +189,5 @@ class StructuralLogitsProcessor(LogitsProcessor):
         for token in tokens[common:]:
             if record.stop_index is None and token in stops:
                 record.stop_index = len(record.tokens)
-            record.tags.append(None if record.stop_index is not None else record.grammar.advance(token))
+            record.tags.append(None if record.stop_index is not None else self._viewed(record.grammar.advance(token)))
             record.tokens.append(token)

@@ -53,3 +53,35 @@ class StructuralTag(NamedTuple):
         if len(parts) != 4:
             raise ValueError(f"a full tag key has four '|'-separated fields, got {key!r}")
         return cls(*parts)
+
+
+TAG_VIEWS = ("full", "no_role", "no_class", "no_state_lookahead")
+"""What the grammar tells the cache (PASK Fig. 5 structural ablations): ``"full"`` tags, or tags with the role, the
+class, or the parser state and lookahead removed. A removed field takes one fixed value of the vocabulary (its first;
+``no_lookahead`` for the lookahead), so tags that differ only there become one tag: one calibration bucket, one table
+entry. Removing state and lookahead also removes what the controller's promotion protects (`StructuralTag.protects`)."""
+
+
+def check_tag_view(view: str, family: str) -> None:
+    """Raise ``ValueError`` unless ``view`` is one of `TAG_VIEWS` and ``family`` a tag vocabulary family."""
+    if view not in TAG_VIEWS:
+        raise ValueError(f"tag_view must be one of {TAG_VIEWS}, got {view!r}")
+    if family not in ROLES:
+        raise ValueError(f"family must be one of {tuple(ROLES)}, got {family!r}")
+
+
+def view_tags(candidates: tuple[StructuralTag, ...], view: str, family: str) -> tuple[StructuralTag, ...]:
+    """A token's candidate tags as ``view`` sees them (`TAG_VIEWS`), duplicates dropped, first occurrence order.
+
+    Args:
+        candidates: full tags of ``family``'s vocabulary (``()``: unresolved, stays ``()``).
+    """
+    check_tag_view(view, family)
+    if view == "full":
+        return tuple(candidates)
+    replace = {
+        "no_role": {"role": ROLES[family][0]},
+        "no_class": {"tag_class": TAG_CLASSES[0]},
+        "no_state_lookahead": {"state": STATES[family][0], "next": "no_lookahead"},
+    }[view]
+    return tuple(dict.fromkeys(tag._replace(**replace) for tag in candidates))

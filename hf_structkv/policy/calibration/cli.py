@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from ...structure.tags import TAG_VIEWS
+
 __all__ = ["CPU_SIZES", "PAPER_SIZES", "add_calibrate_options", "run_calibrate"]
 
 CPU_SIZES = {"calibration_cases": 3, "dev_cases": 3, "max_dev_candidates": 3, "max_new_tokens": 128}
@@ -50,6 +52,13 @@ def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha-prefill", type=float, default=0.02)
     parser.add_argument("--window", type=int, default=None, help="recent window of the table (default 32)")
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill companion")
+    parser.add_argument(
+        "--tag-view",
+        default="full",
+        choices=TAG_VIEWS,
+        help="structural ablation (PASK Fig. 5): calibrate and serve with the role, the class, or the parser state "
+        "and lookahead removed from the tags (default: full tags)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="split and torch seed")
     parser.add_argument("--cache-dir", help="reference-trajectory cache (default ~/.cache/hf_structkv/calibration)")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
@@ -77,6 +86,7 @@ def run_calibrate(args: argparse.Namespace, load_model) -> int:
         max_dev_candidates=sizes["max_dev_candidates"],
         stages=("decode",) if args.decode_only else ("decode", "prefill"),
         seed=args.seed,
+        tag_view=args.tag_view,
     )
     calibration = bfcl_split(args.categories, "calibration", seed=args.seed, limit=sizes["calibration_cases"])
     development = bfcl_split(args.categories, "development", seed=args.seed, limit=sizes["dev_cases"])

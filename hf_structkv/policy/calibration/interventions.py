@@ -44,7 +44,7 @@ class BucketIntervention:
         costs: the model's layer-group costs.
         bucket: ``q`` (a full tag key and a layer group).
         action: ``a`` (``R`` or ``L``).
-        sink_tokens, window: as the all-high reference policy's.
+        sink_tokens, window, tag_view: as the all-high reference policy's (the bucket key is a tag of that view).
     """
 
     costs: GroupCosts
@@ -52,6 +52,7 @@ class BucketIntervention:
     action: Action
     sink_tokens: int
     window: int
+    tag_view: str = "full"
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket, Bucket) or not 0 <= self.bucket.group < len(self.costs.groups):

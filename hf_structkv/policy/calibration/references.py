@@ -144,6 +144,7 @@ def _cache_key(model, tokenizer, entries: Sequence[BfclEntry], policy: PolicyTab
         "max_new_tokens": max_new_tokens,
         "window": policy.window,
         "sink_tokens": policy.sink_tokens,
+        **({} if policy.tag_view == "full" else {"tag_view": policy.tag_view}),  # full-view keys stay as before
     }
 
 
@@ -157,15 +158,17 @@ def reference_trajectories(
     cache_dir: str | Path | None = None,
     progress: bool = False,
     desc: str = "reference",
+    tag_view: str = "full",
 ) -> list[ReferenceTrajectory]:
     """All-high greedy trajectories of ``entries`` (in order), read from / written to ``cache_dir`` when given.
 
     Args:
-        window, sink_tokens: the all-high policy's recent window and sinks (the settings of the calibrated table).
+        window, sink_tokens, tag_view: the all-high policy's recent window, sinks and tag view (the settings of the
+            calibrated table; the recorded tags are of that view).
     """
     if not entries or not all(isinstance(entry, BfclEntry) for entry in entries):
         raise ValueError("entries must be a non-empty list of BfclEntry objects (bfcl_split)")
-    policy = PolicyTable.all_high(model, window=window, sink_tokens=sink_tokens)
+    policy = PolicyTable.all_high(model, window=window, sink_tokens=sink_tokens, tag_view=tag_view)
     key = _cache_key(model, tokenizer, entries, policy, max_new_tokens)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = None if cache_dir is None else Path(cache_dir) / f"references-{digest}.json"

@@ -22,6 +22,7 @@ from ... import __version__
 from ...eval.bfcl import BfclEntry
 from ...hub import model_fingerprint
 from ...structure.prompt_spans import PROMPT_LABELS
+from ...structure.tags import check_tag_view
 from ..costs import Action, GroupCosts
 from ..prefill import PrefillPolicy
 from ..table import DEFAULT_SINK_TOKENS, DEFAULT_WINDOW, PolicyEntry, PolicyTable
@@ -60,6 +61,8 @@ class CalibrationSettings:
         reserve_horizon, reserve_quantile: ``K`` and ``β`` of the reserve.
         max_dev_candidates: candidates evaluated per path (`dev_candidate_indices`); ``None`` = all.
         stages: ``("decode",)`` or ``("decode", "prefill")``.
+        tag_view: what the parser tells the cache in every run and the calibrated table (`TAG_VIEWS`): ``"full"``,
+            or a structural ablation of PASK Fig. 5 (``"no_role"``, ``"no_class"``, ``"no_state_lookahead"``).
         seed: seeds torch (greedy decoding is deterministic; the split seed is the caller's).
     """
 
@@ -74,6 +77,7 @@ class CalibrationSettings:
     max_dev_candidates: int | None = None
     stages: tuple[str, ...] = STAGES
     seed: int = 0
+    tag_view: str = "full"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "thresholds", check_thresholds(self.thresholds))
@@ -89,6 +93,7 @@ class CalibrationSettings:
         if not self.stages or any(s not in STAGES for s in self.stages) or self.stages[0] != "decode":
             raise ValueError(f"stages must be ('decode',) or ('decode', 'prefill'), got {self.stages!r}")
         dev_candidate_indices(1, self.max_dev_candidates)  # validates max_dev_candidates
+        check_tag_view(self.tag_view, "function_calling")
 
 
 @dataclass
@@ -153,14 +158,21 @@ def calibrate(
     start = time.perf_counter()
     costs = GroupCosts.from_config(model.config)
     fingerprint = model_fingerprint(model)
-    common = dict(max_new_tokens=settings.max_new_tokens, window=settings.window, sink_tokens=settings.sink_tokens)
+    common = dict(
+        max_new_tokens=settings.max_new_tokens,
+        window=settings.window,
+        sink_tokens=settings.sink_tokens,
+        tag_view=settings.tag_view,
+    )
     refs = reference_trajectories(
         model, tokenizer, calibration, **common, cache_dir=cache_dir, progress=progress, desc="reference (cal)"
     )
     dev_refs = reference_trajectories(
         model, tokenizer, development, **common, cache_dir=cache_dir, progress=progress, desc="reference (dev)"
     )
-    reference = PolicyTable.all_high(model, window=settings.window, sink_tokens=settings.sink_tokens)
+    reference = PolicyTable.all_high(
+        model, window=settings.window, sink_tokens=settings.sink_tokens, tag_view=settings.tag_view
+    )
     reference_error = sum(not r.valid for r in dev_refs) / len(dev_refs)
     stages = [_decode_stage(model, tokenizer, calibration, development, refs, costs, settings, fingerprint)]
     if "prefill" in settings.stages:
@@ -207,6 +219,7 @@ def _decode_stage(model, tokenizer, calibration, development, refs, costs, setti
             settings.reserve_quantile,
             sink_tokens=settings.sink_tokens,
             window=settings.window,
+            tag_view=settings.tag_view,
             fingerprint=fingerprint,
             thresholds={"tau_low": tau[0], "tau_high": tau[1]},
         )
@@ -216,7 +229,7 @@ def _decode_stage(model, tokenizer, calibration, development, refs, costs, setti
         buckets=buckets,
         mean_counts=counts,
         generate=decode_generator(
-            model, tokenizer, costs, settings.max_new_tokens, settings.sink_tokens, settings.window
+            model, tokenizer, costs, settings.max_new_tokens, settings.sink_tokens, settings.window, settings.tag_view
         ),
         build=build,
         evaluate=lambda table: evaluate_controller(model, tokenizer, development, table, settings.max_new_tokens),
@@ -366,6 +379,7 @@ def _final_table(selected, report, settings, costs, fingerprint) -> PolicyTable:
             costs,
             sink_tokens=settings.sink_tokens,
             window=settings.window,
+            tag_view=settings.tag_view,
             fingerprint=fingerprint,
             thresholds={"alpha_D": settings.alpha_decode},
             calibration={**card, "decode_budget": 1.0, "selected": chosen},
