@@ -24,6 +24,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from ..attention.registry import enable
 from ..cache.compacted import CompactedCache
 from ..hub import model_fingerprint
+from .block_replay import BlockReplay
 from .chunks import Context, chunk_spans, context_documents
 from .methods import HEAD_METHODS, CalibratedMethod, CompactedHead, compact_head, relative_loss
 from .prefill import prefill_context
@@ -175,6 +176,18 @@ def _calibration_conversations(
     return conversations
 
 
+def _block_replays(model, conversations: list[list[Conversation]], context_cache) -> list[list[BlockReplay]] | None:
+    """Per chunk, a `BlockReplay` of each of its conversations with an answer (on-policy capture in about two and a
+    half forwards per conversation); ``None`` when the model's blocks cannot be replayed (then a forward per layer)."""
+    replays = []
+    for chunk in conversations:
+        chunk_replays = [BlockReplay.build(model, c, context_cache) for c in chunk if c.answer_ids.numel() > 0]
+        if not chunk_replays or any(replay is None for replay in chunk_replays):
+            return None
+        replays.append(chunk_replays)
+    return replays
+
+
 def _in_context(heads: list[CompactedHead], spans: list[tuple[int, int]]) -> CompactedHead:
     """One KV head's per-chunk compactions (chunk-local positions) as one head: positions shifted by each chunk's
     start and concatenated in chunk order, with their biases and values."""
@@ -249,7 +262,8 @@ def compact(
         seed: for randomised methods, query sampling and self-study generation.
         progress: show tqdm bars (prefill, conversations, layers).
         on_policy: fit layer ``l`` to queries computed with layers ``< l`` already compacted (one forward per layer,
-            conversation and chunk, stopped after layer ``l``: about half a full forward each); ``False`` captures
+            conversation and chunk, stopped after layer ``l``, where the model's decoder blocks cannot be replayed one
+            at a time; else `BlockReplay`: about two and a half forwards per conversation in all); ``False`` captures
             the queries once, from the full cache. Self-study answers are generated once, from the full cache, and
             re-run on-policy as fixed token sequences.
         query_cap: at most this many fitting queries per KV head and chunk (seeded subsample).
@@ -286,7 +300,7 @@ def compact(
     chunk_budgets = [_token_budgets(budget_source, ratio, end - begin, cache) for begin, end in spans]
     selection = _Selection.keep_everything(cache)
     scalings = _attention_scalings(model)
-    conversations, captured, heldout_losses = None, None, {}
+    conversations, captured, replays, heldout_losses = None, None, None, {}
     if rule.needs_queries:
         enable(model)
         conversations = _calibration_conversations(
@@ -295,10 +309,19 @@ def compact(
     global_layers = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
     for layer_idx in tqdm(global_layers, desc=f"compact ({method})", disable=not progress):
         if rule.needs_queries and (captured is None or on_policy):
-            context_cache, layers = selection.build(cache), [layer_idx] if on_policy else None
-            captured = [
-                conversation_queries(model, context_ids, chunk, context_cache, layers) for chunk in conversations
-            ]
+            context_cache = selection.build(cache)
+            if replays is None and on_policy:
+                replays = _block_replays(model, conversations, context_cache)
+            if replays is not None:
+                captured = [
+                    {layer_idx: torch.cat([replay.queries(layer_idx, context_cache) for replay in chunk], dim=1)}
+                    for chunk in replays
+                ]
+            else:
+                layers = [layer_idx] if on_policy else None
+                captured = [
+                    conversation_queries(model, context_ids, chunk, context_cache, layers) for chunk in conversations
+                ]
         layer, scaling = cache.layers[layer_idx], scalings.get(layer_idx)
         per_chunk = []
         for index, (begin, end) in enumerate(spans):

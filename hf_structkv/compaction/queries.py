@@ -13,9 +13,10 @@ context``), capped per KV head. The self-study tier adds generated conversations
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,7 @@ __all__ = [
     "conversation_queries",
     "repeat_pass_queries",
     "repetition_conversation",
+    "recording",
     "subsample_queries",
 ]
 
@@ -157,6 +159,22 @@ def capture_queries(
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [1, L], got shape {tuple(input_ids.shape)}")
+    with recording(model, positions, layers) as recorder:
+        model(input_ids.to(model.device), cache=cache, use_cache=cache is not None, logits_to_keep=1)
+    return recorder.queries
+
+
+@contextlib.contextmanager
+def recording(model: PreTrainedModel, positions: Positions = None, layers=None) -> Iterator[_Recorder]:
+    """Run the body with ``model``'s attention recording queries (`capture_queries` runs one forward in it).
+
+    Yields the recorder, whose ``queries`` (``{layer_idx: [H_kv, g * P, D]}``) fill as attention runs; with
+    ``layers``, the forward in the body ends quietly once the last of them is recorded. On exit the attention
+    implementation is restored (also when the body raises), grad mode too.
+
+    Raises:
+        ValueError: some of ``layers`` were not recorded (not global attention layers, or never run).
+    """
     chosen = _check_layers(layers)
     previous = model.config._attn_implementation
     recorder = _Recorder(delegate=_register_recording(previous), positions=_check_positions(positions), layers=chosen)
@@ -164,7 +182,7 @@ def capture_queries(
     try:
         model.set_attn_implementation(RECORD_NAME)
         with torch.no_grad():
-            model(input_ids.to(model.device), cache=cache, use_cache=cache is not None, logits_to_keep=1)
+            yield recorder
     except _CaptureComplete:
         pass
     finally:
@@ -173,7 +191,6 @@ def capture_queries(
     if chosen is not None and not chosen.issubset(recorder.queries):
         missing = sorted(chosen - recorder.queries.keys())
         raise ValueError(f"layers {missing} are not global attention layers of this model; nothing was recorded there")
-    return recorder.queries
 
 
 def subsample_queries(queries: torch.Tensor, cap: int = DEFAULT_CAP, seed: int = 0) -> torch.Tensor:

@@ -1,0 +1,146 @@
+"""On-policy calibration queries without a forward per layer: the model's decoder blocks replayed one at a time.
+
+On-policy calibration fits layer ``l`` to the queries it receives when the layers before it are already compacted.
+Re-running the model for every layer costs about ``L / 2`` forwards per conversation even when each forward stops
+after layer ``l``. But the input of block ``l`` depends only on the blocks before it, and they do not change once
+compacted: `BlockReplay` keeps a conversation's hidden states between blocks. One recorded forward gives every
+block's call arguments (forward pre-hooks); `BlockReplay.queries(l, cache)` then runs the blocks not yet run on the
+kept hidden states (each with the cache as it is now, so with its compacted layers) and block ``l`` up to its
+attention, where the queries are recorded. Every block runs about twice in all: roughly two and a half forwards per
+conversation instead of ``L / 2``.
+
+The replay calls the model's own blocks with the arguments the model's own forward gave them, with only the cache
+swapped (a fresh copy of the context cache for each call). It relies on the forward handing each block's output to
+the next block unchanged; `BlockReplay.build` checks that link on the recorded forward (block 0's replayed output
+must equal block 1's recorded input, bit for bit) and returns ``None`` where it does not hold, so the caller can fall
+back to a forward per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Cache, PreTrainedModel
+
+from .queries import Conversation, branch_cache, recording
+
+__all__ = ["BlockReplay", "decoder_blocks"]
+
+
+def decoder_blocks(model: PreTrainedModel) -> torch.nn.ModuleList | None:
+    """The model's decoder blocks in order: the module list whose ``i``-th block holds attention layer ``i`` (an
+    attention module with ``layer_idx == i``); ``None`` if there is no such list."""
+    n_layers = model.config.get_text_config().num_hidden_layers
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n_layers:
+            if all(_layer_index(block) == i for i, block in enumerate(module)):
+                return module
+    return None
+
+
+def _layer_index(block: torch.nn.Module) -> int | None:
+    for module in block.modules():
+        index = getattr(module, "layer_idx", None)
+        if isinstance(index, int) and hasattr(module, "scaling"):
+            return index
+    return None
+
+
+def _output(result) -> torch.Tensor:
+    """A block's hidden-state output (blocks return a tensor, older ones a tuple starting with it)."""
+    return result[0] if isinstance(result, tuple) else result
+
+
+class _Call:
+    """One block's recorded call: positional and keyword arguments with the hidden states and the cache taken out."""
+
+    def __init__(self, args: tuple, kwargs: dict, cache: Cache):
+        self.hidden_in_args = bool(args)
+        self.args = args[1:] if args else ()
+        self.kwargs = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        self.cache_keys = [k for k, v in self.kwargs.items() if v is cache]
+        if not self.cache_keys:
+            raise ValueError("the block call did not receive the forward's cache as a keyword argument")
+
+    def __call__(self, block: torch.nn.Module, hidden: torch.Tensor, cache: Cache) -> torch.Tensor:
+        kwargs = {**self.kwargs, **dict.fromkeys(self.cache_keys, cache)}
+        if self.hidden_in_args:
+            return _output(block(hidden, *self.args, **kwargs))
+        return _output(block(*self.args, hidden_states=hidden, **kwargs))
+
+
+class BlockReplay:
+    """One conversation after a context, replayed block by block for on-policy query capture.
+
+    State: the hidden states entering block `next_block` (``[1, n, d]``, ``n`` = prompt + answer tokens). Only
+    `queries` changes it (it runs the blocks before the requested layer); layers must be asked in increasing order.
+    """
+
+    def __init__(self, model, blocks, calls: list[_Call], hidden: torch.Tensor, positions: slice):
+        self._model, self._blocks, self._calls = model, blocks, calls
+        self._hidden, self._positions = hidden, positions
+        self.next_block = 0
+
+    @classmethod
+    def build(cls, model: PreTrainedModel, conversation: Conversation, context_cache) -> BlockReplay | None:
+        """Record one forward of ``conversation`` after ``context_cache`` (a cache holding exactly the context; a
+        copy is continued, the given cache is left as it is).
+
+        Returns:
+            the replay, positioned before block 0; ``None`` when the model has no recognisable decoder-block list, a
+            block is not called with the forward's cache as a keyword argument, or block 0's replayed output is not
+            block 1's recorded input.
+        """
+        blocks = decoder_blocks(model)
+        if blocks is None or len(blocks) < 2:
+            return None
+        turn = torch.cat([conversation.prompt_ids, conversation.answer_ids])[None].to(model.device)
+        cache = branch_cache(context_cache)
+        seen: list[tuple[tuple, dict]] = []
+        hooks = [
+            block.register_forward_pre_hook(lambda _m, args, kwargs: seen.append((args, kwargs)), with_kwargs=True)
+            for block in blocks
+        ]
+        try:
+            with torch.no_grad():
+                model(turn, cache=cache, use_cache=True, logits_to_keep=1)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if len(seen) != len(blocks):
+            return None
+        try:
+            calls = [_Call(args, kwargs, cache) for args, kwargs in seen]
+        except ValueError:
+            return None
+        inputs = [args[0] if args else kwargs["hidden_states"] for args, kwargs in seen[:2]]
+        with torch.no_grad():
+            replayed = calls[0](blocks[0], inputs[0], branch_cache(context_cache))
+        if replayed.shape != inputs[1].shape or not torch.equal(replayed, inputs[1]):
+            return None
+        positions = slice(conversation.prompt_ids.numel(), None)
+        return cls(model, blocks, calls, inputs[0].detach(), positions)
+
+    def queries(self, layer_idx: int, context_cache) -> torch.Tensor:
+        """Queries of the answer tokens at global layer ``layer_idx`` with the context served by ``context_cache``.
+
+        First runs blocks ``next_block .. layer_idx - 1`` on the kept hidden states (each with a fresh copy of
+        ``context_cache``, so with the layers it has compacted), then block ``layer_idx`` up to its attention.
+
+        Returns:
+            ``[H_kv, g * A, D]`` as `capture_queries` records them (``A`` answer tokens).
+
+        Raises:
+            ValueError: ``layer_idx`` is behind the replay (blocks already run) or not a global attention layer.
+        """
+        if not self.next_block <= layer_idx < len(self._blocks):
+            raise ValueError(
+                f"layer_idx must be in [{self.next_block}, {len(self._blocks)}): the replay has run blocks "
+                f"0 .. {self.next_block - 1} and layers are asked in increasing order"
+            )
+        with torch.no_grad():
+            for index in range(self.next_block, layer_idx):
+                self._hidden = self._calls[index](self._blocks[index], self._hidden, branch_cache(context_cache))
+        self.next_block = layer_idx
+        with recording(self._model, self._positions, layers=[layer_idx]) as recorder:
+            self._calls[layer_idx](self._blocks[layer_idx], self._hidden, branch_cache(context_cache))
+        return recorder.queries[layer_idx]
