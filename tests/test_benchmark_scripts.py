@@ -351,3 +351,15 @@ def test_bfcl_budget_tiny_run_writes_records_and_plot(tmp_path):
     assert result["records"][0]["measured_B"] == 1.0
     assert result["records"][-1]["label"] == "pask (illustrative)"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_on_policy_cost_smoke(tmp_path):
+    out = tmp_path / "on_policy_cost.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, str(BENCHMARKS / "on_policy_cost.py"), "--tiny", "--ratio", "8", "--out", str(out)]
+    subprocess.run(command, check=True, env=env, timeout=600, capture_output=True)
+    result = json.loads(out.read_text())
+    assert [row["variant"] for row in result["rows"]] == ["block replay", "forward per layer"]
+    assert result["caches_agree"] and result["context_tokens"] == 96
+    losses = [row["heldout_relative_loss"] for row in result["rows"]]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6) and all(row["seconds"] > 0 for row in result["rows"])

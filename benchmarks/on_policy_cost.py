@@ -1,0 +1,104 @@
+"""Cost of on-policy calibration: `BlockReplay` (the model's blocks replayed one at a time) against a forward per layer.
+
+Both runs compact the same context with `hf_structkv.compact` (KV-Surgeon, repeat-pass queries, ``on_policy=True``)
+in one process, one after the other; the forward-per-layer run disables the replay (the fallback the pipeline takes
+for a model whose blocks cannot be replayed). The compacted caches must agree (held-out loss, tensors), so the table
+is a pure cost comparison. Speed claims are the ratio of the two wall times measured side by side.
+
+    python benchmarks/on_policy_cost.py --squad-article Normans --paragraphs 3 --ratio 10 \\
+        --out benchmarks/results/on_policy_cost.json
+
+``--tiny`` runs the same code on a random tiny model (a smoke test, times meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+import hf_structkv.compaction.pipeline as pipeline
+from hf_structkv.compaction import compact
+from hf_structkv.models import load_default_model, tiny_byte_tokenizer, tiny_model
+
+VARIANTS = ("block replay", "forward per layer")
+
+
+def context(tokenizer, args) -> torch.Tensor:
+    """The chat-formatted SQuAD article prefix (or, ``--tiny``, seeded bytes), ids ``[1, T]``."""
+    if args.tiny:
+        return torch.randint(3, 256, (1, 96), generator=torch.Generator().manual_seed(0))
+    from hf_structkv.eval.squad import squad_document
+    from hf_structkv.prompts import document_chat_prompt
+
+    text, _ = document_chat_prompt(tokenizer, squad_document(args.squad_article, args.paragraphs).text)
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+
+
+def run(model, tokenizer, ids: torch.Tensor, variant: str, args) -> tuple[dict, object]:
+    replays = pipeline._block_replays
+    if variant == "forward per layer":
+        pipeline._block_replays = lambda *_: None
+    try:
+        start = time.perf_counter()
+        cache = compact(
+            model, tokenizer, ids, ratio=args.ratio, on_policy=True, query_cap=args.query_cap, progress=False
+        )
+        seconds = time.perf_counter() - start
+    finally:
+        pipeline._block_replays = replays
+    loss = cache.metadata["quality"]["heldout_relative_loss_mean"]
+    return {"variant": variant, "seconds": round(seconds, 1), "heldout_relative_loss": loss}, cache
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--squad-article", default="Normans")
+    parser.add_argument("--paragraphs", type=int, default=3)
+    parser.add_argument("--ratio", type=float, default=10.0)
+    parser.add_argument("--query-cap", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results/on_policy_cost.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.tiny:
+        model, tokenizer = tiny_model("qwen2", vocab_size=300), tiny_byte_tokenizer()
+    else:
+        model, tokenizer = load_default_model()
+    ids = context(tokenizer, args)
+    rows, caches = [], []
+    for variant in VARIANTS:
+        row, cache = run(model, tokenizer, ids, variant, args)
+        rows.append(row)
+        caches.append(cache)
+    same = all(
+        torch.allclose(a, b, rtol=0, atol=1e-5)
+        for first, second in zip(caches[0].layers, caches[1].layers, strict=True)
+        for a, b in zip(first.context_tensors(), second.context_tensors(), strict=True)
+    )
+    print(f"context tokens: {ids.shape[1]}, ratio {args.ratio:g}, threads {args.threads}")
+    print(f"{'on-policy calibration':<22}{'seconds':>10}{'held-out loss':>16}")
+    for row in rows:
+        print(f"{row['variant']:<22}{row['seconds']:>10.1f}{row['heldout_relative_loss']:>16.5f}")
+    speedup = rows[1]["seconds"] / rows[0]["seconds"]
+    print(f"speed-up (forward per layer / block replay): {speedup:.2f}x; caches agree within 1e-5: {same}")
+    payload = {
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "context_tokens": ids.shape[1],
+        "environment": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "rows": rows,
+        "speedup": speedup,
+        "caches_agree": same,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
