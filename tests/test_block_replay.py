@@ -77,3 +77,15 @@ def test_layers_are_asked_in_order_and_must_be_global():
     replay.queries(3, cache)
     with pytest.raises(ValueError, match="increasing order"):
         replay.queries(1, cache)
+
+
+def test_a_model_whose_blocks_cannot_be_replayed_is_tried_once_then_falls_back(monkeypatch):
+    model, ids = tiny_model("qwen2"), context_ids(40)
+    want = compact(model, WordTokenizer(), ids, ratio=4, method="kv_surgeon", progress=False)
+    tries = []
+    monkeypatch.setattr(BlockReplay, "build", classmethod(lambda cls, *args: tries.append(args) or None))
+    got = compact(model, WordTokenizer(), ids, ratio=4, method="kv_surgeon", progress=False)
+    assert len(tries) == 1  # one conversation (the repetition), not one try per layer
+    for mine, theirs in zip(got.layers, want.layers, strict=True):
+        for a, b in zip(mine.context_tensors(), theirs.context_tensors(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)

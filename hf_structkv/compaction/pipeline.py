@@ -306,12 +306,12 @@ def compact(
         conversations = _calibration_conversations(
             model, tokenizer, context_ids, spans, queries, self_study, seed, selection.build(cache), progress
         )
+        if on_policy:
+            replays = _block_replays(model, conversations, selection.build(cache))
     global_layers = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
     for layer_idx in tqdm(global_layers, desc=f"compact ({method})", disable=not progress):
         if rule.needs_queries and (captured is None or on_policy):
             context_cache = selection.build(cache)
-            if replays is None and on_policy:
-                replays = _block_replays(model, conversations, context_cache)
             if replays is not None:
                 captured = [
                     {layer_idx: torch.cat([replay.queries(layer_idx, context_cache) for replay in chunk], dim=1)}
