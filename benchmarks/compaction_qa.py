@@ -22,7 +22,7 @@ draws its own documents, questions, needles and compaction randomness).
 
 Method variants: a method name (calibrated ones use the repeat-pass queries) or ``method:self_study``. By default
 calibration queries are captured once from the full cache (``on_policy=False``) and capped at ``--query-cap`` per KV
-head, to fit a CPU; ``--on-policy`` runs the paper's on-policy calibration (one forward per layer).
+head, to fit a CPU; ``--on-policy`` runs the paper's on-policy calibration (`BlockReplay`).
 
 Targets (issue 6): at 10x, ``kv_surgeon`` keeps >= 90% of the full cache's accuracy; at 20x and 50x it is strictly
 ahead of every baseline (``loo``, ``am_hak``, ``h2o``, ``streaming_llm``, ``key_norm``). They are printed as met / not
@@ -502,7 +502,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ratios", nargs="+", type=float, default=[5.0, 10.0, 20.0, 50.0])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--query-cap", type=int, default=2048, help="fitting queries per KV head (calibrated methods)")
-    parser.add_argument("--on-policy", action="store_true", help="on-policy calibration (one forward per layer)")
+    parser.add_argument("--on-policy", action="store_true", help="on-policy calibration (BlockReplay)")
     parser.add_argument(
         "--budgets", choices=("auto", "uniform"), default="auto", help="auto: compact()'s default (shipped allocation)"
     )

@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument("--paragraphs", type=int, default=20)
     parser.add_argument("--ratio", type=float, default=8.0)
     parser.add_argument("--method", default="kv_surgeon")
-    parser.add_argument("--on-policy", action="store_true", help="one calibration forward per layer (slower)")
+    parser.add_argument("--on-policy", action="store_true", help="on-policy calibration (slower)")
     parser.add_argument("--query-cap", type=int, default=4096, help="calibration queries per KV head")
     parser.add_argument("--questions", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=24)

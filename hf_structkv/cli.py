@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--on-policy",
             action="store_true",
-            help="calibrate layer l with layers < l already compacted (the paper's setting; one forward per layer)",
+            help="calibrate layer l with layers < l already compacted (the paper's setting; blocks replayed)",
         )
         p.add_argument("--query-cap", type=int, default=4096, help="calibration queries per KV head")
         p.add_argument(
