@@ -52,7 +52,7 @@ def run(model, tokenizer, ids: torch.Tensor, variant: str, args) -> tuple[dict, 
     finally:
         pipeline._block_replays = replays
     loss = cache.metadata["quality"]["heldout_relative_loss_mean"]
-    return {"variant": variant, "seconds": round(seconds, 1), "heldout_relative_loss": loss}, cache
+    return {"variant": variant, "seconds": seconds, "heldout_relative_loss": loss}, cache
 
 
 def main(argv: list[str] | None = None) -> dict:
