@@ -310,11 +310,11 @@ class StructuredMixedPrecisionCache(Cache):
                 "num_tagged(seq) and tag_at(seq, index)), "
                 f"got {type(processor).__name__}"
             )
-        policy_view = getattr(policy, "tag_view", "full")
-        if processor is not None and getattr(processor, "tag_view", "full") != policy_view:
+        policy_view, processor_view = (getattr(source, "tag_view", "full") for source in (policy, processor))
+        if processor is not None and processor_view != policy_view:
             raise ValueError(
                 f"the policy was calibrated on tag_view={policy_view!r}, the processor emits "
-                f"tag_view={getattr(processor, 'tag_view', 'full')!r}: build the processor with "
+                f"tag_view={processor_view!r}: build the processor with "
                 "StructuralLogitsProcessor(..., tag_view=policy.tag_view)"
             )
         self.policy = policy

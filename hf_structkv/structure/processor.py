@@ -166,9 +166,6 @@ class StructuralLogitsProcessor(LogitsProcessor):
                 "before each new generate call"
             )
 
-    def _viewed(self, candidates: tuple[StructuralTag, ...]) -> tuple[StructuralTag, ...]:
-        return candidates if self.tag_view == "full" else view_tags(candidates, self.tag_view, self.family)
-
     def _sync(self, record: _SequenceRecord, tokens: list[int]) -> None:
         """Rewind ``record`` to the common prefix with ``tokens``, then advance through the rest."""
         common = 0
@@ -189,5 +186,8 @@ class StructuralLogitsProcessor(LogitsProcessor):
         for token in tokens[common:]:
             if record.stop_index is None and token in stops:
                 record.stop_index = len(record.tokens)
-            record.tags.append(None if record.stop_index is not None else self._viewed(record.grammar.advance(token)))
+            if record.stop_index is not None:
+                record.tags.append(None)
+            else:
+                record.tags.append(view_tags(record.grammar.advance(token), self.tag_view, self.family))
             record.tokens.append(token)
