@@ -153,7 +153,7 @@ def generate_calls(
         policy: the `PolicyTable` for this model (e.g. ``illustrative_policy()`` for the embedded model, or
             ``PolicyTable.all_high(model.config)``), or any `RetentionPolicy`; the processor emits the policy's
             ``tag_view`` (``"full"`` for a policy without one).
-        prefill_plan: optional prompt actions for the cache (``[B, P, 3]``).
+        prefill_plan: optional prompt actions for the cache (``[B, P, groups]``, the policy's layer groups).
         prefill_policy: alternatively, a `PrefillPolicy` from which the plan of the built prompts is made
             (`batch_prefill_plan`, with ``policy``'s sink tokens and window).
         generate_kwargs: passed to ``model.generate`` (not ``logits_processor`` / ``past_key_values``: this call
@@ -206,7 +206,7 @@ def generate_structured(
     Args:
         batch: ``input_ids`` and ``attention_mask`` ``[B, P]``, left-padded (`left_padded_batch`).
         processor: a fresh `StructuralLogitsProcessor` (any grammar family; ``policy`` must be of the same family).
-        prefill_plan: optional prompt actions for the cache (``[B, P, 3]``).
+        prefill_plan: optional prompt actions for the cache (``[B, P, groups]``, the policy's layer groups).
         generate_kwargs: passed to ``model.generate`` (not ``logits_processor`` / ``past_key_values`` / ``cache``).
     """
     for owned in ("logits_processor", "past_key_values", "cache"):

@@ -3,7 +3,7 @@
 import pytest
 
 from hf_structkv.models import tiny_model
-from hf_structkv.policy.costs import Action, GroupCosts, layer_groups
+from hf_structkv.policy.costs import Action, GroupCosts, group_names, layer_groups
 from hf_structkv.structure.tags import NEXT, ROLES, STATES, TAG_CLASSES, TAG_VIEWS, StructuralTag, view_tags
 
 
@@ -29,6 +29,20 @@ def test_costs_by_the_formulas_with_odd_padding():
         costs.group_of_layer(4)
 
 
+@pytest.mark.parametrize("dims", [([2, 2, 1, 4], [64, 64, 5, 3]), ([1], [7]), ([3] * 5, [9] * 5)])
+def test_one_group_of_every_layer_costs_what_three_groups_with_one_action_cost(dims):
+    """The no-layer-groups ablation: one group ``[0, L)`` whose cost of ``a`` is ``M((a, a, a))`` of the three groups
+    (the payload formulas add up over layers)."""
+    three, one = GroupCosts.from_dims(*dims), GroupCosts.from_dims(*dims, groups=1)
+    assert one.groups == (range(0, len(dims[0])),) == layer_groups(len(dims[0]), 1)
+    assert one.elements == (sum(three.elements),) and one.rows == (sum(three.rows),)
+    assert one.padding == (sum(three.padding),) and one.full == three.full
+    for action in Action:
+        assert one.total((action,)) == three.total((action,) * 3)
+    assert one.group_of_layer(len(dims[0]) - 1) == 0
+    assert group_names(1) == ("all",) and group_names(3) == ("lower", "middle", "upper")
+
+
 def test_costs_from_a_model_config():
     model = tiny_model("llama")  # 2 layers, 2 KV heads of 16
     costs = GroupCosts.from_config(model.config)
@@ -40,6 +54,11 @@ def test_bad_dimensions_are_named():
         layer_groups(0)
     with pytest.raises(ValueError, match="kv_heads and head_dims"):
         GroupCosts.from_dims([2], [4, 4])
+    for count in (2, 0, True):
+        with pytest.raises(ValueError, match="layer_groups must be 3"):
+            GroupCosts.from_dims([2] * 4, [4] * 4, groups=count)
+    with pytest.raises(ValueError, match="layer_groups must be 3"):
+        layer_groups(6, 2)
 
 
 def test_tag_fallback_chain_and_protection():

@@ -50,8 +50,8 @@ class ParityTagger(LogitsProcessor):
         return (KEY,) if token % 5 == 0 else (SCAFFOLD,) if token % 2 == 0 else (FREE,)
 
 
-def mixed_policy(model, window=3, sink=2, budget=0.5):
-    costs = GroupCosts.from_config(model.config)
+def mixed_policy(model, window=3, sink=2, budget=0.5, groups=3):
+    costs = GroupCosts.from_config(model.config, groups)
     groups = len(costs.groups)
 
     def entry(action, floor):
@@ -196,6 +196,42 @@ def test_released_and_quantised_tokens_shrink_the_stored_tensors():
     assert layer.low.num_entries() > 0 and layer.high.num_entries() < cache.get_seq_length() - 4
     assert cache.nbytes() < cache.full_nbytes()
     assert cache.scheduled_payload() < cache.full_payload()
+
+
+def test_one_layer_group_stores_and_charges_what_three_groups_with_the_same_actions_do():
+    """The no-layer-groups ablation: a one-group table whose entries equal a three-group table's tied entries (floors
+    at the actions, so no demotion or promotion can differ) gives the same tokens, stores, ledger and bytes."""
+    model = tiny_model("qwen2", num_hidden_layers=4)
+    ids, mask = padded_batch(length=7)
+    states, outputs = [], []
+    for groups in (3, 1):
+        tagger = ParityTagger()
+        cache = StructuredMixedPrecisionCache(model, mixed_policy(model, window=3, groups=groups), processor=tagger)
+        outputs.append(
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=20,
+                min_new_tokens=20,
+                do_sample=False,
+                logits_processor=[tagger],
+                past_key_values=cache,
+            )
+        )
+        assert len(cache.schedule.decided[0][0]) == groups
+        layer = cache.mixed_layers()[-1]
+        assert layer.low.num_entries() > 0 and layer.high.num_entries() < cache.get_seq_length() - 4
+        states.append((_state(cache)[0], [c.scheduled_bits for c in cache.schedule.controllers], cache.nbytes()))
+    assert torch.equal(outputs[0], outputs[1])
+    (layers_3, bits_3, bytes_3), (layers_1, bits_1, bytes_1) = states
+    assert bits_3 == bits_1 and bytes_3 == bytes_1
+    for a, b in zip(layers_3, layers_1, strict=True):
+        assert a[0] == b[0] and a[3:5] == b[3:5]
+        assert all(torch.equal(a[i][k], b[i][k]) for i in (5, 6) for k in a[i])
+    with pytest.raises(ValueError, match=r"prefill_plan must be an int tensor \[batch, prompt_tokens, 1\]"):
+        StructuredMixedPrecisionCache(
+            model, mixed_policy(model, groups=1), prefill_plan=torch.full((1, 4, 3), 2, dtype=torch.int64)
+        )
 
 
 def _state(cache):

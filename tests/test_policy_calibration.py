@@ -67,6 +67,8 @@ def test_floors_closed_form():
 def test_bucket_text_round_trip_and_errors():
     bucket = Bucket("pure_scaffold|scaffold_separator|boundary|no_lookahead", 2)
     assert str(bucket).endswith("::upper") and parse_bucket(str(bucket)) == bucket
+    tied = Bucket("pure_scaffold|scaffold_separator|boundary|no_lookahead", 0, 1)
+    assert str(tied).endswith("::all") and parse_bucket(str(tied)) == tied and tied != Bucket(tied.key, 0)
     with pytest.raises(ValueError, match="key::lower"):
         parse_bucket("no-group")
 
@@ -179,6 +181,13 @@ def test_settings_errors_are_named():
         CalibrationSettings(max_dev_candidates=0)
     with pytest.raises(ValueError, match="R or L"):
         BucketIntervention(COSTS, Bucket("pure_scaffold|scaffold_separator|boundary|no_lookahead", 0), H, 4, 8)
+    one_group = GroupCosts.from_dims([2] * 6, [16] * 6, groups=1)
+    with pytest.raises(ValueError, match=r"Bucket\(key, group, groups=1\)"):
+        BucketIntervention(one_group, Bucket("pure_scaffold|scaffold_separator|boundary|no_lookahead", 0), L, 4, 8)
+    with pytest.raises(ValueError, match="layer_groups must be 3"):
+        CalibrationSettings(layer_groups=2)
+    with pytest.raises(ValueError, match=r"decode table only: pass stages=\('decode',\)"):
+        CalibrationSettings(layer_groups=1)
 
 
 # ---------------------------------------------------------------------------------------------- tiny model
@@ -239,6 +248,10 @@ def test_intervention_controller_lowers_only_occurrences():
     assert controller.scheduled_bits == 2 * COSTS.total((H, L, H)) + 2 * COSTS.full  # stop tokens are free
     controller.rollback(1)
     assert controller.num_steps == 1 and controller.scheduled_bits == COSTS.total((H, L, H))
+    one_group = GroupCosts.from_dims([2] * 6, [16] * 6, groups=1)
+    tied = BucketIntervention(one_group, Bucket(key, 0, 1), R, 4, 8).controller(one_group)
+    assert tied.step([tags[0]]) == (R,) and tied.step([tags[1]]) == (H,)  # every layer at once
+    assert tied.scheduled_bits == COSTS.full
 
 
 def test_reference_cache_is_reused_and_keyed(model, tokenizer, cases, tmp_path):
@@ -432,6 +445,26 @@ def test_calibrate_with_a_tag_view_runs_on_viewed_tags_and_records_the_view(mode
         CalibrationSettings(tag_view="positions")
 
 
+def test_calibrate_without_layer_groups_ties_every_bucket_across_depth(model, tokenizer, cases, calibrated, tmp_path):
+    """The no-layer-groups ablation: one bucket per tag (``::all``), one action per token for every layer; the
+    references (all-high) are the full calibration's, so the same tags are bucketed."""
+    settings = dataclasses.replace(SETTINGS, layer_groups=1, stages=("decode",))
+    result = calibrate(model, tokenizer, *cases, settings, cache_dir=tmp_path, log=lambda _: None)
+    table = result.table
+    assert table.costs == GroupCosts.from_config(model.config, groups=1) and table.layer_groups == (range(0, 3),)
+    assert all(len(e.action) == len(e.floor) == len(e.priorities) == 1 for e in table.entries.values())
+    assert result.report["settings"]["layer_groups"] == 1 and result.prefill_policy is None
+    tied_keys = {b.rpartition("::")[0] for b in result.report["decode"]["buckets"]}
+    assert all(b.endswith("::all") for b in result.report["decode"]["buckets"])
+    assert tied_keys == {b.rpartition("::")[0] for b in calibrated.report["decode"]["buckets"]}
+    result.save_pretrained(tmp_path / "tied")
+    assert PolicyTable.from_pretrained(tmp_path / "tied", model=model) == table
+    entry = cases[1][0]
+    generated = generate_calls(model, tokenizer, list(entry.messages), entry.tools, table, max_new_tokens=8)
+    decided = [actions for actions in generated.cache.schedule.decided[0] if actions is not None]
+    assert decided and all(len(actions) == 1 for actions in decided)
+
+
 def test_calibrate_errors_are_named(model, tokenizer, cases):
     with pytest.raises(ValueError, match="disjoint"):
         calibrate(model, tokenizer, cases[0], cases[0], SETTINGS)
@@ -448,5 +481,9 @@ def test_cli_calibrate_options():
     assert args.func.__name__ == "cmd_calibrate" and args.tau == [(0.01, 0.02), (0.0, 0.0)] and args.paper_sizes
     assert args.tag_view == "full"
     assert build_parser().parse_args(["calibrate", "--out", "x", "--tag-view", "no_role"]).tag_view == "no_role"
+    assert args.layer_groups == 3
+    assert build_parser().parse_args(["calibrate", "--out", "x", "--layer-groups", "1"]).layer_groups == 1
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["calibrate", "--out", "x", "--layer-groups", "2"])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["calibrate", "--out", "x", "--tau", "0.01"])

@@ -4,6 +4,7 @@ the shipped illustrative table, exact save / load round trips, validation errors
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from itertools import product
 from pathlib import Path
@@ -71,13 +72,15 @@ def brute_lookup(table: PolicyTable, candidates) -> PolicyLookup:
 @st.composite
 def tables(draw, family: str = "function_calling") -> PolicyTable:
     """Random tables: random layer dimensions (odd head dims too), entries on random keys of every level, small
-    integer priorities (ties), any budget in [0, 1], random reserves."""
+    integer priorities (ties), any budget in [0, 1], random reserves; three layer groups, or one (the
+    no-layer-groups ablation) in a quarter of the draws."""
     num_layers = draw(st.integers(1, 9))
     kv_heads = draw(st.lists(st.integers(1, 3), min_size=num_layers, max_size=num_layers))
     head_dims = draw(st.lists(st.integers(1, 9), min_size=num_layers, max_size=num_layers))
-    costs = GroupCosts.from_dims(kv_heads, head_dims)
-    actions = st.tuples(*[st.sampled_from([R, L, H])] * 3)
-    scores = st.tuples(*[st.tuples(*[st.integers(0, 3).map(float)] * 2)] * 3)
+    groups = draw(st.sampled_from((3, 3, 3, 1)))
+    costs = GroupCosts.from_dims(kv_heads, head_dims, groups)
+    actions = st.tuples(*[st.sampled_from([R, L, H])] * groups)
+    scores = st.tuples(*[st.tuples(*[st.integers(0, 3).map(float)] * 2)] * groups)
     keys = draw(st.lists(st.sampled_from(all_keys(family)), max_size=12, unique=True))
     entries = {key: PolicyEntry(draw(actions), draw(actions), draw(scores)) for key in keys}
     reserve_bits = st.floats(0, 2 * costs.full, allow_nan=False)
@@ -437,6 +440,33 @@ def test_push_to_hub_uploads_the_table_and_its_card(monkeypatch):
     assert calls["readme"].startswith("---\nlibrary_name: hf_structkv\ntags:\n- hf_structkv\n- kv-cache\n")
     assert 'PolicyTable.from_pretrained("someone/pask-policy", model=model)' in calls["readme"]
     assert calls["loaded"] == GOLDEN
+
+
+def test_a_one_group_table_round_trips_fits_its_model_and_says_it_is_the_ablation(tmp_path):
+    """The no-layer-groups ablation (PASK Fig. 5): one group of every layer, one action per token."""
+    model = tiny_model("qwen2", num_hidden_layers=4)
+    costs = GroupCosts.from_config(model.config, groups=1)
+    table = PolicyTable(
+        family="function_calling",
+        costs=costs,
+        entries={"pure_scaffold": PolicyEntry((L,), (R,), ((1.0, 2.0),))},
+        budget=0.25,
+        fingerprint=model_fingerprint(model),
+    )
+    assert table.layer_groups == (range(0, 4),)
+    scaffold = tag("pure_scaffold|required|boundary|no_lookahead")
+    assert table.lookup([scaffold]) == PolicyLookup((L,), (R,), ((1.0, 2.0),))
+    assert table.lookup(()) == PolicyLookup((H,), (H,), ((None, None),))
+    table.save_pretrained(tmp_path)
+    assert PolicyTable.from_pretrained(tmp_path, model=model) == table
+    card = (tmp_path / "README.md").read_text()
+    assert "tied across depth (the no-layer-groups ablation" in card and "| all | 0-3 |" in card
+    assert "GroupCosts.from_config(model.config, groups=1)" in card and "| `pure_scaffold` | L | R | 1 | 2 |" in card
+    with pytest.raises(ValueError, match="has 3 layer groups but the table has 1"):
+        PolicyTable(family="function_calling", costs=costs, entries={"pure_scaffold": entry("RLL", "RRR")}, budget=1)
+    unbound = dataclasses.replace(table, fingerprint=None, provenance="illustrative")
+    with pytest.raises(ValueError, match="built for other layer dimensions"):
+        unbound.check_model(tiny_model("qwen2", num_hidden_layers=4, num_key_value_heads=1))
 
 
 # ---------------------------------------------------------------------------------------------------- card

@@ -36,8 +36,9 @@ class ActionSchedule:
         costs: the model's `GroupCosts`.
         processor: the `StructuralLogitsProcessor` used in the same ``generate`` call, or ``None`` (then every
             generated token is unresolved and gets the policy's protection for unresolved tokens).
-        prefill_plan: optional int tensor ``[B, P, 3]`` of `Action` values for the ``P`` prompt tokens per layer
-            group (the prefill companion's plan); prompt tokens beyond it, and all when ``None``, are ``H``.
+        prefill_plan: optional int tensor ``[B, P, groups]`` of `Action` values for the ``P`` prompt tokens per
+            layer group of ``costs`` (the prefill companion's plan); prompt tokens beyond it, and all when ``None``,
+            are ``H``.
         statistics: the cache's `AttentionMass` when the policy decides from attention statistics (then the
             controllers plan the prompt: no ``prefill_plan``), else ``None``.
     """
@@ -56,8 +57,13 @@ class ActionSchedule:
                 "prefill_policy) with it"
             )
         if prefill_plan is not None:
-            if not isinstance(prefill_plan, torch.Tensor) or prefill_plan.dim() != 3 or prefill_plan.shape[-1] != 3:
-                raise ValueError("prefill_plan must be an int tensor [batch, prompt_tokens, 3] of Action values")
+            groups = len(costs.groups)
+            shape = tuple(prefill_plan.shape) if isinstance(prefill_plan, torch.Tensor) else ()
+            if len(shape) != 3 or shape[-1] != groups:
+                raise ValueError(
+                    f"prefill_plan must be an int tensor [batch, prompt_tokens, {groups}] of Action values (one per "
+                    f"layer group of the policy)"
+                )
             if prefill_plan.numel() and not bool(((prefill_plan >= 0) & (prefill_plan <= 2)).all()):
                 raise ValueError("prefill_plan holds values outside Action (R=0, L=1, H=2)")
         self.policy = policy
@@ -67,7 +73,7 @@ class ActionSchedule:
         self.statistics = statistics
         self.controllers: list = []
         self.first_length = 0
-        self.decided: list[list[tuple[Action, Action, Action] | None]] = []
+        self.decided: list[list[tuple[Action, ...] | None]] = []
 
     @property
     def batch_size(self) -> int:
@@ -104,7 +110,7 @@ class ActionSchedule:
             return 0 if self.prefill_plan is None else self.prefill_plan.shape[1]
         return self.processor.prompt_length
 
-    def _decide_generated(self, row: int, index: int) -> tuple[Action, Action, Action]:
+    def _decide_generated(self, row: int, index: int) -> tuple[Action, ...]:
         """Actions of generated token ``index`` of ``row``, stepping the controller up to it in order."""
         decided = self.decided[row]
         for i in range(len(decided), index + 1):
@@ -121,7 +127,7 @@ class ActionSchedule:
                 mass = self.statistics.row_mass(row, position + 1)
                 decided.append(self.controllers[row].step(candidates, TokenStatistics(position, mass)))
         actions = decided[index]
-        return (Action.R, Action.R, Action.R) if actions is None else actions
+        return (Action.R,) * len(self.costs.groups) if actions is None else actions
 
     def actions(self, start: int, count: int, group: int) -> torch.Tensor:
         """Actions ``[B, count]`` (int64 `Action` values) of positions ``start .. start + count - 1`` in ``group``."""
@@ -172,7 +178,7 @@ class ActionSchedule:
         self._plan_prompt()
         prompt_length = min(self._prompt_length() or 0, num_tokens)
         prompt = 0.0
-        for group in range(3):
+        for group in range(len(self.costs.groups)):
             planned = self.actions(0, prompt_length, group)  # [B, P]
             values, counts = planned.unique(return_counts=True)
             prompt += sum(self.costs.cost(Action(int(a)), group) * int(n) for a, n in zip(values, counts))

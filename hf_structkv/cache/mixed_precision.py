@@ -283,7 +283,8 @@ class StructuredMixedPrecisionCache(Cache):
         processor: the `StructuralLogitsProcessor` of the same generation (``None``: every generated token is
             unresolved, i.e. fully protected by the policy); it must emit the policy's ``tag_view`` (a policy
             without one means ``"full"``), else ``ValueError``.
-        prefill_plan: optional actions for the prompt tokens, int ``[B, P, 3]`` (see `ActionSchedule`).
+        prefill_plan: optional actions for the prompt tokens, int ``[B, P, groups]`` with the policy's number of
+            layer groups (see `ActionSchedule`).
 
     A policy with an ``attention_statistics()`` method (the attention-based baselines) gets an `AttentionMass` that
     the layers fill during attention (torch reference only) and plans the prompt itself at its first commit.
@@ -298,7 +299,7 @@ class StructuredMixedPrecisionCache(Cache):
         if not isinstance(model, PretrainedConfig):
             enable(model)
         text_config = config.get_text_config()
-        self.costs = GroupCosts.from_config(text_config)
+        self.costs = GroupCosts.from_config(text_config, len(policy.costs.groups))
         if policy.costs != self.costs:
             raise ValueError(
                 f"the policy was built for layer groups / head dimensions {policy.costs}, the model has {self.costs}: "

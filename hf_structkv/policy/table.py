@@ -42,7 +42,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from ..structure.tags import NEXT, ROLES, STATES, TAG_CLASSES, StructuralTag, check_tag_view
-from .costs import GROUP_NAMES, Action, GroupCosts, layer_groups
+from .costs import GROUP_COUNTS, Action, GroupCosts, group_names, layer_groups
 
 __all__ = [
     "DEFAULT_SINK_TOKENS",
@@ -241,10 +241,10 @@ class PolicyTable:
         if not isinstance(self.costs, GroupCosts):
             raise TypeError(f"PolicyTable.costs must be a GroupCosts, got {type(self.costs).__name__}")
         groups = self.costs.groups
-        if len(groups) != len(GROUP_NAMES) or groups != layer_groups(groups[-1].stop):
+        if len(groups) not in GROUP_COUNTS or groups != layer_groups(groups[-1].stop, len(groups)):
             raise ValueError(
-                f"PolicyTable.costs.groups must be the {len(GROUP_NAMES)} layer groups of A.2 (layer_groups(L)), "
-                f"got {[(g.start, g.stop) for g in groups]}"
+                "PolicyTable.costs.groups must be the 3 layer groups of A.2 (layer_groups(L)) or the single group of "
+                f"the no-layer-groups ablation (layer_groups(L, 1)), got {[(g.start, g.stop) for g in groups]}"
             )
         for name in ("elements", "rows", "padding"):
             values = getattr(self.costs, name)
@@ -265,7 +265,7 @@ class PolicyTable:
             if len(entry.action) != groups:
                 raise ValueError(
                     f"entries[{key!r}] has {len(entry.action)} layer groups but the table has {groups} "
-                    f"({', '.join(GROUP_NAMES)})"
+                    f"({', '.join(group_names(groups))})"
                 )
 
     def _check_scalars(self) -> None:
@@ -318,10 +318,10 @@ class PolicyTable:
         kv_heads, head_dim = self.fingerprint["num_key_value_heads"], self.fingerprint["head_dim"]
         if not all(_is_int(v) and v > 0 for v in (layers, kv_heads, head_dim)):
             raise ValueError("the fingerprint's num_hidden_layers, num_key_value_heads and head_dim must be positive")
-        if GroupCosts.from_dims([kv_heads] * layers, [head_dim] * layers) != self.costs:
+        if GroupCosts.from_dims([kv_heads] * layers, [head_dim] * layers, len(self.costs.groups)) != self.costs:
             raise ValueError(
                 f"costs do not match the fingerprint's model ({layers} layers, {kv_heads} KV heads, head_dim "
-                f"{head_dim}): build them with GroupCosts.from_config(model.config)"
+                f"{head_dim}): build them with GroupCosts.from_config(model.config, groups={len(self.costs.groups)})"
             )
         object.__setattr__(self, "fingerprint", json.loads(json.dumps(dict(self.fingerprint), allow_nan=False)))
 
@@ -578,7 +578,7 @@ class PolicyTable:
         """Raise ``ValueError`` unless ``model`` has this table's fingerprint (when recorded) and layer-group costs."""
         if self.fingerprint is not None:
             _hub()._check_same_model(dict(self.fingerprint), _hub().model_fingerprint(model), what="policy table")
-        costs = GroupCosts.from_config(model.config)
+        costs = GroupCosts.from_config(model.config, len(self.costs.groups))
         if costs != self.costs:
             raise ValueError(
                 f"this policy table was built for other layer dimensions: its group costs are {self.costs}, the "
@@ -637,6 +637,10 @@ class PolicyTable:
             repo_id=repo_id or "<this repository id or local folder>",
             family=self.family,
             num_layers=self.costs.groups[-1].stop,
+            grouping=_grouping(len(self.costs.groups)),
+            groups_argument="" if len(self.costs.groups) == 3 else f", groups={len(self.costs.groups)}",
+            group_names=" ".join(group_names(len(self.costs.groups))),
+            group_scores=" / ".join(group_names(len(self.costs.groups))),
             group_rows=_group_rows(self.costs),
             full_bits=f"{self.costs.full:,}",
             budget=self.budget,
@@ -772,9 +776,15 @@ def _json_object(value: Any, where: str, fields: tuple[str, ...] | None = None) 
     return value
 
 
+def _grouping(count: int) -> str:
+    if count == 3:
+        return "in three groups (A.2)"
+    return "in one group: a token's action is tied across depth (the no-layer-groups ablation of PASK Fig. 5)"
+
+
 def _group_rows(costs: GroupCosts) -> str:
     rows = []
-    for c, (name, group) in enumerate(zip(GROUP_NAMES, costs.groups)):
+    for c, (name, group) in enumerate(zip(group_names(len(costs.groups)), costs.groups)):
         rows.append(
             f"| {name} | {group.start}-{group.stop - 1} | {costs.cost(Action.H, c):,} | {costs.cost(Action.L, c):,} |"
         )

@@ -44,7 +44,7 @@ def compile_entries(
     keys = sorted({bucket.key for bucket in actions})
     entries = {}
     for key in keys:
-        per_group = [Bucket(key, c) for c in range(groups)]
+        per_group = [Bucket(key, c, groups) for c in range(groups)]
         missing = [str(b) for b in per_group if b not in actions or b not in floors or b not in priorities]
         if missing:
             raise ValueError(f"the candidate lacks the buckets {missing}: every key needs all {groups} layer groups")

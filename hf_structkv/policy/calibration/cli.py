@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ...structure.tags import TAG_VIEWS
+from ..costs import GROUP_COUNTS
 
 __all__ = ["CPU_SIZES", "PAPER_SIZES", "add_calibrate_options", "run_calibrate"]
 
@@ -59,6 +60,14 @@ def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
         help="structural ablation (PASK Fig. 5): calibrate and serve with the role, the class, or the parser state "
         "and lookahead removed from the tags (default: full tags)",
     )
+    parser.add_argument(
+        "--layer-groups",
+        type=int,
+        default=3,
+        choices=GROUP_COUNTS,
+        help="3: PASK's lower / middle / upper groups; 1: the no-layer-groups ablation (PASK Fig. 5), one action "
+        "per token for every layer (with --decode-only)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="split and torch seed")
     parser.add_argument("--cache-dir", help="reference-trajectory cache (default ~/.cache/hf_structkv/calibration)")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
@@ -87,6 +96,7 @@ def run_calibrate(args: argparse.Namespace, load_model) -> int:
         stages=("decode",) if args.decode_only else ("decode", "prefill"),
         seed=args.seed,
         tag_view=args.tag_view,
+        layer_groups=args.layer_groups,
     )
     calibration = bfcl_split(args.categories, "calibration", seed=args.seed, limit=sizes["calibration_cases"])
     development = bfcl_split(args.categories, "development", seed=args.seed, limit=sizes["dev_cases"])

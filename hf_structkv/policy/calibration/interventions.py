@@ -55,8 +55,12 @@ class BucketIntervention:
     tag_view: str = "full"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.bucket, Bucket) or not 0 <= self.bucket.group < len(self.costs.groups):
-            raise ValueError(f"bucket must be a Bucket(key, group) with a group of the model, got {self.bucket!r}")
+        groups = len(self.costs.groups)
+        if not isinstance(self.bucket, Bucket) or self.bucket.groups != groups or not 0 <= self.bucket.group < groups:
+            raise ValueError(
+                f"bucket must be a Bucket(key, group, groups={groups}) with a group of the costs' {groups} layer "
+                f"groups, got {self.bucket!r}"
+            )
         StructuralTag.from_key(self.bucket.key)
         if self.action not in (Action.R, Action.L):
             raise ValueError(f"an intervention applies R or L, got {self.action!r}")

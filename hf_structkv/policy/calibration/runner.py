@@ -23,7 +23,7 @@ from ...eval.bfcl import BfclEntry
 from ...hub import model_fingerprint
 from ...structure.prompt_spans import PROMPT_LABELS
 from ...structure.tags import check_tag_view
-from ..costs import Action, GroupCosts
+from ..costs import Action, GroupCosts, check_group_count
 from ..prefill import PrefillPolicy
 from ..table import DEFAULT_SINK_TOKENS, DEFAULT_WINDOW, PolicyEntry, PolicyTable
 from .buckets import Bucket, bucket_order
@@ -63,6 +63,8 @@ class CalibrationSettings:
         stages: ``("decode",)`` or ``("decode", "prefill")``.
         tag_view: what the parser tells the cache in every run and the calibrated table (`TAG_VIEWS`): ``"full"``,
             or a structural ablation of PASK Fig. 5 (``"no_role"``, ``"no_class"``, ``"no_state_lookahead"``).
+        layer_groups: 3 (A.2), or 1 for the Fig. 5 "no layer groups" ablation: one bucket per tag covering every
+            layer, so a token's action is tied across depth (decode stage only: the prefill companion keeps 3).
         seed: seeds torch (greedy decoding is deterministic; the split seed is the caller's).
     """
 
@@ -78,6 +80,7 @@ class CalibrationSettings:
     stages: tuple[str, ...] = STAGES
     seed: int = 0
     tag_view: str = "full"
+    layer_groups: int = 3
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "thresholds", check_thresholds(self.thresholds))
@@ -94,6 +97,12 @@ class CalibrationSettings:
             raise ValueError(f"stages must be ('decode',) or ('decode', 'prefill'), got {self.stages!r}")
         dev_candidate_indices(1, self.max_dev_candidates)  # validates max_dev_candidates
         check_tag_view(self.tag_view, "function_calling")
+        check_group_count(self.layer_groups)
+        if self.layer_groups != 3 and "prefill" in self.stages:
+            raise ValueError(
+                "layer_groups=1 (the no-layer-groups ablation) calibrates the decode table only: pass "
+                "stages=('decode',) (CLI: --decode-only)"
+            )
 
 
 @dataclass
@@ -156,7 +165,7 @@ def calibrate(
         raise ValueError(f"calibration and development cases overlap: {sorted(overlap)[:5]}; use disjoint splits")
     torch.manual_seed(settings.seed)
     start = time.perf_counter()
-    costs = GroupCosts.from_config(model.config)
+    costs = GroupCosts.from_config(model.config, settings.layer_groups)
     fingerprint = model_fingerprint(model)
     common = dict(
         max_new_tokens=settings.max_new_tokens,
@@ -205,7 +214,8 @@ def calibrate(
 # ------------------------------------------------------------------------------------------------ stages
 def _decode_stage(model, tokenizer, calibration, development, refs, costs, settings, fingerprint) -> _Stage:
     keys = sorted({key for r in refs for tags in r.tags if tags for key in tags})
-    buckets = [Bucket(key, c) for key in keys for c in range(len(costs.groups))]
+    groups = len(costs.groups)
+    buckets = [Bucket(key, c, groups) for key in keys for c in range(groups)]
     counts = {b: sum(len(occurrences(r, b.key)) for r in refs) / len(refs) for b in buckets}
 
     def build(actions, floors, priorities, tau):
