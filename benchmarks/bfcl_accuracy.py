@@ -10,11 +10,15 @@ bytes after generation next to a `DynamicCache` of the same tokens. Choices belo
 
     python benchmarks/bfcl_accuracy.py --categories simple_python multiple parallel parallel_multiple \
         --split development --limit 10 --policy all_high illustrative --out benchmarks/results/bfcl_accuracy.json
+
+PASK's Fig. 5 ablations side by side at an aligned Decode budget: calibrate each variant (``hf-structkv calibrate
+--tag-view ... / --layer-groups 1 --decode-only --out DIR``), then pass the folders with ``--decode-budget B``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -38,6 +42,13 @@ def load_policy(name: str, model) -> PolicyTable:
     if not Path(name).is_dir():
         raise ValueError(f"--policy must be all_high, illustrative, calibrated or a PolicyTable folder, got {name!r}")
     return PolicyTable.from_pretrained(name, model=model)
+
+
+def at_decode_budget(table: PolicyTable, budget: float | None) -> PolicyTable:
+    """``table`` served at Decode budget ``B_D = budget`` (``None``: its own); the all-high reference is left as is."""
+    if budget is None or table.provenance == "reference":
+        return table
+    return dataclasses.replace(table, budget=budget)
 
 
 def print_table(
@@ -69,7 +80,7 @@ def print_table(
         )
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--categories", nargs="+", default=list(CATEGORIES[:4]), choices=CATEGORIES)
     parser.add_argument("--split", default="development", choices=SPLITS)
@@ -78,19 +89,28 @@ def main() -> None:
     parser.add_argument(
         "--policy", nargs="+", default=["all_high", "illustrative"], help="all_high | illustrative | calibrated | PATH"
     )
+    parser.add_argument(
+        "--decode-budget",
+        type=float,
+        default=None,
+        help="serve every compressing table at this B_D (PASK Fig. 5: ablations at an aligned Decode budget)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/bfcl_accuracy.json")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
 
     torch.set_num_threads(args.threads)
     entries = bfcl_split(args.categories, args.split, seed=args.seed, limit=args.limit)
     model, tokenizer = load_default_model()
     results = []
     for name in args.policy:
-        evaluation = evaluate_bfcl(
-            model, tokenizer, entries, load_policy(name, model), max_new_tokens=args.max_new_tokens, progress=True
-        )
+        policy = at_decode_budget(load_policy(name, model), args.decode_budget)
+        evaluation = evaluate_bfcl(model, tokenizer, entries, policy, max_new_tokens=args.max_new_tokens, progress=True)
         results.append({"policy": name, "summary": evaluation.summary, "records": evaluation.records})
 
     print(f"BFCL v4 {args.split} split (seed {args.seed}), {len(entries)} cases, {args.threads} thread(s)")
@@ -102,6 +122,7 @@ def main() -> None:
         "seed": args.seed,
         "limit_per_category": args.limit,
         "max_new_tokens": args.max_new_tokens,
+        "decode_budget": args.decode_budget,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -152,7 +152,7 @@ def generate_calls(
         tools: BFCL- or OpenAI-style tool definitions (`function_call_schema`).
         policy: the `PolicyTable` for this model (e.g. ``illustrative_policy()`` for the embedded model, or
             ``PolicyTable.all_high(model.config)``), or any `RetentionPolicy`; the processor emits the policy's
-            ``tag_view`` (``"full"`` for a policy without one).
+            ``tag_view`` and ``position_bins`` (``"full"`` for a policy without them).
         prefill_plan: optional prompt actions for the cache (``[B, P, groups]``, the policy's layer groups).
         prefill_policy: alternatively, a `PrefillPolicy` from which the plan of the built prompts is made
             (`batch_prefill_plan`, with ``policy``'s sink tokens and window).
@@ -173,7 +173,12 @@ def generate_calls(
         prefill_plan = batch_prefill_plan(
             tokenizer, prompts, tools, prefill_policy, policy, batch["input_ids"], batch["attention_mask"]
         )
-    processor = StructuralLogitsProcessor(tokenizer, tools=tools, tag_view=getattr(policy, "tag_view", "full"))
+    processor = StructuralLogitsProcessor(
+        tokenizer,
+        tools=tools,
+        tag_view=getattr(policy, "tag_view", "full"),
+        position_bins=getattr(policy, "position_bins", ()),
+    )
     output = generate_structured(
         model, tokenizer, batch, processor, policy, max_new_tokens, prefill_plan=prefill_plan, **generate_kwargs
     )

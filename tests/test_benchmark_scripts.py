@@ -353,6 +353,19 @@ def test_bfcl_budget_tiny_run_writes_records_and_plot(tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+# --------------------------------------------------------------------------------- benchmarks/bfcl_accuracy.py
+def test_bfcl_accuracy_aligns_the_decode_budget_of_compressing_tables_only():
+    pytest.importorskip("bfcl_eval")
+    from hf_structkv.policy import PolicyTable, illustrative_policy
+
+    script = load_script(BENCHMARKS / "bfcl_accuracy.py")
+    table, reference = illustrative_policy(), PolicyTable.all_high(illustrative_policy().costs)
+    assert script.at_decode_budget(table, 0.25).budget == 0.25 and table.budget == 0.5
+    assert script.at_decode_budget(table, 0.25).entries == table.entries
+    assert script.at_decode_budget(table, None) is table and script.at_decode_budget(reference, 0.25) is reference
+    assert script.build_parser().parse_args(["--decode-budget", "0.3"]).decode_budget == 0.3
+
+
 def test_on_policy_cost_smoke(tmp_path):
     out = tmp_path / "on_policy_cost.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

@@ -4,7 +4,19 @@ import pytest
 
 from hf_structkv.models import tiny_model
 from hf_structkv.policy.costs import Action, GroupCosts, group_names, layer_groups
-from hf_structkv.structure.tags import NEXT, ROLES, STATES, TAG_CLASSES, TAG_VIEWS, StructuralTag, view_tags
+from hf_structkv.structure.tags import (
+    NEXT,
+    ROLES,
+    STATES,
+    TAG_CLASSES,
+    TAG_VIEWS,
+    StructuralTag,
+    check_tag_view,
+    position_bin_starts,
+    position_tag,
+    view_tags,
+    view_vocabulary,
+)
 
 
 @pytest.mark.parametrize(
@@ -91,7 +103,7 @@ def test_tag_views_drop_exactly_their_fields(family):
     every = [StructuralTag(*f) for f in product(TAG_CLASSES, ROLES[family], STATES[family], NEXT)]
     dropped = {"full": (), "no_role": (1,), "no_class": (0,), "no_state_lookahead": (2, 3)}
     fixed = (TAG_CLASSES[0], ROLES[family][0], STATES[family][0], "no_lookahead")
-    assert set(dropped) == set(TAG_VIEWS)
+    assert set(dropped) == set(TAG_VIEWS) - {"position_bins"}  # position tags need the token's index
     for view, fields in dropped.items():
         for tag in every:
             expected = StructuralTag(*(fixed[i] if i in fields else tag[i] for i in range(4)))
@@ -114,3 +126,40 @@ def test_tag_views_deduplicate_candidates_in_order_and_check_their_arguments():
         view_tags((a,), "no_tags", "function_calling")
     with pytest.raises(ValueError, match="family"):
         view_tags((a,), "no_role", "yaml")
+    with pytest.raises(ValueError, match="position_tag"):
+        view_tags((a,), "position_bins", "function_calling")
+
+
+@pytest.mark.parametrize("family", ["function_calling", "sql"])
+def test_position_tags_are_the_bin_of_the_index_and_the_views_vocabulary(family):
+    bins = (3, 5, 9)
+    brute = [sum(start <= i for start in bins) for i in range(15)]  # bin k: starts[k] <= i < starts[k + 1]
+    assert [position_tag(i, bins, family).role for i in range(15)] == [f"bin_{k}" for k in brute]
+    tag = position_tag(0, bins, family)
+    assert tag == StructuralTag("position", "bin_0", STATES[family][0], "no_lookahead") and not tag.protects
+    assert view_vocabulary(family, "position_bins", bins) == [position_tag(i, bins, family) for i in (0, 3, 5, 9)]
+    assert view_vocabulary(family, "position_bins", ()) == [position_tag(0, (), family)]  # one bin
+    assert len(view_vocabulary(family)) == len(TAG_CLASSES) * len(ROLES[family]) * len(STATES[family]) * 2
+    for bad in ((0, 3), (3, 3), (5, 3), (2.0,), (True,)):
+        with pytest.raises(ValueError, match="strictly increasing ints >= 1"):
+            check_tag_view("position_bins", family, bad)
+    with pytest.raises(ValueError, match="apply to tag_view='position_bins' only"):
+        check_tag_view("no_role", family, (3,))
+
+
+def test_position_bin_starts_follow_c5():
+    """Ten bins below the length reached by >= 75% of every category's requests, the last absorbing the tail."""
+    lengths = {"simple": [40, 50, 60, 100], "multiple": [20, 80, 90, 95]}
+    # reached by >= 3 of 4: simple 50, multiple 80 -> m = 50; bin k starts at floor(5 k)
+    assert position_bin_starts(lengths) == (5, 10, 15, 20, 25, 30, 35, 40, 45)
+    for data, bins in ((lengths, 10), ({"a": [7, 7, 7, 2], "b": [9, 30, 12]}, 4)):
+        starts = position_bin_starts(data, bins=bins)
+        assert 0 < len(starts) < bins
+        for values in data.values():  # every bin reached by >= 75% of each category
+            assert all(sum(n > start for n in values) >= 0.75 * len(values) for start in starts)
+    assert position_bin_starts({"a": [4, 4, 4, 4]}) == (1, 2, 3)  # coinciding starts merge
+    assert position_bin_starts({"a": [0, 0]}) == ()  # one bin
+    with pytest.raises(ValueError, match="non-empty"):
+        position_bin_starts({"a": []})
+    with pytest.raises(ValueError, match="bins must be"):
+        position_bin_starts({"a": [3]}, bins=0)

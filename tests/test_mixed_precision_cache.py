@@ -179,19 +179,24 @@ def test_mixed_attention_equals_dense_attention_over_the_stored_entries(arch):
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
-def test_released_and_quantised_tokens_shrink_the_stored_tensors():
-    model = tiny_model("llama")
-    ids = torch.randint(3, 256, (1, 8))
+def tagged_generation(model, policy, new_tokens: int, **inputs) -> tuple[StructuredMixedPrecisionCache, torch.Tensor]:
+    """Greedy ``new_tokens`` tokens on a mixed cache of ``policy`` tagged by a `ParityTagger`: (cache, sequences)."""
     tagger = ParityTagger()
-    cache = StructuredMixedPrecisionCache(model, mixed_policy(model, window=4), processor=tagger)
-    model.generate(
-        input_ids=ids,
-        max_new_tokens=300,
-        min_new_tokens=300,
+    cache = StructuredMixedPrecisionCache(model, policy, processor=tagger)
+    sequences = model.generate(
+        **inputs,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
         do_sample=False,
         logits_processor=[tagger],
         past_key_values=cache,
     )
+    return cache, sequences
+
+
+def test_released_and_quantised_tokens_shrink_the_stored_tensors():
+    model = tiny_model("llama")
+    cache, _ = tagged_generation(model, mixed_policy(model, window=4), 300, input_ids=torch.randint(3, 256, (1, 8)))
     layer = cache.mixed_layers()[0]
     assert layer.low.num_entries() > 0 and layer.high.num_entries() < cache.get_seq_length() - 4
     assert cache.nbytes() < cache.full_nbytes()
@@ -205,19 +210,9 @@ def test_one_layer_group_stores_and_charges_what_three_groups_with_the_same_acti
     ids, mask = padded_batch(length=7)
     states, outputs = [], []
     for groups in (3, 1):
-        tagger = ParityTagger()
-        cache = StructuredMixedPrecisionCache(model, mixed_policy(model, window=3, groups=groups), processor=tagger)
-        outputs.append(
-            model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=20,
-                min_new_tokens=20,
-                do_sample=False,
-                logits_processor=[tagger],
-                past_key_values=cache,
-            )
-        )
+        policy = mixed_policy(model, window=3, groups=groups)
+        cache, sequences = tagged_generation(model, policy, 20, input_ids=ids, attention_mask=mask)
+        outputs.append(sequences)
         assert len(cache.schedule.decided[0][0]) == groups
         layer = cache.mixed_layers()[-1]
         assert layer.low.num_entries() > 0 and layer.high.num_entries() < cache.get_seq_length() - 4
@@ -316,8 +311,17 @@ def test_mismatches_are_clear_errors():
     with pytest.raises(TypeError, match="model must be"):
         StructuredMixedPrecisionCache("llama", PolicyTable.all_high(model.config))
     ablated = PolicyTable.all_high(model.config, tag_view="no_role")
-    with pytest.raises(ValueError, match=r"calibrated on tag_view='no_role', the processor emits tag_view='full'"):
+    with pytest.raises(
+        ValueError, match=r"calibrated on \(tag_view, position_bins\)=\('no_role', \(\)\), the processor emits \('full'"
+    ):
         StructuredMixedPrecisionCache(model, ablated, processor=ParityTagger())
+    by_position = PolicyTable.all_high(model.config, tag_view="position_bins", position_bins=(4, 8))
+    tagger = ParityTagger()
+    tagger.tag_view, tagger.position_bins = "position_bins", (4, 9)
+    with pytest.raises(
+        ValueError, match=r"\('position_bins', \(4, 8\)\), the processor emits \('position_bins', \(4, 9\)\)"
+    ):
+        StructuredMixedPrecisionCache(model, by_position, processor=tagger)
     tagger = ParityTagger()
     cache = StructuredMixedPrecisionCache(model, mixed_policy(model, window=1), processor=tagger)
     ids = torch.randint(3, 256, (1, 5))

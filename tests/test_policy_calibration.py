@@ -32,9 +32,14 @@ from hf_structkv.policy.calibration import (
 )
 from hf_structkv.policy.calibration.buckets import parse_bucket
 from hf_structkv.policy.calibration.distortion import attention_distortion, capture_reference_states
-from hf_structkv.policy.calibration.references import ReferenceTrajectory, reference_trajectories, run_case
+from hf_structkv.policy.calibration.references import (
+    ReferenceTrajectory,
+    reference_trajectories,
+    run_case,
+    with_position_tags,
+)
 from hf_structkv.quant.int4 import dequantize_int4, quantize_int4
-from hf_structkv.structure.tags import StructuralTag, view_tags
+from hf_structkv.structure.tags import StructuralTag, position_bin_starts, view_tags
 from hf_structkv.structured_generation import generate_calls
 
 R, L, H = Action.R, Action.L, Action.H
@@ -463,6 +468,33 @@ def test_calibrate_without_layer_groups_ties_every_bucket_across_depth(model, to
     generated = generate_calls(model, tokenizer, list(entry.messages), entry.tools, table, max_new_tokens=8)
     decided = [actions for actions in generated.cache.schedule.decided[0] if actions is not None]
     assert decided and all(len(actions) == 1 for actions in decided)
+
+
+def test_calibrate_on_position_bins_replaces_the_parser_tags_by_bins(model, tokenizer, cases, references, tmp_path):
+    """No parser transitions (C.5): bins from the Full-KV calibration lengths, references re-tagged exactly as a
+    position-view processor tags the same all-high generation, table keys over bin tags only."""
+    lengths = {}
+    for r in references:
+        lengths.setdefault(r.category, []).append(r.num_decoded)
+    bins = position_bin_starts(lengths)
+    assert bins and max(bins) < max(r.num_decoded for r in references)
+    table = PolicyTable.all_high(model, window=WINDOW, sink_tokens=4, tag_view="position_bins", position_bins=bins)
+    for entry, reference in zip(cases[0], references, strict=True):
+        run = run_case(model, tokenizer, entry, table, MAX_NEW)[0]
+        relabelled = with_position_tags(reference, bins)
+        assert run.tokens == relabelled.tokens and run.tags == relabelled.tags and run.valid == relabelled.valid
+    settings = dataclasses.replace(SETTINGS, tag_view="position_bins", stages=("decode",))
+    result = calibrate(model, tokenizer, *cases, settings, cache_dir=tmp_path, log=lambda _: None)
+    assert result.table.tag_view == "position_bins" and result.table.position_bins == bins
+    assert result.report["position_bins"] == list(bins)
+    assert result.table.entries and all(key.startswith("position") for key in result.table.entries)
+    assert all(b.startswith("position|bin_") for b in result.report["decode"]["buckets"])
+    result.save_pretrained(tmp_path / "bins")
+    assert PolicyTable.from_pretrained(tmp_path / "bins", model=model) == result.table
+    entry = cases[1][0]
+    generated = generate_calls(model, tokenizer, list(entry.messages), entry.tools, result.table, max_new_tokens=8)
+    assert generated.processor.position_bins == bins
+    assert all(tags[0].tag_class == "position" for tags in generated.processor.tags(0) if tags is not None)
 
 
 def test_calibrate_errors_are_named(model, tokenizer, cases):

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hf_structkv.hub import model_fingerprint
 from hf_structkv.models import tiny_model
 from hf_structkv.policy import Action, GroupCosts, PolicyEntry, PolicyLookup, PolicyTable, illustrative_policy
-from hf_structkv.structure.tags import NEXT, ROLES, STATES, TAG_CLASSES, TAG_VIEWS, StructuralTag
+from hf_structkv.structure.tags import NEXT, ROLES, STATES, TAG_CLASSES, TAG_VIEWS, StructuralTag, position_tag
 
 R, L, H = Action.R, Action.L, Action.H
 COSTS = GroupCosts.from_dims([2] * 6, [16] * 6)  # groups [0, 2), [2, 4), [4, 6)
@@ -92,7 +92,7 @@ def tables(draw, family: str = "function_calling") -> PolicyTable:
         budget=draw(st.floats(0, 1)),
         reserve_by_state=by_state,
         reserve_pooled=draw(reserve_bits),
-        tag_view=draw(st.sampled_from(TAG_VIEWS)),
+        tag_view=draw(st.sampled_from([v for v in TAG_VIEWS if v != "position_bins"])),  # full-vocabulary keys
         provenance="illustrative",
     )
 
@@ -348,6 +348,42 @@ def test_a_file_without_tag_view_means_full_tags(tmp_path):
     assert PolicyTable.from_json_dict(record) == GOLDEN and GOLDEN.tag_view == "full"
     ablated = PolicyTable.all_high(COSTS, tag_view="no_class")
     assert ablated.tag_view == "no_class" and "`no_class`" in ablated.render_card()
+
+
+def test_a_position_bin_table_looks_up_bin_tags_and_round_trips(tmp_path):
+    """The no-parser-transitions ablation: keys over the bin tags only, bins recorded, card and JSON exact."""
+    bins = (5, 12)
+    fields = dict(family="function_calling", costs=COSTS, budget=0.5, provenance="illustrative")
+    table = PolicyTable(
+        entries={"position": entry("HHH", "HHH"), "position|bin_1": entry("RLH", "RRL")},
+        tag_view="position_bins",
+        position_bins=[5, 12],  # a list is kept as a tuple
+        **fields,
+    )
+    assert table.position_bins == bins
+    assert table.lookup([position_tag(7, bins, "function_calling")]).base == (R, L, H)
+    assert table.lookup([position_tag(12, bins, "function_calling")]).base == (H, H, H)
+    assert table.entry_key(position_tag(0, bins, "function_calling")) == "position"
+    with pytest.raises(ValueError, match="not in the function_calling vocabulary"):
+        table.lookup([tag("pure_scaffold|required|boundary|no_lookahead")])
+    table.save_pretrained(tmp_path)
+    assert PolicyTable.from_pretrained(tmp_path) == table
+    assert "`position_bins` (bins start at [5, 12])" in (tmp_path / "README.md").read_text()
+    with pytest.raises(ValueError, match=r"unknown lookup key 'pure_scaffold' for the function_calling vocabulary"):
+        PolicyTable(entries={"pure_scaffold": entry("HHH", "HHH")}, tag_view="position_bins", **fields)
+    with pytest.raises(ValueError, match="unknown lookup key 'position'"):
+        PolicyTable(entries={"position": entry("HHH", "HHH")}, **fields)
+    with pytest.raises(ValueError, match="apply to tag_view='position_bins' only"):
+        PolicyTable(entries={}, position_bins=(3,), **fields)
+    reference = PolicyTable.all_high(COSTS, tag_view="position_bins", position_bins=bins)
+    assert set(reference.entries) == {"position"} and reference.position_bins == bins
+    record = table.to_json_dict()
+    record["position_bins"] = "5,12"
+    with pytest.raises(ValueError, match="position_bins in policy_table.json must be a JSON list"):
+        PolicyTable.from_json_dict(record)
+    del record["position_bins"]  # a file written before the field: no bins, which this view's keys then need
+    with pytest.raises(ValueError, match="unknown lookup key 'position|bin_1'"):
+        PolicyTable.from_json_dict(record)
 
 
 def test_calibrated_tables_need_a_fingerprint_that_fits_their_costs():

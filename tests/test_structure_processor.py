@@ -13,7 +13,7 @@ from hf_structkv.structure.adapter import GrammarAdapter, GrammarSequence
 from hf_structkv.structure.function_calls import function_call_schema
 from hf_structkv.structure.lmfe import JsonSchemaAdapter, _transformers_integration
 from hf_structkv.structure.processor import StructuralLogitsProcessor
-from hf_structkv.structure.tags import StructuralTag, view_tags
+from hf_structkv.structure.tags import StructuralTag, position_tag, view_tags
 
 TOOLS = [WEATHER, RESTAURANTS, STOCK]
 CALL_A = '[{"name": "get_weather", "arguments": {"location": "Oslo", "unit": "celsius"}}]'
@@ -339,6 +339,29 @@ def test_tag_view_records_the_viewed_parser_tags(tokenizer, view):
     run_rows(proc, torch.tensor([[1, 2]]), [tokens], len(tokenizer), pad=tokenizer.pad_token_id)
     assert proc.tags(0)[: len(tokens)] == [view_tags(tags, view, "function_calling") for tags in full]
     assert proc.tags(0) != full  # the view changed something on this call
+
+
+def test_position_view_tags_tokens_by_their_bin_and_keeps_the_grammars_masks(tokenizer):
+    """No parser transitions (C.5): the same masks as full tags (the grammar still decides legality), each generated
+    token's one tag its position bin, stop tokens still ``None``; a rollback re-tags by index."""
+    tokens = ids_of(tokenizer, CALL_B) + [tokenizer.eos_token_id]
+    bins = (4, 10)
+    full, positional = (
+        StructuralLogitsProcessor(tokenizer, tools=TOOLS, **view)
+        for view in ({}, {"tag_view": "position_bins", "position_bins": bins})
+    )
+    masks = [
+        run_rows(p, torch.tensor([[1, 2]]), [tokens], len(tokenizer), tokenizer.pad_token_id)
+        for p in (full, positional)
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(*masks, strict=True))
+    want = [(position_tag(i, bins, "function_calling"),) for i in range(len(tokens) - 1)] + [None]
+    assert positional.tags(0) == want and positional.position_bins == bins
+    assert full.tags(0)[-1] is None and full.tags(0)[:-1] != want[:-1]
+    positional(torch.tensor([[1, 2, *tokens[:3]]]), torch.zeros(1, len(tokenizer)))  # a crop back to 3 tokens
+    assert positional.tags(0) == want[:3]
+    with pytest.raises(ValueError, match="apply to tag_view='position_bins' only"):
+        StructuralLogitsProcessor(tokenizer, tools=TOOLS, position_bins=(3,))
 
 
 def test_unknown_tag_view_is_rejected(tokenizer):

@@ -53,6 +53,11 @@ def _gather_visibility(visible: torch.Tensor, positions: torch.Tensor) -> torch.
     return visible.gather(-1, index) & (positions >= 0).unsqueeze(1)
 
 
+def _tag_view(source) -> tuple[str, tuple[int, ...]]:
+    """``(tag_view, position_bins)`` of a policy or processor (``("full", ())`` for one without them)."""
+    return getattr(source, "tag_view", "full"), tuple(getattr(source, "position_bins", ()))
+
+
 def _is_tag_source(processor) -> bool:
     """Whether ``processor`` offers what `ActionSchedule` reads: ``prompt_length``, ``num_tagged``, ``tag_at``."""
     return hasattr(processor, "prompt_length") and all(
@@ -281,8 +286,8 @@ class StructuredMixedPrecisionCache(Cache):
         model: the model (or its config: then enable the model yourself).
         policy: a `PolicyTable` built for this model's layer and head dimensions (or any `RetentionPolicy`).
         processor: the `StructuralLogitsProcessor` of the same generation (``None``: every generated token is
-            unresolved, i.e. fully protected by the policy); it must emit the policy's ``tag_view`` (a policy
-            without one means ``"full"``), else ``ValueError``.
+            unresolved, i.e. fully protected by the policy); it must emit the policy's ``tag_view`` and
+            ``position_bins`` (a policy without them means ``"full"``), else ``ValueError``.
         prefill_plan: optional actions for the prompt tokens, int ``[B, P, groups]`` with the policy's number of
             layer groups (see `ActionSchedule`).
 
@@ -311,12 +316,12 @@ class StructuredMixedPrecisionCache(Cache):
                 "num_tagged(seq) and tag_at(seq, index)), "
                 f"got {type(processor).__name__}"
             )
-        policy_view, processor_view = (getattr(source, "tag_view", "full") for source in (policy, processor))
+        policy_view, processor_view = (_tag_view(source) for source in (policy, processor))
         if processor is not None and processor_view != policy_view:
             raise ValueError(
-                f"the policy was calibrated on tag_view={policy_view!r}, the processor emits "
-                f"tag_view={processor_view!r}: build the processor with "
-                "StructuralLogitsProcessor(..., tag_view=policy.tag_view)"
+                f"the policy was calibrated on (tag_view, position_bins)={policy_view!r}, the processor emits "
+                f"{processor_view!r}: build the processor with "
+                "StructuralLogitsProcessor(..., tag_view=policy.tag_view, position_bins=policy.position_bins)"
             )
         self.policy = policy
         self.processor = processor

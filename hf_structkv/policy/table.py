@@ -36,12 +36,11 @@ import os
 import string
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from itertools import product
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from ..structure.tags import NEXT, ROLES, STATES, TAG_CLASSES, StructuralTag, check_tag_view
+from ..structure.tags import NEXT, ROLES, STATES, TAG_CLASSES, StructuralTag, check_tag_view, view_vocabulary
 from .costs import GROUP_COUNTS, Action, GroupCosts, group_names, layer_groups
 
 __all__ = [
@@ -88,6 +87,7 @@ _JSON_FIELDS = (
     "sink_tokens",
     "window",
     "tag_view",
+    "position_bins",
     "reserve",
     "entries",
     "thresholds",
@@ -97,7 +97,7 @@ _JSON_FIELDS = (
     "fingerprint",
 )
 
-_OPTIONAL_JSON_FIELDS = {"tag_view": "full"}
+_OPTIONAL_JSON_FIELDS = {"tag_view": "full", "position_bins": []}
 """Fields a table file may lack (written before they existed), with the value such a file means."""
 
 
@@ -111,14 +111,19 @@ def _vocabulary(family: str) -> dict[str, list[str]]:
     }
 
 
-def _vocabulary_tags(family: str) -> list[StructuralTag]:
-    """Every full tag of ``family``'s vocabulary (Table 5)."""
-    return [StructuralTag(*fields) for fields in product(TAG_CLASSES, ROLES[family], STATES[family], NEXT)]
+def _valid_keys(family: str, tag_view: str, position_bins: tuple[int, ...]) -> frozenset[str]:
+    """Every lookup key of ``family`` under ``tag_view``: the fallback keys of all the tags the view emits."""
+    return frozenset(key for tag in view_vocabulary(family, tag_view, position_bins) for key in tag.fallback_keys())
 
 
-def _valid_keys(family: str) -> frozenset[str]:
-    """Every lookup key of ``family``: the fallback keys of all its full tags."""
-    return frozenset(key for tag in _vocabulary_tags(family) for key in tag.fallback_keys())
+def all_high_entries(
+    groups: int, family: str = "function_calling", tag_view: str = "full", position_bins: tuple[int, ...] = ()
+) -> dict[str, PolicyEntry]:
+    """One ``H`` entry (action, floor, zero priorities in ``groups`` groups) per tag class the view emits: every
+    token of that view resolves to ``H``."""
+    high = PolicyEntry((Action.H,) * groups, (Action.H,) * groups, ((0.0, 0.0),) * groups)
+    classes = dict.fromkeys(tag.tag_class for tag in view_vocabulary(family, tag_view, position_bins))
+    return dict.fromkeys(classes, high)
 
 
 class PolicyLookup(NamedTuple):
@@ -193,6 +198,8 @@ class PolicyTable:
         tag_view: the view of the tags the table was calibrated on and must be served with (`TAG_VIEWS`:
             ``"full"``, or a structural ablation such as ``"no_role"``); the processor feeding the cache must emit
             the same view (``generate_calls`` builds it so).
+        position_bins: the bin starts of the ``"position_bins"`` view (`position_bin_starts`; ``()`` otherwise):
+            its keys are ``position|bin_<k>...``, and the processor must use the same bins.
         provenance: ``"calibrated"`` (Algorithm 1 output), ``"illustrative"`` (hand-written, not calibrated) or
             ``"reference"`` (the all-high policy).
         description: free text shown in the card.
@@ -211,6 +218,7 @@ class PolicyTable:
     sink_tokens: int = DEFAULT_SINK_TOKENS
     window: int = DEFAULT_WINDOW
     tag_view: str = "full"
+    position_bins: tuple[int, ...] = ()
     provenance: str = "calibrated"
     description: str = ""
     thresholds: Mapping[str, float] = field(default_factory=dict)
@@ -225,6 +233,7 @@ class PolicyTable:
             if not isinstance(getattr(self, name), Mapping):
                 raise TypeError(f"PolicyTable.{name} must be a mapping, got {type(getattr(self, name)).__name__}")
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+        object.__setattr__(self, "position_bins", check_tag_view(self.tag_view, self.family, self.position_bins))
         self._check_entries()
         self._check_scalars()
         self._check_records()
@@ -252,13 +261,14 @@ class PolicyTable:
                 raise ValueError(f"PolicyTable.costs.{name} must hold one integer >= 0 per layer group, got {values}")
 
     def _check_entries(self) -> None:
-        valid = _valid_keys(self.family)
+        valid = _valid_keys(self.family, self.tag_view, self.position_bins)
         groups = len(self.costs.groups)
         for key, entry in self.entries.items():
             if key not in valid:
                 raise ValueError(
-                    f"unknown lookup key {key!r} for the {self.family} vocabulary: a key is 'class', 'class|role', "
-                    "'class|role|state' or 'class|role|state|next' over hf_structkv.structure.tags"
+                    f"unknown lookup key {key!r} for the {self.family} vocabulary under tag_view={self.tag_view!r}: a "
+                    "key is 'class', 'class|role', 'class|role|state' or 'class|role|state|next' over the tags of "
+                    "hf_structkv.structure.tags.view_vocabulary"
                 )
             if not isinstance(entry, PolicyEntry):
                 raise TypeError(f"entries[{key!r}] must be a PolicyEntry, got {type(entry).__name__}")
@@ -285,7 +295,6 @@ class PolicyTable:
             raise ValueError(
                 f"window must be an integer >= 1 (a token's tag arrives one step after its K/V), got {self.window!r}"
             )
-        check_tag_view(self.tag_view, self.family)
 
     def _check_records(self) -> None:
         if self.provenance not in PROVENANCES:
@@ -329,7 +338,7 @@ class PolicyTable:
         """Every full tag of the vocabulary -> (its entry key or ``None``, its lookup result): the B.1 fallback chain,
         precomputed so that `lookup` is one dictionary access per candidate."""
         resolved = {}
-        for tag in _vocabulary_tags(self.family):
+        for tag in view_vocabulary(self.family, self.tag_view, self.position_bins):
             key = next((k for k in tag.fallback_keys() if k in self.entries), None)
             resolved[tag] = (key, self._all_high_lookup() if key is None else self.entries[key].lookup())
         return resolved
@@ -408,12 +417,14 @@ class PolicyTable:
         sink_tokens: int = DEFAULT_SINK_TOKENS,
         window: int = DEFAULT_WINDOW,
         tag_view: str = "full",
+        position_bins: tuple[int, ...] = (),
     ) -> PolicyTable:
         """The all-high reference policy (A.4): ``B_D = 1``, ``H`` actions and floors everywhere, ``Γ = 0``.
 
         Args:
             config_or_costs: a `GroupCosts`, a transformers config, or a model (whose fingerprint is then recorded).
-            tag_view: the tag view its generations record (the reference of a structural-ablation calibration).
+            tag_view, position_bins: the tag view its generations record (the reference of a structural-ablation
+                calibration).
         """
         model = config_or_costs if hasattr(config_or_costs, "config") else None
         if isinstance(config_or_costs, GroupCosts):
@@ -427,16 +438,15 @@ class PolicyTable:
                 f"config_or_costs must be a GroupCosts, a transformers config or a model, got "
                 f"{type(config_or_costs).__name__}"
             )
-        groups = len(costs.groups)
-        high = PolicyEntry((Action.H,) * groups, (Action.H,) * groups, ((0.0, 0.0),) * groups)
         return cls(
             family=family,
             costs=costs,
-            entries=dict.fromkeys(TAG_CLASSES, high),
+            entries=all_high_entries(len(costs.groups), family, tag_view, tuple(position_bins)),
             budget=1.0,
             sink_tokens=sink_tokens,
             window=window,
             tag_view=tag_view,
+            position_bins=tuple(position_bins),
             provenance="reference",
             description="The all-high reference policy: every generated token kept in high precision in every layer.",
             fingerprint=None if model is None else _hub().model_fingerprint(model),
@@ -467,6 +477,7 @@ class PolicyTable:
             "sink_tokens": self.sink_tokens,
             "window": self.window,
             "tag_view": self.tag_view,
+            "position_bins": list(self.position_bins),
             "reserve": {"by_state": dict(self.reserve_by_state), "pooled": self.reserve_pooled},
             "entries": {key: _entry_to_json(entry) for key, entry in sorted(self.entries.items())},
             "thresholds": dict(self.thresholds),
@@ -524,6 +535,7 @@ class PolicyTable:
             sink_tokens=record["sink_tokens"],
             window=record["window"],
             tag_view=record.get("tag_view", _OPTIONAL_JSON_FIELDS["tag_view"]),
+            position_bins=_position_bins_from_json(record.get("position_bins", _OPTIONAL_JSON_FIELDS["position_bins"])),
             provenance=record["provenance"],
             description=record["description"],
             thresholds=_json_object(record["thresholds"], "thresholds"),
@@ -625,6 +637,7 @@ class PolicyTable:
             "reference": "The all-high reference policy: nothing is compressed (the baseline every policy is held to).",
         }
         allowance = self.budget * self.costs.full
+        bins = f" (bins start at {list(self.position_bins)})" if self.position_bins else ""
         template = (importlib.resources.files("hf_structkv.model_cards") / "policy_table.md").read_text(
             encoding="utf-8"
         )
@@ -647,7 +660,7 @@ class PolicyTable:
             allowance=f"{allowance:,.1f}",
             sink_tokens=self.sink_tokens,
             window=self.window,
-            tag_view=self.tag_view,
+            tag_view=f"`{self.tag_view}`{bins}",
             reserve_rows=_reserve_rows(self),
             entry_rows=_entry_rows(self.entries),
             resolution_rows=_resolution_rows(self),
@@ -780,6 +793,12 @@ def _grouping(count: int) -> str:
     if count == 3:
         return "in three groups (A.2)"
     return "in one group: a token's action is tied across depth (the no-layer-groups ablation of PASK Fig. 5)"
+
+
+def _position_bins_from_json(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"position_bins in {TABLE_NAME} must be a JSON list of bin starts, got {value!r}")
+    return tuple(value)
 
 
 def _group_rows(costs: GroupCosts) -> str:

@@ -10,7 +10,18 @@ from .processor import StructuralLogitsProcessor
 from .prompt_spans import PROMPT_LABELS, label_prompt, token_labels
 from .sql_grammar import DatabaseSchema, SqlGrammar, normalise_sql, sql_grammar
 from .sql_tags import SqlTagger
-from .tags import NEXT, ROLES, STATES, TAG_CLASSES, TAG_VIEWS, StructuralTag, view_tags
+from .tags import (
+    NEXT,
+    ROLES,
+    STATES,
+    TAG_CLASSES,
+    TAG_VIEWS,
+    StructuralTag,
+    position_bin_starts,
+    position_tag,
+    view_tags,
+    view_vocabulary,
+)
 
 __all__ = [
     "NEXT",
@@ -31,7 +42,10 @@ __all__ = [
     "label_prompt",
     "normalise_sql",
     "parameter_schema",
+    "position_bin_starts",
+    "position_tag",
     "sql_grammar",
     "token_labels",
     "view_tags",
+    "view_vocabulary",
 ]

@@ -23,7 +23,7 @@ from transformers import LogitsProcessor, PreTrainedTokenizerBase
 from .adapter import GrammarAdapter, GrammarSequence
 from .function_calls import function_call_schema
 from .lmfe import JsonSchemaAdapter
-from .tags import StructuralTag, check_tag_view, view_tags
+from .tags import StructuralTag, check_tag_view, position_tag, view_tags
 
 __all__ = ["StructuralLogitsProcessor"]
 
@@ -55,11 +55,15 @@ class StructuralLogitsProcessor(LogitsProcessor):
         eos_token_id: stop token id(s) for ``tools`` / ``schema``; default ``tokenizer.eos_token_id``.
         tag_view: which fields of the tags the cache gets (`TAG_VIEWS`; ``"full"`` unless running a structural
             ablation): recorded tags are the parser's tags as `view_tags` sees them. A `PolicyTable` records the view
-            it was calibrated on; ``generate_calls`` builds its processor with that view.
+            it was calibrated on; ``generate_calls`` builds its processor with that view. With
+            ``"position_bins"`` each generated token's one tag is its position bin (`position_tag`): the grammar
+            still masks, but its transitions no longer reach the cache.
+        position_bins: the bin starts of the ``"position_bins"`` view (the table's ``position_bins``); ``()``
+            otherwise.
 
     Raises:
         ValueError: not exactly one of ``tools``, ``schema``, ``adapter``; ``eos_token_id`` with ``adapter``;
-            malformed tools or schema; an unknown ``tag_view``.
+            malformed tools or schema; an unknown ``tag_view`` or bins that do not fit it.
         TypeError: ``adapter`` is not a :class:`GrammarAdapter`, or ``tokenizer`` is missing / not a tokenizer.
     """
 
@@ -71,6 +75,7 @@ class StructuralLogitsProcessor(LogitsProcessor):
         adapter: GrammarAdapter | None = None,
         eos_token_id: int | Iterable[int] | None = None,
         tag_view: str = "full",
+        position_bins: Sequence[int] = (),
     ):
         given = [
             name for name, value in (("tools", tools), ("schema", schema), ("adapter", adapter)) if value is not None
@@ -88,7 +93,7 @@ class StructuralLogitsProcessor(LogitsProcessor):
                 raise TypeError(f"tokenizer must be a transformers tokenizer, got {type(tokenizer).__name__}")
             schema = function_call_schema(tools) if tools is not None else schema
             adapter = JsonSchemaAdapter(tokenizer, schema, eos_token_id=eos_token_id)
-        check_tag_view(tag_view, adapter.family)
+        self.position_bins = check_tag_view(tag_view, adapter.family, position_bins)
         self.adapter = adapter
         self.tag_view = tag_view
         self._records: list[_SequenceRecord] = []
@@ -189,5 +194,11 @@ class StructuralLogitsProcessor(LogitsProcessor):
             if record.stop_index is not None:
                 record.tags.append(None)
             else:
-                record.tags.append(view_tags(record.grammar.advance(token), self.tag_view, self.family))
+                record.tags.append(self._tags(record.grammar.advance(token), len(record.tags)))
             record.tokens.append(token)
+
+    def _tags(self, candidates: tuple[StructuralTag, ...], index: int) -> tuple[StructuralTag, ...]:
+        """What the cache gets for generated token ``index`` whose parser candidates are ``candidates``."""
+        if self.tag_view == "position_bins":
+            return (position_tag(index, self.position_bins, self.family),)
+        return view_tags(candidates, self.tag_view, self.family)

@@ -13,10 +13,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ...structure.tags import TAG_CLASSES, StructuralTag
+from ...structure.tags import StructuralTag
 from ..costs import Action, GroupCosts
 from ..prefill import PrefillPolicy
-from ..table import PolicyEntry, PolicyTable
+from ..table import PolicyEntry, PolicyTable, all_high_entries
 from .buckets import Bucket
 from .reserve import reserve_table
 
@@ -135,8 +135,6 @@ def prefill_candidate(
 
 def all_high_candidate(costs: GroupCosts, **table_fields: Any) -> PolicyTable:
     """The fallback controller (A.4): ``B_D = 1``, all-high actions and floors, ``Γ = 0``."""
-    groups = len(costs.groups)
-    high = PolicyEntry((Action.H,) * groups, (Action.H,) * groups, ((0.0, 0.0),) * groups)
-    return PolicyTable(
-        family="function_calling", costs=costs, entries=dict.fromkeys(TAG_CLASSES, high), budget=1.0, **table_fields
-    )
+    view = {name: table_fields[name] for name in ("tag_view", "position_bins") if name in table_fields}
+    entries = all_high_entries(len(costs.groups), "function_calling", **view)
+    return PolicyTable(family="function_calling", costs=costs, entries=entries, budget=1.0, **table_fields)

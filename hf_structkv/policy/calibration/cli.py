@@ -58,7 +58,8 @@ def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
         default="full",
         choices=TAG_VIEWS,
         help="structural ablation (PASK Fig. 5): calibrate and serve with the role, the class, or the parser state "
-        "and lookahead removed from the tags (default: full tags)",
+        "and lookahead removed from the tags, or (position_bins) with each token tagged by its position bin instead "
+        "of the parser's transitions (default: full tags)",
     )
     parser.add_argument(
         "--layer-groups",

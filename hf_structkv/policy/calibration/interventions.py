@@ -44,7 +44,8 @@ class BucketIntervention:
         costs: the model's layer-group costs.
         bucket: ``q`` (a full tag key and a layer group).
         action: ``a`` (``R`` or ``L``).
-        sink_tokens, window, tag_view: as the all-high reference policy's (the bucket key is a tag of that view).
+        sink_tokens, window, tag_view, position_bins: as the all-high reference policy's (the bucket key is a tag
+            of that view).
     """
 
     costs: GroupCosts
@@ -53,6 +54,7 @@ class BucketIntervention:
     sink_tokens: int
     window: int
     tag_view: str = "full"
+    position_bins: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         groups = len(self.costs.groups)

@@ -15,7 +15,7 @@ import hashlib
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import KW_ONLY, asdict, dataclass
+from dataclasses import KW_ONLY, asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +27,11 @@ from ...eval.bfcl import BfclEntry
 from ...eval.bfcl_checker import check_calls
 from ...hub import model_fingerprint
 from ...structure.prompt_spans import label_prompt, token_labels
-from ...structure.tags import StructuralTag
+from ...structure.tags import StructuralTag, position_tag
 from ...structured_generation import call_prompt, generate_calls
 from ..table import PolicyTable
 
-__all__ = ["CaseRun", "ReferenceTrajectory", "reference_trajectories", "run_case"]
+__all__ = ["CaseRun", "ReferenceTrajectory", "reference_trajectories", "run_case", "with_position_tags"]
 
 TokenTags = tuple[str, ...] | None
 """A generated token's candidate tag keys (``class|role|state|next``; ``()`` unresolved); ``None``: a stop token."""
@@ -187,6 +187,17 @@ def reference_trajectories(
         tmp.write_text(json.dumps(record), encoding="utf-8")
         tmp.replace(path)
     return trajectories
+
+
+def with_position_tags(reference: ReferenceTrajectory, position_bins: Sequence[int]) -> ReferenceTrajectory:
+    """``reference`` as a processor of the ``"position_bins"`` view records it: the same tokens (the all-high policy
+    ignores tags, so the trajectory does not depend on the view), each non-stop token tagged with its bin alone."""
+    bins = tuple(position_bins)
+    tags = tuple(
+        None if keys is None else ("|".join(position_tag(i, bins, "function_calling")),)
+        for i, keys in enumerate(reference.tags)
+    )
+    return replace(reference, tags=tags)
 
 
 def _from_json(record: dict[str, Any]) -> ReferenceTrajectory:

@@ -22,7 +22,7 @@ from ... import __version__
 from ...eval.bfcl import BfclEntry
 from ...hub import model_fingerprint
 from ...structure.prompt_spans import PROMPT_LABELS
-from ...structure.tags import check_tag_view
+from ...structure.tags import check_tag_view, position_bin_starts
 from ..costs import Action, GroupCosts, check_group_count
 from ..prefill import PrefillPolicy
 from ..table import DEFAULT_SINK_TOKENS, DEFAULT_WINDOW, PolicyEntry, PolicyTable
@@ -32,7 +32,7 @@ from .distortion import attention_distortion, capture_reference_states
 from .floors import DEFAULT_THRESHOLDS, check_thresholds, envelope, protection_floors
 from .interventions import occurrences, prefill_positions
 from .path import greedy_path, upgrade_priorities
-from .references import reference_trajectories
+from .references import reference_trajectories, with_position_tags
 from .reserve import DEFAULT_RESERVE_HORIZON, DEFAULT_RESERVE_QUANTILE
 from .selection import DevResult, dev_candidate_indices, evaluate_controller, select_cheapest
 from .task_sensitivity import (
@@ -62,7 +62,9 @@ class CalibrationSettings:
         max_dev_candidates: candidates evaluated per path (`dev_candidate_indices`); ``None`` = all.
         stages: ``("decode",)`` or ``("decode", "prefill")``.
         tag_view: what the parser tells the cache in every run and the calibrated table (`TAG_VIEWS`): ``"full"``,
-            or a structural ablation of PASK Fig. 5 (``"no_role"``, ``"no_class"``, ``"no_state_lookahead"``).
+            or a structural ablation of PASK Fig. 5 (``"no_role"``, ``"no_class"``, ``"no_state_lookahead"``, or
+            ``"position_bins"``: no parser transitions, each token tagged by its position bin, the bins made from the
+            calibration references' lengths by `position_bin_starts`).
         layer_groups: 3 (A.2), or 1 for the Fig. 5 "no layer groups" ablation: one bucket per tag covering every
             layer, so a token's action is tied across depth (decode stage only: the prefill companion keeps 3).
         seed: seeds torch (greedy decoding is deterministic; the split seed is the caller's).
@@ -167,11 +169,12 @@ def calibrate(
     start = time.perf_counter()
     costs = GroupCosts.from_config(model.config, settings.layer_groups)
     fingerprint = model_fingerprint(model)
+    by_position = settings.tag_view == "position_bins"
     common = dict(
         max_new_tokens=settings.max_new_tokens,
         window=settings.window,
         sink_tokens=settings.sink_tokens,
-        tag_view=settings.tag_view,
+        tag_view="full" if by_position else settings.tag_view,
     )
     refs = reference_trajectories(
         model, tokenizer, calibration, **common, cache_dir=cache_dir, progress=progress, desc="reference (cal)"
@@ -179,11 +182,16 @@ def calibrate(
     dev_refs = reference_trajectories(
         model, tokenizer, development, **common, cache_dir=cache_dir, progress=progress, desc="reference (dev)"
     )
-    reference = PolicyTable.all_high(
-        model, window=settings.window, sink_tokens=settings.sink_tokens, tag_view=settings.tag_view
-    )
+    view = {"tag_view": settings.tag_view, "position_bins": ()}
+    if by_position:  # C.5: bins from the Full-KV calibration completion lengths, per category
+        lengths: dict[str, list[int]] = {}
+        for r in refs:
+            lengths.setdefault(r.category, []).append(r.num_decoded)
+        view["position_bins"] = position_bin_starts(lengths)
+        refs = [with_position_tags(r, view["position_bins"]) for r in refs]
+    reference = PolicyTable.all_high(model, window=settings.window, sink_tokens=settings.sink_tokens, **view)
     reference_error = sum(not r.valid for r in dev_refs) / len(dev_refs)
-    stages = [_decode_stage(model, tokenizer, calibration, development, refs, costs, settings, fingerprint)]
+    stages = [_decode_stage(model, tokenizer, calibration, development, refs, costs, settings, fingerprint, view)]
     if "prefill" in settings.stages:
         stages.append(_prefill_stage(model, tokenizer, development, refs, reference, costs, settings, fingerprint))
     _log_estimate(log, settings, refs, dev_refs, stages, len(development))
@@ -191,6 +199,7 @@ def calibrate(
         "hf_structkv_version": __version__,
         "settings": _settings_json(settings),
         "data": dict(data or {}),
+        "position_bins": list(view["position_bins"]),
         "calibration_cases": [r.case_id for r in refs],
         "development_cases": [r.case_id for r in dev_refs],
         "reference": {
@@ -204,7 +213,7 @@ def calibrate(
             stage, calibration, refs, reference_error, settings, model, costs, progress, log
         )
     report["seconds"] = round(time.perf_counter() - start, 1)
-    table = _final_table(selected["decode"], report, settings, costs, fingerprint)
+    table = _final_table(selected["decode"], report, settings, costs, fingerprint, view)
     prefill = selected.get("prefill")
     if prefill is not None:
         prefill = _final_prefill(prefill, report, settings, costs, fingerprint)
@@ -212,7 +221,7 @@ def calibrate(
 
 
 # ------------------------------------------------------------------------------------------------ stages
-def _decode_stage(model, tokenizer, calibration, development, refs, costs, settings, fingerprint) -> _Stage:
+def _decode_stage(model, tokenizer, calibration, development, refs, costs, settings, fingerprint, view) -> _Stage:
     keys = sorted({key for r in refs for tags in r.tags if tags for key in tags})
     groups = len(costs.groups)
     buckets = [Bucket(key, c, groups) for key in keys for c in range(groups)]
@@ -229,9 +238,9 @@ def _decode_stage(model, tokenizer, calibration, development, refs, costs, setti
             settings.reserve_quantile,
             sink_tokens=settings.sink_tokens,
             window=settings.window,
-            tag_view=settings.tag_view,
             fingerprint=fingerprint,
             thresholds={"tau_low": tau[0], "tau_high": tau[1]},
+            **view,
         )
 
     return _Stage(
@@ -239,7 +248,7 @@ def _decode_stage(model, tokenizer, calibration, development, refs, costs, setti
         buckets=buckets,
         mean_counts=counts,
         generate=decode_generator(
-            model, tokenizer, costs, settings.max_new_tokens, settings.sink_tokens, settings.window, settings.tag_view
+            model, tokenizer, costs, settings.max_new_tokens, settings.sink_tokens, settings.window, **view
         ),
         build=build,
         evaluate=lambda table: evaluate_controller(model, tokenizer, development, table, settings.max_new_tokens),
@@ -381,7 +390,7 @@ def _upgrade(before: dict, after: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ outputs
-def _final_table(selected, report, settings, costs, fingerprint) -> PolicyTable:
+def _final_table(selected, report, settings, costs, fingerprint, view) -> PolicyTable:
     chosen = report["decode"]["selected"]
     card = _card(report, settings, "decode")
     if selected is None:
@@ -389,9 +398,9 @@ def _final_table(selected, report, settings, costs, fingerprint) -> PolicyTable:
             costs,
             sink_tokens=settings.sink_tokens,
             window=settings.window,
-            tag_view=settings.tag_view,
             fingerprint=fingerprint,
             thresholds={"alpha_D": settings.alpha_decode},
+            **view,
             calibration={**card, "decode_budget": 1.0, "selected": chosen},
             description="PASK Algorithm 1 found no candidate within alpha_D: the all-high fallback (B_D = 1).",
         )

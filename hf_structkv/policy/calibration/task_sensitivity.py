@@ -108,13 +108,20 @@ def task_sensitivity(
 
 
 def decode_generator(
-    model, tokenizer, costs: GroupCosts, max_new_tokens: int, sink_tokens: int, window: int, tag_view: str = "full"
+    model,
+    tokenizer,
+    costs: GroupCosts,
+    max_new_tokens: int,
+    sink_tokens: int,
+    window: int,
+    tag_view: str = "full",
+    position_bins: tuple[int, ...] = (),
 ):
     """``generate`` for `intervention_runs` of decode buckets: the case under `BucketIntervention` (its processor
-    emitting ``tag_view``, the view the bucket keys are tags of)."""
+    emitting ``tag_view`` with ``position_bins``, the view the bucket keys are tags of)."""
 
     def generate(entry: BfclEntry, reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> CaseRun:
-        policy = BucketIntervention(costs, bucket, action, sink_tokens, window, tag_view)
+        policy = BucketIntervention(costs, bucket, action, sink_tokens, window, tag_view, position_bins)
         return run_case(model, tokenizer, entry, policy, max_new_tokens)[0]
 
     return generate
