@@ -504,6 +504,23 @@ def test_calibrate_errors_are_named(model, tokenizer, cases):
         calibrate(model, tokenizer, [], cases[1], SETTINGS)
 
 
+def test_run_calibrate_threads_the_ablation_flags_into_the_saved_table(model, tokenizer, tmp_path):
+    from hf_structkv.cli import build_parser
+    from hf_structkv.policy.calibration.cli import run_calibrate
+
+    argv = ["calibrate", "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "refs"), "--categories"]
+    argv += ["simple_python", "--calibration-cases", "1", "--dev-cases", "1", "--max-new-tokens", str(MAX_NEW)]
+    argv += ["--window", str(WINDOW), "--max-dev-candidates", "1", "--tag-view", "position_bins", "--layer-groups"]
+    argv += ["1", "--decode-only"]
+    assert run_calibrate(build_parser().parse_args(argv), lambda name: (model, tokenizer)) == 0
+    table = PolicyTable.from_pretrained(tmp_path / "out", model=model)
+    assert table.tag_view == "position_bins" and len(table.layer_groups) == 1 and table.provenance == "calibrated"
+    report = json.loads((tmp_path / "out" / "calibration_report.json").read_text())
+    assert report["settings"]["layer_groups"] == 1 and report["position_bins"] == list(table.position_bins)
+    with pytest.raises(ValueError, match="decode table only"):
+        run_calibrate(build_parser().parse_args(argv[:-1]), lambda name: (model, tokenizer))
+
+
 def test_cli_calibrate_options():
     from hf_structkv.cli import build_parser
 
