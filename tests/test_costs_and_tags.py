@@ -145,6 +145,8 @@ def test_position_tags_are_the_bin_of_the_index_and_the_views_vocabulary(family)
             check_tag_view("position_bins", family, bad)
     with pytest.raises(ValueError, match="apply to tag_view='position_bins' only"):
         check_tag_view("no_role", family, (3,))
+    with pytest.raises(ValueError, match="position_bins must be a sequence of ints"):
+        check_tag_view("position_bins", family, None)
 
 
 def test_position_bin_starts_follow_c5():

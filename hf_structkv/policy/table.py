@@ -10,8 +10,10 @@ A saved table is a folder (or a Hub model repository) of two files; loading read
 * ``policy_table.json``: ``format_version``, ``hf_structkv_version``, ``family`` (``"function_calling"`` or
   ``"sql"``), ``vocabulary`` (the tag vocabulary of the family, Table 5), ``conventions`` (identifiers of the cost,
   quantiser, fallback, resolution, tie-order and reserve-state rules), ``group_costs`` (``layer_groups`` as
-  ``[start, stop)`` pairs and ``elements`` / ``rows`` / ``padding`` = ``n_c`` / ``k_c`` / ``p_c`` per group),
-  ``decode_budget`` (``B_D``), ``sink_tokens``, ``window``, ``reserve`` (``by_state`` bits and ``pooled`` bits),
+  ``[start, stop)`` pairs, three groups or one for the no-layer-groups ablation, and ``elements`` / ``rows`` /
+  ``padding`` = ``n_c`` / ``k_c`` / ``p_c`` per group), ``decode_budget`` (``B_D``), ``sink_tokens``, ``window``,
+  ``tag_view`` and ``position_bins`` (the structural view the tags are served in, Fig. 5; optional: a file without
+  them means full tags), ``reserve`` (``by_state`` bits and ``pooled`` bits),
   ``entries`` (``{key: {"action": ["R"|"L"|"H"] * groups, "floor": [...], "priorities": {"R->L": [...],
   "L->H": [...]}}}``), ``thresholds``, ``calibration``, ``provenance`` (``"calibrated"``, ``"illustrative"`` or
   ``"reference"``), ``description`` and ``fingerprint`` (`hub.model_fingerprint`, or ``null`` for a table that only
@@ -49,6 +51,7 @@ __all__ = [
     "PolicyEntry",
     "PolicyLookup",
     "PolicyTable",
+    "all_high_entries",
     "calibrated_policy",
     "illustrative_policy",
 ]
@@ -392,8 +395,9 @@ class PolicyTable:
             return self._resolved[tag]
         except (KeyError, TypeError):
             raise ValueError(
-                f"candidate tag {tag!r} is not in the {self.family} vocabulary (Table 5); tags must be "
-                "StructuralTag(tag_class, role, state, next) with fields from hf_structkv.structure.tags"
+                f"candidate tag {tag!r} is not in the {self.family} vocabulary (Table 5) under tag_view="
+                f"{self.tag_view!r}; tags must be what a StructuralLogitsProcessor of this view emits "
+                "(hf_structkv.structure.tags.view_vocabulary)"
             ) from None
 
     def reserve(self, state: str | None) -> float:

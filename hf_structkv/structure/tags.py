@@ -82,7 +82,10 @@ def check_tag_view(view: str, family: str, position_bins: Sequence[int] = ()) ->
         raise ValueError(f"tag_view must be one of {TAG_VIEWS}, got {view!r}")
     if family not in ROLES:
         raise ValueError(f"family must be one of {tuple(ROLES)}, got {family!r}")
-    bins = tuple(position_bins)
+    try:
+        bins = tuple(position_bins)
+    except TypeError:
+        raise ValueError(f"position_bins must be a sequence of ints, got {position_bins!r}") from None
     if view != "position_bins":
         if bins:
             raise ValueError(f"position_bins apply to tag_view='position_bins' only, got {bins!r} with {view!r}")
