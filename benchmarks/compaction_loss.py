@@ -39,6 +39,7 @@ import torch
 import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hf_structkv.attention.modules import attention_scalings
 from hf_structkv.compaction import (
     HEAD_METHODS,
     CompactedHead,
@@ -148,15 +149,6 @@ def calibration_queries(tier: str, workload: Workload, context_cache, cap: int, 
         return repeat_pass_queries(model, tokenizer, ids, cap=cap, seed=seed, context_cache=context_cache)
     config = SelfStudy(answer_tokens=tokens, question_tokens=2 * tokens, turn_suffix=workload.question_suffix)
     return self_study_queries(model, tokenizer, ids, context_cache, config, cap=cap, seed=seed)
-
-
-def attention_scalings(model: PreTrainedModel) -> dict[int, float]:
-    """Each attention layer's logit scale as its module applies it."""
-    return {
-        module.layer_idx: float(module.scaling)
-        for module in model.modules()
-        if isinstance(getattr(module, "layer_idx", None), int) and isinstance(getattr(module, "scaling", None), float)
-    }
 
 
 def selected_heads(cache, layer_stride: int, kv_heads: int | None) -> list[tuple[int, int]]:

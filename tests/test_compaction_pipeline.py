@@ -304,11 +304,23 @@ def test_on_policy_layer_is_fitted_to_queries_with_earlier_layers_compacted():
     assert not torch.equal(on.layers[1].prefix_bias, off.layers[1].prefix_bias)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
+def test_attention_modules_are_the_self_attention_of_each_layer(arch):
+    from hf_structkv.attention.modules import attention_modules
+
+    model = tiny_model(arch)
+    found = attention_modules(model)
+    blocks = model.model.layers
+    assert list(found) == list(range(len(blocks)))
+    assert all(found[i] is blocks[i].self_attn for i in found)
+    assert attention_modules(blocks[1]) == {1: blocks[1].self_attn} and attention_modules(model.lm_head) == {}
+
+
 def test_calibrated_compaction_skips_sliding_layers_and_uses_the_model_scale():
-    from hf_structkv.compaction.pipeline import _attention_scalings
+    from hf_structkv.attention.modules import attention_scalings
 
     model = tiny_model("gemma3", query_pre_attn_scalar=64)
-    scalings = _attention_scalings(model)
+    scalings = attention_scalings(model)
     assert scalings == {i: 64**-0.5 for i in range(4)}
     cache = compact(model, WordTokenizer(), context_ids(40), ratio=4, method="loo", on_policy=False)
     assert cache.head_lengths() == [None, [10, 10], None, [10, 10]]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from transformers import Cache, PreTrainedModel
 
+from ..attention.modules import attention_modules
 from .queries import Conversation, branch_cache, recording
 
 __all__ = ["BlockReplay", "decoder_blocks"]
@@ -32,16 +33,8 @@ def decoder_blocks(model: PreTrainedModel) -> torch.nn.ModuleList | None:
     n_layers = model.config.get_text_config().num_hidden_layers
     for module in model.modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) == n_layers:
-            if all(_layer_index(block) == i for i, block in enumerate(module)):
+            if all(next(iter(attention_modules(block)), None) == i for i, block in enumerate(module)):
                 return module
-    return None
-
-
-def _layer_index(block: torch.nn.Module) -> int | None:
-    for module in block.modules():
-        index = getattr(module, "layer_idx", None)
-        if isinstance(index, int) and hasattr(module, "scaling"):
-            return index
     return None
 
 

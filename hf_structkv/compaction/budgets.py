@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .. import __version__
+from ..attention.modules import attention_scalings
 from ..attention.registry import enable
 from ..cache.compacted import CompactedCache
 from ..generation import generation_inputs
@@ -48,7 +49,7 @@ from ..hub import (
 )
 from ..prompts import document_chat_prompt
 from .methods import HEAD_METHODS, compact_head
-from .pipeline import _attention_scalings, prefill_context
+from .pipeline import prefill_context
 from .queries import repeat_pass_queries
 
 __all__ = [
@@ -593,7 +594,7 @@ def _text_increases(
     queries = None
     if HEAD_METHODS[method].needs_queries:
         queries = repeat_pass_queries(model, tokenizer, context_ids, cap=query_cap, seed=seed)
-    scalings = _attention_scalings(model)
+    scalings = attention_scalings(model)
     rows = []
     for layer_idx in [i for i, layer_indices in enumerate(everything) if layer_indices is not None]:
         keys, values = cache.layers[layer_idx].keys[0], cache.layers[layer_idx].values[0]

@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from ..attention.modules import attention_scalings
 from ..attention.registry import enable
 from ..cache.compacted import CompactedCache
 from ..hub import model_fingerprint
@@ -40,15 +41,6 @@ DEFAULT_REFIT_GUARD = 0.2
 refit and plain eviction of the same selection (`CalibratedMethod.complete`). The paper always refits
 (``refit_guard=0``); on the embedded model some heads' value solves overfit the calibration queries (held-out loss
 above 10 for LOO and AM-HAK on a SQuAD document at 10x), which the guard turns into eviction."""
-
-
-def _attention_scalings(model: PreTrainedModel) -> dict[int, float]:
-    """The logit scale of each attention layer, as its module applies it (``1/sqrt(d)`` or the model's own)."""
-    return {
-        module.layer_idx: float(module.scaling)
-        for module in model.modules()
-        if isinstance(getattr(module, "layer_idx", None), int) and isinstance(getattr(module, "scaling", None), float)
-    }
 
 
 @dataclass(frozen=True)
@@ -299,7 +291,7 @@ def compact(
     cache = prefill_context(model, context_ids, prefill_chunk_tokens=prefill_chunk_tokens, progress=progress)
     chunk_budgets = [_token_budgets(budget_source, ratio, end - begin, cache) for begin, end in spans]
     selection = _Selection.keep_everything(cache)
-    scalings = _attention_scalings(model)
+    scalings = attention_scalings(model)
     conversations, captured, replays, heldout_losses = None, None, None, {}
     if rule.needs_queries:
         enable(model)

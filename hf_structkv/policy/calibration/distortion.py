@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from transformers import DynamicCache
 
+from ...attention.modules import attention_scalings
 from ...compaction.queries import capture_queries
 from ...quant.int4 import dequantize_int4, quantize_int4
 from ..costs import Action, GroupCosts
@@ -37,15 +38,6 @@ ReferenceStates = dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, floa
 """``{layer: (queries [H_q, T − 1, D], keys [H_kv, N, D], values [H_kv, N, D_v], scaling)}`` (FP32)."""
 
 
-def _scalings(model) -> dict[int, float]:
-    """The softmax scaling of each attention module (``module.scaling``), by layer index."""
-    return {
-        module.layer_idx: float(module.scaling)
-        for module in model.modules()
-        if isinstance(getattr(module, "layer_idx", None), int) and isinstance(getattr(module, "scaling", None), float)
-    }
-
-
 def capture_reference_states(model, reference: ReferenceTrajectory) -> ReferenceStates:
     """One teacher-forced forward over ``reference``'s prompt and generated tokens; the queries of generated tokens
     ``0 .. T − 2`` and every position's keys / values in each global layer."""
@@ -55,7 +47,7 @@ def capture_reference_states(model, reference: ReferenceTrajectory) -> Reference
     ids = torch.tensor([list(reference.prompt_ids) + list(reference.tokens)], dtype=torch.long)
     cache = DynamicCache(config=model.config)
     queries = capture_queries(model, ids, positions=slice(prompt, prompt + tokens - 1), cache=cache)
-    scalings = _scalings(model)
+    scalings = attention_scalings(model)
     states = {}
     for layer, grouped in queries.items():
         keys, values = cache.layers[layer].keys[0].float(), cache.layers[layer].values[0].float()
