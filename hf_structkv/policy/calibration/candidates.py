@@ -133,8 +133,17 @@ def prefill_candidate(
     return dataclasses.replace(policy, budget=prefill_cost_ratio(policy, references, sink_tokens, window))
 
 
-def all_high_candidate(costs: GroupCosts, **table_fields: Any) -> PolicyTable:
-    """The fallback controller (A.4): ``B_D = 1``, all-high actions and floors, ``Γ = 0``."""
-    view = {name: table_fields[name] for name in ("tag_view", "position_bins") if name in table_fields}
-    entries = all_high_entries(len(costs.groups), "function_calling", **view)
-    return PolicyTable(family="function_calling", costs=costs, entries=entries, budget=1.0, **table_fields)
+def all_high_candidate(
+    costs: GroupCosts, tag_view: str = "full", position_bins: tuple[int, ...] = (), **table_fields: Any
+) -> PolicyTable:
+    """The fallback controller (A.4): ``B_D = 1``, all-high actions and floors, ``Γ = 0``, for tags of ``tag_view``."""
+    entries = all_high_entries(len(costs.groups), "function_calling", tag_view, position_bins)
+    return PolicyTable(
+        family="function_calling",
+        costs=costs,
+        entries=entries,
+        budget=1.0,
+        tag_view=tag_view,
+        position_bins=position_bins,
+        **table_fields,
+    )
