@@ -41,6 +41,8 @@ from hf_structkv.policy import (
     PrefillPolicy,
     SnapKV,
     StreamingLLM,
+    calibrated_policy,
+    calibrated_prefill_policy,
     illustrative_policy,
     illustrative_prefill_policy,
 )
@@ -69,9 +71,12 @@ def load_model(tiny: bool):
 
 def load_pask(path: str | None, model, tiny: bool = False) -> tuple[PolicyTable, PrefillPolicy, str]:
     """The decode table and prefill policy of a policy folder (``policy_table.json``, optionally
-    ``prefill_policy.json``; the illustrative prefill policy when absent), or the shipped illustrative pair (with
-    ``tiny``: its entries on the tiny model's layer groups); and a label naming their provenance."""
-    if path is None and tiny:
+    ``prefill_policy.json``; the illustrative prefill policy when absent), ``"calibrated"``: the shipped calibrated
+    pair (`calibrated_policy`, `calibrated_prefill_policy`), or the shipped illustrative pair (with ``tiny``: its
+    entries on the tiny model's layer groups); and a label naming their provenance."""
+    if path == "calibrated":
+        table, prefill = calibrated_policy(model), calibrated_prefill_policy(model)
+    elif path is None and tiny:
         costs = GroupCosts.from_config(model.config)
         table = dataclasses.replace(illustrative_policy(), costs=costs, fingerprint=None)
         prefill = dataclasses.replace(illustrative_prefill_policy(), costs=costs, fingerprint=None)
@@ -102,11 +107,20 @@ def development_lengths(records: list[dict], costs: GroupCosts) -> list[tuple[in
 
 
 def summarise_budget(evaluation) -> dict:
-    """`summarise` plus the workload-weighted measured total B (Σ payload / Σ Full-KV payload)."""
+    """`summarise` plus the workload-weighted measured total B (Σ payload / Σ Full-KV payload) and, Table 17 style,
+    the same ratio over the prompt tokens (``measured_B_P``) and over the generated tokens (``measured_B_D``)."""
     records = evaluation.records
-    payload = sum(r["scheduled_payload_bytes"] for r in records)
-    full = sum(r["full_payload_bytes"] for r in records)
-    return {**evaluation.summary, "measured_B": payload / full}
+
+    def pooled(payload: str, full: str) -> float:
+        total = sum(r[full] for r in records)
+        return sum(r[payload] for r in records) / total if total else 1.0
+
+    return {
+        **evaluation.summary,
+        "measured_B": pooled("scheduled_payload_bytes", "full_payload_bytes"),
+        "measured_B_P": pooled("prefill_payload_bytes", "prefill_full_bytes"),
+        "measured_B_D": pooled("decode_payload_bytes", "decode_full_bytes"),
+    }
 
 
 def knobs_of(policy) -> dict:
@@ -141,7 +155,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dev-cases", type=int, default=1, help="development cases per category for the knobs")
     parser.add_argument("--budgets", nargs="+", type=float, default=list(BUDGETS))
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--pask-policy", default=None, help="policy folder (default: the illustrative pair)")
+    parser.add_argument(
+        "--pask-policy",
+        default=None,
+        help="policy folder, or 'calibrated' for the shipped calibrated decode + prefill pair (default: the shipped "
+        "illustrative pair)",
+    )
     parser.add_argument(
         "--ablation-policy", action="append", default=[], metavar="NAME=PATH", help="extra PASK rows (Fig. 5)"
     )
@@ -185,12 +204,17 @@ def main(argv: list[str] | None = None) -> dict:
             knobs = knobs_of(policy)
         if method in BASELINES:
             knobs["expected_B_on_development"] = policy.expected_budget(lengths)
-        print(f"{label} at B={target}: accuracy {summary['accuracy']:.1%}, measured B {summary['measured_B']:.3f}")
+        print(
+            f"{label} at B={target}: accuracy {summary['accuracy']:.1%}, measured B {summary['measured_B']:.3f} "
+            f"(B_P {summary['measured_B_P']:.3f}, B_D {summary['measured_B_D']:.3f})"
+        )
         return {
             "method": method,
             "label": label,
             "target_B": target,
             "measured_B": summary["measured_B"],
+            "measured_B_P": summary["measured_B_P"],
+            "measured_B_D": summary["measured_B_D"],
             "mean_case_B": summary["mean_budget_ratio"],
             "accuracy": summary["accuracy"],
             "per_category": summary["per_category"],

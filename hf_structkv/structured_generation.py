@@ -69,20 +69,26 @@ class StructuredOutput:
     def bytes_report(self) -> dict[str, float]:
         """Physical bytes and the Full-KV bytes of the same tokens; the scheduled payload (B.3 convention) against
         Full KV overall (``budget_ratio``, the paper's ``B``) and per stage (``prefill_ratio`` = ``B_P`` over the
-        prompt tokens, ``decode_ratio`` over the generated tokens scheduled so far, Table 17 style)."""
+        prompt tokens, ``decode_ratio`` over the generated tokens scheduled so far, Table 17 style), with each
+        stage's scheduled and Full-KV payload bytes so that ratios can be pooled over several generations."""
         cache = self.cache
         prompt_bits, decode_bits, prompt_length = cache.schedule.scheduled_bits_by_stage(cache.get_seq_length())
         rows, full = cache.schedule.batch_size, cache.costs.full
         decoded = sum(len(decisions) for decisions in cache.schedule.decided)
         payload, full_payload = (prompt_bits + decode_bits) / 8, cache.full_payload()
+        prompt_full, decode_full = rows * prompt_length * full / 8, decoded * full / 8
         return {
             "nbytes": cache.nbytes(),
             "full_nbytes": cache.full_nbytes(),
             "scheduled_payload_bytes": payload,
             "full_payload_bytes": full_payload,
             "budget_ratio": payload / full_payload if full_payload else 1.0,
-            "prefill_ratio": prompt_bits / (rows * prompt_length * full) if prompt_length else 1.0,
-            "decode_ratio": decode_bits / (decoded * full) if decoded else 1.0,
+            "prefill_payload_bytes": prompt_bits / 8,
+            "prefill_full_bytes": prompt_full,
+            "prefill_ratio": prompt_bits / 8 / prompt_full if prompt_full else 1.0,
+            "decode_payload_bytes": decode_bits / 8,
+            "decode_full_bytes": decode_full,
+            "decode_ratio": decode_bits / 8 / decode_full if decode_full else 1.0,
         }
 
 

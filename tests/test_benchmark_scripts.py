@@ -348,7 +348,13 @@ def test_bfcl_budget_tiny_run_writes_records_and_plot(tmp_path):
     for record in result["records"]:
         assert record["cases"] == 1 and 0 <= record["accuracy"] <= 1 and 0 < record["measured_B"] <= 1
         assert set(record["per_category"]) == {"simple_python"} and record["nbytes"] > 0
-    assert result["records"][0]["measured_B"] == 1.0
+        assert 0 < record["measured_B_P"] <= 1 and 0 <= record["measured_B_D"] <= 1
+        (case,) = record["records"]
+        for stage in ("prefill", "decode"):
+            want = case[f"{stage}_payload_bytes"] / case[f"{stage}_full_bytes"]
+            assert record[f"measured_B_{stage[0].upper()}"] == pytest.approx(want)
+    full_kv = result["records"][0]
+    assert full_kv["measured_B"] == full_kv["measured_B_P"] == full_kv["measured_B_D"] == 1.0
     assert result["records"][-1]["label"] == "pask (illustrative)"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -180,8 +180,13 @@ def test_selection_picks_cheapest_within_alpha_and_falls_back():
 def test_settings_errors_are_named():
     with pytest.raises(ValueError, match="tau_low <= tau_high"):
         CalibrationSettings(thresholds=((0.1, 0.05),))
-    with pytest.raises(ValueError, match="stages"):
-        CalibrationSettings(stages=("prefill",))
+    with pytest.raises(ValueError, match="stages must be one of"):
+        CalibrationSettings(stages=("prefill", "decode"))
+    with pytest.raises(ValueError, match="stages must be one of"):
+        CalibrationSettings(stages=())
+    assert CalibrationSettings(stages=["prefill"]).stages == ("prefill",)
+    with pytest.raises(ValueError, match="prefill-only run"):
+        CalibrationSettings(stages=("prefill",), tag_view="no_role")
     with pytest.raises(ValueError, match="max_candidates"):
         CalibrationSettings(max_dev_candidates=0)
     with pytest.raises(ValueError, match="R or L"):
@@ -498,6 +503,22 @@ def test_calibrate_on_position_bins_replaces_the_parser_tags_by_bins(model, toke
     assert emitted and all(len(tags) == 1 and tags[0].tag_class == "position" for tags in emitted)
 
 
+def test_prefill_only_calibration_equals_the_prefill_stage_of_a_full_run(model, tokenizer, cases, calibrated, tmp_path):
+    """The prefill stage holds decode all-high, so calibrating it alone gives the full run's prefill policy and
+    prefill report; no decode table is made or saved."""
+    settings = dataclasses.replace(SETTINGS, stages=("prefill",))
+    result = calibrate(model, tokenizer, *cases, settings, cache_dir=tmp_path / "refs", log=lambda _: None)
+    assert result.table is None and "decode" not in result.report
+    assert result.prefill_policy.entries == calibrated.prefill_policy.entries
+    assert result.prefill_policy.budget == calibrated.prefill_policy.budget
+    ours, full = (dict(r.report["prefill"]) for r in (result, calibrated))
+    ours.pop("runtime_v_seconds"), full.pop("runtime_v_seconds")
+    assert json.dumps(ours) == json.dumps(full)
+    result.save_pretrained(tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["calibration_report.json", "prefill_policy.json"]
+    assert PrefillPolicy.from_pretrained(tmp_path / "out", model=model) == result.prefill_policy
+
+
 def test_calibrate_errors_are_named(model, tokenizer, cases):
     with pytest.raises(ValueError, match="disjoint"):
         calibrate(model, tokenizer, cases[0], cases[0], SETTINGS)
@@ -520,6 +541,23 @@ def test_run_calibrate_threads_the_ablation_flags_into_the_saved_table(model, to
     assert report["settings"]["layer_groups"] == 1 and report["position_bins"] == list(table.position_bins)
     with pytest.raises(ValueError, match="decode table only"):
         run_calibrate(build_parser().parse_args(argv[:-1]), lambda name: (model, tokenizer))
+
+
+def test_run_calibrate_prefill_only_writes_the_prefill_policy(model, tokenizer, tmp_path, capsys):
+    from hf_structkv.cli import build_parser
+    from hf_structkv.policy.calibration.cli import run_calibrate
+
+    argv = ["calibrate", "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "refs"), "--categories"]
+    argv += ["simple_python", "--calibration-cases", "1", "--dev-cases", "1", "--max-new-tokens", str(MAX_NEW)]
+    argv += ["--window", str(WINDOW), "--max-dev-candidates", "1", "--prefill-only"]
+    assert run_calibrate(build_parser().parse_args(argv), lambda name: (model, tokenizer)) == 0
+    assert "prefill_budget" in capsys.readouterr().out and not (tmp_path / "out" / "policy_table.json").exists()
+    policy = PrefillPolicy.from_pretrained(tmp_path / "out", model=model)
+    report = json.loads((tmp_path / "out" / "calibration_report.json").read_text())
+    assert report["settings"]["stages"] == ["prefill"] and report["prefill"]["selected"]
+    assert dict(policy.calibration)["algorithm"] == "PASK Algorithm 1 (prefill)"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv + ["--decode-only"])
 
 
 def test_cli_calibrate_options():

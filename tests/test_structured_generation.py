@@ -84,6 +84,13 @@ def test_mixed_policy_reports_tags_actions_and_bytes(model, tokenizer):
     mixed = (prompt_tokens + decoded * numbers["decode_ratio"]) / (prompt_tokens + decoded)
     full_tokens = numbers["full_payload_bytes"] * 8 / result.cache.costs.full
     assert numbers["budget_ratio"] == pytest.approx(mixed * (prompt_tokens + decoded) / full_tokens)
+    bytes_per_token = result.cache.costs.full / 8
+    assert numbers["prefill_full_bytes"] == prompt_tokens * bytes_per_token
+    assert numbers["decode_full_bytes"] == decoded * bytes_per_token
+    assert numbers["prefill_payload_bytes"] + numbers["decode_payload_bytes"] == numbers["scheduled_payload_bytes"]
+    for stage in ("prefill", "decode"):
+        ratio = numbers[f"{stage}_payload_bytes"] / numbers[f"{stage}_full_bytes"]
+        assert numbers[f"{stage}_ratio"] == pytest.approx(ratio)
 
 
 def test_bad_arguments_are_named(model, tokenizer):

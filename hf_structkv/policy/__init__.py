@@ -3,7 +3,14 @@
 from .baselines import H2O, MiKV, SnapKV, StreamingLLM
 from .controller import PolicyController
 from .costs import Action, GroupCosts, layer_groups
-from .prefill import PrefillPlan, PrefillPolicy, batch_prefill_plan, illustrative_prefill_policy, plan_prefill
+from .prefill import (
+    PrefillPlan,
+    PrefillPolicy,
+    batch_prefill_plan,
+    calibrated_prefill_policy,
+    illustrative_prefill_policy,
+    plan_prefill,
+)
 from .retention import RetentionController, RetentionPolicy
 from .table import PolicyEntry, PolicyLookup, PolicyTable, calibrated_policy, illustrative_policy
 
@@ -24,6 +31,7 @@ __all__ = [
     "PrefillPolicy",
     "batch_prefill_plan",
     "calibrated_policy",
+    "calibrated_prefill_policy",
     "illustrative_prefill_policy",
     "illustrative_policy",
     "layer_groups",

@@ -64,6 +64,7 @@ __all__ = [
     "PrefillPlan",
     "PrefillPolicy",
     "batch_prefill_plan",
+    "calibrated_prefill_policy",
     "illustrative_prefill_policy",
     "plan_prefill",
 ]
@@ -71,6 +72,7 @@ __all__ = [
 FORMAT_VERSION = 1
 PREFILL_POLICY_NAME = "prefill_policy.json"
 ILLUSTRATIVE_PREFILL_POLICY = "qwen2.5-coder-0.5b-instruct-illustrative-prefill"
+CALIBRATED_PREFILL_POLICY = "qwen2.5-coder-0.5b-instruct-calibrated-prefill"
 PREFILL_CONVENTIONS = {
     "payload_cost": CONVENTIONS["payload_cost"],
     "quantizer": CONVENTIONS["quantizer"],
@@ -436,7 +438,23 @@ def illustrative_prefill_policy(model: Any = None) -> PrefillPolicy:
     Args:
         model: when given, checked against the policy's fingerprint and costs.
     """
-    resource = importlib.resources.files("hf_structkv") / "data" / "policies" / ILLUSTRATIVE_PREFILL_POLICY
+    return _shipped_prefill_policy(ILLUSTRATIVE_PREFILL_POLICY, model)
+
+
+def calibrated_prefill_policy(model: Any = None) -> PrefillPolicy:
+    """The prefill policy calibrated by ``hf-structkv calibrate --prefill-only`` (PASK Algorithm 1's prefill stage,
+    decode all-high) for the embedded model on the same CPU-sized BFCL calibration / development split as
+    `calibrated_policy`; its ``calibration`` records the data, thresholds, realised ``B_P`` and the development
+    accuracy against all-high, and the folder's ``calibration_report.json`` every measurement.
+
+    Args:
+        model: when given, checked against the policy's fingerprint and costs.
+    """
+    return _shipped_prefill_policy(CALIBRATED_PREFILL_POLICY, model)
+
+
+def _shipped_prefill_policy(name: str, model: Any) -> PrefillPolicy:
+    resource = importlib.resources.files("hf_structkv") / "data" / "policies" / name
     with importlib.resources.as_file(resource) as folder:
         return PrefillPolicy.from_pretrained(folder, model=model)
 

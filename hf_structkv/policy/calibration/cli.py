@@ -52,7 +52,14 @@ def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha-decode", type=float, default=0.05)
     parser.add_argument("--alpha-prefill", type=float, default=0.02)
     parser.add_argument("--window", type=int, default=None, help="recent window of the table (default 32)")
-    parser.add_argument("--decode-only", action="store_true", help="skip the prefill companion")
+    stages = parser.add_mutually_exclusive_group()
+    stages.add_argument("--decode-only", action="store_true", help="skip the prefill companion")
+    stages.add_argument(
+        "--prefill-only",
+        action="store_true",
+        help="calibrate the prefill companion only (it runs with decode all-high either way): writes "
+        "prefill_policy.json and the report, no decode table",
+    )
     parser.add_argument(
         "--tag-view",
         default="full",
@@ -94,7 +101,7 @@ def run_calibrate(args: argparse.Namespace, load_model) -> int:
         alpha_decode=args.alpha_decode,
         alpha_prefill=args.alpha_prefill,
         max_dev_candidates=sizes["max_dev_candidates"],
-        stages=("decode",) if args.decode_only else ("decode", "prefill"),
+        stages=("decode",) if args.decode_only else ("prefill",) if args.prefill_only else ("decode", "prefill"),
         seed=args.seed,
         tag_view=args.tag_view,
         layer_groups=args.layer_groups,
@@ -115,8 +122,9 @@ def run_calibrate(args: argparse.Namespace, load_model) -> int:
         model, tokenizer, calibration, development, settings, cache_dir=cache_dir, progress=True, data=data
     )
     result.save_pretrained(args.out)
-    decode = result.report["decode"]["selected"]
-    print(json.dumps({"decode_budget": result.table.budget, "decode_selected": decode}, indent=1))
+    if result.table is not None:
+        decode = result.report["decode"]["selected"]
+        print(json.dumps({"decode_budget": result.table.budget, "decode_selected": decode}, indent=1))
     if result.prefill_policy is not None:
         selected = result.report["prefill"]["selected"]
         print(json.dumps({"prefill_budget": result.prefill_policy.budget, "prefill_selected": selected}, indent=1))

@@ -2,8 +2,9 @@
 and development selection, for the decode table and then the prefill companion (decode held all-high).
 
 `calibrate` returns a `CalibrationResult`: the selected `PolicyTable` (provenance ``"calibrated"``, card fields
-``thresholds`` and ``calibration`` filled), the selected `PrefillPolicy` (or ``None`` when the prefill stage is not
-run) and a JSON report of every measurement (``V``, ``D``, ``N̄``, ``ρ``, floors, paths, development results).
+``thresholds`` and ``calibration`` filled; ``None`` when the decode stage is not run), the selected `PrefillPolicy`
+(``None`` when the prefill stage is not run) and a JSON report of every measurement (``V``, ``D``, ``N̄``, ``ρ``,
+floors, paths, development results).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ from .task_sensitivity import (
 __all__ = ["REPORT_NAME", "STAGES", "CalibrationResult", "CalibrationSettings", "calibrate"]
 
 STAGES = ("decode", "prefill")
+STAGE_CHOICES = (("decode", "prefill"), ("decode",), ("prefill",))
+"""Both stages, the decode table only, or the prefill companion only (it runs with decode all-high either way)."""
 REPORT_NAME = "calibration_report.json"
 
 
@@ -60,7 +63,8 @@ class CalibrationSettings:
         alpha_decode, alpha_prefill: development tolerances ``α_D``, ``α_P``.
         reserve_horizon, reserve_quantile: ``K`` and ``β`` of the reserve.
         max_dev_candidates: candidates evaluated per path (`dev_candidate_indices`); ``None`` = all.
-        stages: ``("decode",)`` or ``("decode", "prefill")``.
+        stages: one of `STAGE_CHOICES`: ``("decode", "prefill")``, ``("decode",)`` or ``("prefill",)``. The prefill
+            stage holds decode all-high (D.8), so it can be calibrated on its own and served next to any decode table.
         tag_view: what the parser tells the cache in every run and the calibrated table (`TAG_VIEWS`): ``"full"``,
             or a structural ablation of PASK Fig. 5 (``"no_role"``, ``"no_class"``, ``"no_state_lookahead"``, or
             ``"position_bins"``: no parser transitions, each token tagged by its position bin, the bins made from the
@@ -95,8 +99,9 @@ class CalibrationSettings:
         for name in ("alpha_decode", "alpha_prefill"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
-        if not self.stages or any(s not in STAGES for s in self.stages) or self.stages[0] != "decode":
-            raise ValueError(f"stages must be ('decode',) or ('decode', 'prefill'), got {self.stages!r}")
+        if tuple(self.stages) not in STAGE_CHOICES:
+            raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {self.stages!r}")
+        object.__setattr__(self, "stages", tuple(self.stages))
         dev_candidate_indices(1, self.max_dev_candidates)  # validates max_dev_candidates
         check_tag_view(self.tag_view, "function_calling")
         check_group_count(self.layer_groups)
@@ -105,20 +110,28 @@ class CalibrationSettings:
                 "layer_groups=1 (the no-layer-groups ablation) calibrates the decode table only: pass "
                 "stages=('decode',) (CLI: --decode-only)"
             )
+        if self.tag_view != "full" and "decode" not in self.stages:
+            raise ValueError(
+                f"tag_view={self.tag_view!r} is an ablation of the decode table; a prefill-only run "
+                "(stages=('prefill',)) uses tag_view='full'"
+            )
 
 
 @dataclass
 class CalibrationResult:
-    """The selected decode table, the selected prefill policy (``None`` without the prefill stage), the report."""
+    """The selected decode table (``None`` without the decode stage), the selected prefill policy (``None`` without
+    the prefill stage), the report."""
 
-    table: PolicyTable
+    table: PolicyTable | None
     prefill_policy: PrefillPolicy | None
     report: dict[str, Any] = field(default_factory=dict)
 
     def save_pretrained(self, directory: str | Path) -> None:
-        """Write ``policy_table.json`` + ``README.md``, ``prefill_policy.json`` (when present) and the report."""
+        """Write ``policy_table.json`` + ``README.md`` and ``prefill_policy.json``, each when present, and the
+        report."""
         directory = Path(directory)
-        self.table.save_pretrained(directory)
+        if self.table is not None:
+            self.table.save_pretrained(directory)
         if self.prefill_policy is not None:
             self.prefill_policy.save_pretrained(directory)
         (directory / REPORT_NAME).write_text(json.dumps(self.report, indent=1) + "\n", encoding="utf-8")
@@ -191,7 +204,11 @@ def calibrate(
         refs = [with_position_tags(r, view["position_bins"]) for r in refs]
     reference = PolicyTable.all_high(model, window=settings.window, sink_tokens=settings.sink_tokens, **view)
     reference_error = sum(not r.valid for r in dev_refs) / len(dev_refs)
-    stages = [_decode_stage(model, tokenizer, calibration, development, refs, costs, settings, fingerprint, view)]
+    stages = []
+    if "decode" in settings.stages:
+        stages.append(
+            _decode_stage(model, tokenizer, calibration, development, refs, costs, settings, fingerprint, view)
+        )
     if "prefill" in settings.stages:
         stages.append(_prefill_stage(model, tokenizer, development, refs, reference, costs, settings, fingerprint))
     _log_estimate(log, settings, refs, dev_refs, stages, len(development))
@@ -213,10 +230,11 @@ def calibrate(
             stage, calibration, refs, reference_error, settings, model, costs, progress, log
         )
     report["seconds"] = round(time.perf_counter() - start, 1)
-    table = _final_table(selected["decode"], report, settings, costs, fingerprint, view)
-    prefill = selected.get("prefill")
-    if prefill is not None:
-        prefill = _final_prefill(prefill, report, settings, costs, fingerprint)
+    table = prefill = None
+    if "decode" in selected:
+        table = _final_table(selected["decode"], report, settings, costs, fingerprint, view)
+    if "prefill" in selected:
+        prefill = _final_prefill(selected["prefill"], report, settings, costs, fingerprint)
     return CalibrationResult(table=table, prefill_policy=prefill, report=report)
 
 
