@@ -175,8 +175,9 @@ def test_enabled_model_serves_a_compacted_cache_while_recording():
         captured = capture_queries(model, question, cache=compacted.copy())
     finally:
         handle.remove()
-    # capture_queries computes the logits of the last position only (logits_to_keep=1).
-    torch.testing.assert_close(seen[0], expected[:, -1:], atol=1e-6, rtol=0)
+    # capture_queries computes the logits of the last position only (logits_to_keep=1): a one-row lm_head matmul,
+    # whose fp32 blocking (and so rounding) differs from the six-row one with the thread count.
+    torch.testing.assert_close(seen[0], expected[:, -1:], atol=1e-5, rtol=1e-5)
     assert sorted(captured) == [0, 1]
     assert hf_structkv.is_enabled(model)
 
