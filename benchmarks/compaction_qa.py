@@ -506,6 +506,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--budgets", choices=("auto", "uniform"), default="auto", help="auto: compact()'s default (shipped allocation)"
     )
+    parser.add_argument(
+        "--self-study-answer-tokens",
+        type=int,
+        default=SelfStudy.answer_tokens,
+        help="self-study tier: tokens per summary / key facts / JSON answer (default CPU-sized; the seed: 2048)",
+    )
+    parser.add_argument(
+        "--self-study-question-tokens",
+        type=int,
+        default=SelfStudy.question_tokens,
+        help="self-study tier: tokens of the questions-and-answers conversation (the seed: 8192 + 4096)",
+    )
     parser.add_argument("--chunk-tokens", type=int, default=None, help="compact chunk by chunk (None: one chunk)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=8, help="questions answered per generate call")
@@ -514,7 +526,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default="benchmarks/results/compaction_qa.json")
     parser.add_argument("--plot", default=None, help="write the Pareto plot (PNG) here")
     args = parser.parse_args(argv)
-    for name in ("documents", "doc_tokens", "questions", "query_cap", "max_new_tokens", "batch_size", "threads"):
+    positive = ("documents", "doc_tokens", "questions", "query_cap", "max_new_tokens", "batch_size", "threads")
+    for name in (*positive, "self_study_answer_tokens", "self_study_question_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(not 1 <= ratio < math.inf for ratio in args.ratios):
@@ -524,6 +537,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError as err:
         parser.error(str(err))
     return args
+
+
+def self_study_of(args: argparse.Namespace, turn_suffix: str) -> SelfStudy:
+    """The self-study lengths of the command line, each prompt followed by ``turn_suffix`` (the chat's turn end)."""
+    return SelfStudy(
+        answer_tokens=args.self_study_answer_tokens,
+        question_tokens=args.self_study_question_tokens,
+        turn_suffix=turn_suffix,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -574,7 +596,7 @@ def main(argv: list[str] | None = None) -> None:
                         progress=False,
                         on_policy=args.on_policy,
                         query_cap=args.query_cap,
-                        self_study=SelfStudy(turn_suffix=suffix),
+                        self_study=self_study_of(args, suffix),
                     )
                     seconds = time.perf_counter() - start
                     replies = generate_replies(

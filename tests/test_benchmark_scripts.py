@@ -230,6 +230,18 @@ def test_compaction_qa_summary_and_targets(qa):
     assert verdicts["at 50x ahead of every baseline"].startswith("met (25.0% vs best baseline loo 0.0%")
 
 
+def test_compaction_qa_self_study_lengths_come_from_the_command_line(qa):
+    from hf_structkv.compaction import SelfStudy
+
+    default = qa.self_study_of(qa.parse_args([]), "</u>")
+    assert default == SelfStudy(turn_suffix="</u>")
+    args = qa.parse_args(["--self-study-answer-tokens", "256", "--self-study-question-tokens", "512"])
+    longer = qa.self_study_of(args, "")
+    assert (longer.answer_tokens, longer.question_tokens) == (256, 512)
+    with pytest.raises(SystemExit):
+        qa.parse_args(["--self-study-answer-tokens", "0"])
+
+
 def test_compaction_qa_smoke(tmp_path):
     pytest.importorskip("long_context_eval")
     pytest.importorskip("matplotlib")
@@ -357,6 +369,18 @@ def test_bfcl_budget_tiny_run_writes_records_and_plot(tmp_path):
     assert full_kv["measured_B"] == full_kv["measured_B_P"] == full_kv["measured_B_D"] == 1.0
     assert result["records"][-1]["label"] == "pask (illustrative)"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bfcl_budget_serves_the_shipped_calibrated_pair_at_the_target_budgets():
+    pytest.importorskip("bfcl_eval")
+    from hf_structkv.policy import calibrated_policy, calibrated_prefill_policy
+
+    script = load_script(BENCHMARKS / "bfcl_budget.py")
+    table, prefill, label = script.load_pask("calibrated", None)
+    assert label == "calibrated" and table == calibrated_policy() and prefill == calibrated_prefill_policy()
+    served, served_prefill = script.pask_at(table, prefill, 0.33)
+    assert served.budget == served_prefill.budget == 0.33
+    assert served.entries == table.entries and served_prefill.entries == prefill.entries
 
 
 # --------------------------------------------------------------------------------- benchmarks/bfcl_accuracy.py

@@ -2,8 +2,10 @@
 end to end through `generate_calls` on a tiny model with the real tokenizer."""
 
 import itertools
+import json
 import random
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from hf_structkv.models import ensure_default_snapshot, tiny_model
 from hf_structkv.policy import GroupCosts, illustrative_policy
 from hf_structkv.policy.costs import Action
 from hf_structkv.policy.prefill import (
+    CALIBRATED_PREFILL_POLICY,
     PREFILL_POLICY_NAME,
     PrefillPolicy,
     batch_prefill_plan,
@@ -344,3 +347,44 @@ def test_embedded_model_with_the_illustrative_prefill_and_decode_policies(defaul
     assert prompt_bits / (n * result.cache.costs.full) <= 0.45
     assert {R, L, H} <= set(scheduled.flatten().tolist())
     assert result.calls[0] is not None and result.calls[0][0]["name"] == "get_weather"
+
+
+# ---------------------------------------------------------------------------------------------------- calibrated
+CALIBRATED_PREFILL_FOLDER = Path(__file__).parents[1] / "hf_structkv/data/policies" / CALIBRATED_PREFILL_POLICY
+
+
+def test_calibrated_prefill_policy_is_the_prefill_stage_of_algorithm_1_on_the_decode_tables_split():
+    from hf_structkv.policy import calibrated_policy, calibrated_prefill_policy
+
+    policy, decode = calibrated_prefill_policy(), calibrated_policy()
+    assert policy.provenance == "calibrated" and policy.fingerprint == decode.fingerprint
+    assert policy.costs == decode.costs and 0 <= policy.budget <= 1 and "alpha_P" in policy.thresholds
+    card = dict(policy.calibration)
+    assert card["algorithm"] == "PASK Algorithm 1 (prefill)" and card["prefill_budget"] == policy.budget
+    report = json.loads((CALIBRATED_PREFILL_FOLDER / "calibration_report.json").read_text())
+    decode_folder = CALIBRATED_PREFILL_FOLDER.parent / "qwen2.5-coder-0.5b-instruct-calibrated"
+    decode_report = json.loads((decode_folder / "calibration_report.json").read_text())
+    assert report["settings"]["stages"] == ["prefill"] and "decode" not in report
+    for key in ("calibration_cases", "development_cases", "data"):
+        assert report[key] == decode_report[key], key  # the same split as the shipped decode table
+    selected = report["prefill"]["selected"]
+    assert selected == "all-high fallback" or selected["measured_ratio"] == min(
+        row["measured_ratio"]
+        for row in report["prefill"]["development"]
+        if report["reference"]["development_accuracy"] - row["accuracy"] <= report["prefill"]["alpha"] + 1e-12
+    )
+
+
+def test_shipped_calibrated_prefill_file_is_what_save_pretrained_writes(tmp_path):
+    from hf_structkv.policy import calibrated_prefill_policy
+
+    calibrated_prefill_policy().save_pretrained(tmp_path)
+    assert (tmp_path / PREFILL_POLICY_NAME).read_text() == (CALIBRATED_PREFILL_FOLDER / PREFILL_POLICY_NAME).read_text()
+
+
+@pytest.mark.slow
+def test_calibrated_prefill_policy_fits_the_embedded_model(default_model):
+    from hf_structkv.policy import calibrated_prefill_policy
+
+    model, _ = default_model
+    assert calibrated_prefill_policy(model=model).costs == GroupCosts.from_config(model.config)
