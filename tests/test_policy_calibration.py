@@ -39,6 +39,7 @@ from hf_structkv.policy.calibration.references import (
     with_position_tags,
 )
 from hf_structkv.quant.int4 import dequantize_int4, quantize_int4
+from hf_structkv.structure.prompt_spans import PROMPT_LABELS
 from hf_structkv.structure.tags import StructuralTag, position_bin_starts, view_tags
 from hf_structkv.structured_generation import generate_calls
 
@@ -517,6 +518,26 @@ def test_prefill_only_calibration_equals_the_prefill_stage_of_a_full_run(model, 
     result.save_pretrained(tmp_path / "out")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["calibration_report.json", "prefill_policy.json"]
     assert PrefillPolicy.from_pretrained(tmp_path / "out", model=model) == result.prefill_policy
+
+
+def test_a_prefill_stage_without_a_passing_candidate_gives_the_all_high_prefill_policy(
+    model, tokenizer, cases, tmp_path, monkeypatch
+):
+    """Development selection's fallback (no candidate within alpha_P) is a policy, not a missing one: every label
+    ``H`` in every group, ``B_P = 1``."""
+    from hf_structkv.policy.calibration import runner
+
+    def no_candidate_passes(stage, *args):
+        return None, {"selected": "all-high fallback", "runtime_v_generations": 0}
+
+    monkeypatch.setattr(runner, "_run_stage", no_candidate_passes)
+    settings = dataclasses.replace(SETTINGS, stages=("prefill",))
+    result = calibrate(model, tokenizer, *cases, settings, cache_dir=tmp_path, log=lambda _: None)
+    policy = result.prefill_policy
+    assert result.table is None and policy is not None and policy.budget == 1.0
+    assert set(policy.entries) == set(PROMPT_LABELS)
+    assert all(e.action == e.floor == (Action.H,) * 3 for e in policy.entries.values())
+    assert dict(policy.calibration)["selected"] == "all-high fallback"
 
 
 def test_calibrate_errors_are_named(model, tokenizer, cases):
