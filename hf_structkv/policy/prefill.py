@@ -29,7 +29,6 @@ A saved policy is a folder (or a Hub model repository) with ``prefill_policy.jso
 from __future__ import annotations
 
 import heapq
-import importlib.resources
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -57,6 +56,7 @@ from .table import (
     _is_number,
     _json_text,
     _merge,
+    _shipped_policy,
 )
 
 __all__ = [
@@ -438,7 +438,7 @@ def illustrative_prefill_policy(model: Any = None) -> PrefillPolicy:
     Args:
         model: when given, checked against the policy's fingerprint and costs.
     """
-    return _shipped_prefill_policy(ILLUSTRATIVE_PREFILL_POLICY, model)
+    return _shipped_policy(ILLUSTRATIVE_PREFILL_POLICY, model, PrefillPolicy)
 
 
 def calibrated_prefill_policy(model: Any = None) -> PrefillPolicy:
@@ -450,13 +450,7 @@ def calibrated_prefill_policy(model: Any = None) -> PrefillPolicy:
     Args:
         model: when given, checked against the policy's fingerprint and costs.
     """
-    return _shipped_prefill_policy(CALIBRATED_PREFILL_POLICY, model)
-
-
-def _shipped_prefill_policy(name: str, model: Any) -> PrefillPolicy:
-    resource = importlib.resources.files("hf_structkv") / "data" / "policies" / name
-    with importlib.resources.as_file(resource) as folder:
-        return PrefillPolicy.from_pretrained(folder, model=model)
+    return _shipped_policy(CALIBRATED_PREFILL_POLICY, model, PrefillPolicy)
 
 
 def _label_order(label: str) -> int:

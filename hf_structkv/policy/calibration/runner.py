@@ -44,7 +44,7 @@ from .task_sensitivity import (
     task_sensitivity,
 )
 
-__all__ = ["REPORT_NAME", "STAGES", "CalibrationResult", "CalibrationSettings", "calibrate"]
+__all__ = ["REPORT_NAME", "STAGES", "STAGE_CHOICES", "CalibrationResult", "CalibrationSettings", "calibrate"]
 
 STAGES = ("decode", "prefill")
 STAGE_CHOICES = (("decode", "prefill"), ("decode",), ("prefill",))
