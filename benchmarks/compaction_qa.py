@@ -31,6 +31,11 @@ met / not measured, for each KV-Surgeon query tier that ran.
     python benchmarks/compaction_qa.py --tasks squad needle --doc-tokens 2048 --questions 5 --ratios 10 50 \\
         --out benchmarks/results/compaction_qa.json --plot docs/img/compaction_qa.png
 
+``--uncompacted-layers 12 13 ...`` is a diagnostic: every compacted cache keeps those layers whole (the other layers
+keep the counts of ``--budgets``), so it stores more than ``1/ratio`` of the context and its rows are labelled
+``<variant>[layers whole]`` (the targets are then not measured). Comparing runs shows which layers an answer
+depends on.
+
 ``--tiny`` runs the same code on a random tiny model with a byte tokenizer and short documents (a smoke test,
 numbers meaningless).
 """
@@ -61,8 +66,10 @@ from hf_structkv.compaction import (
     HEAD_METHODS,
     METHODS,
     QUERY_TIERS,
+    HeadBudgets,
     SelfStudy,
     compact,
+    default_head_budgets,
     prefill_context,
 )
 from hf_structkv.eval.squad import SquadQuestion, contains_answer, normalize_answer, squad_document, squad_titles
@@ -346,6 +353,48 @@ def scored_rows(document: QADocument, replies: list[str]) -> list[dict]:
     ]
 
 
+# ------------------------------------------------------------------------------------------------- compaction
+@dataclass(frozen=True)
+class LayersKeptWhole:
+    """Head budgets that keep ``layers`` uncompacted and take every other layer's counts from ``base``.
+
+    Attributes:
+        base: any object with ``token_budgets(ratio, length) -> {global layer: [kept entries per KV head]}``.
+        layers: global layer indices whose every KV head keeps the whole chunk (``length`` entries).
+    """
+
+    base: HeadBudgets
+    layers: frozenset[int]
+
+    def token_budgets(self, ratio: float, length: int) -> dict[int, list[int]]:
+        counts = self.base.token_budgets(ratio, length)
+        missing = sorted(self.layers - set(counts))
+        if missing:
+            raise ValueError(f"--uncompacted-layers: {missing} are not global layers of the model ({sorted(counts)})")
+        return {layer: [length] * len(c) if layer in self.layers else c for layer, c in counts.items()}
+
+
+def budgets_of(args: argparse.Namespace, model: PreTrainedModel) -> str | LayersKeptWhole:
+    """What ``compact(budgets=...)`` gets: ``--budgets`` as is, or wrapped in `LayersKeptWhole` when
+    ``--uncompacted-layers`` is given (``auto``: the shipped allocation, uniform for a model it was not made for)."""
+    if not args.uncompacted_layers:
+        return args.budgets
+    base = HeadBudgets.uniform(model)
+    if args.budgets == "auto":
+        try:
+            base = default_head_budgets(model)
+        except ValueError:  # not the embedded model: compact()'s "auto" is uniform too
+            pass
+    return LayersKeptWhole(base, frozenset(args.uncompacted_layers))
+
+
+def run_label(args: argparse.Namespace, variant: Variant) -> str:
+    """The variant's label, with the whole layers appended when ``--uncompacted-layers`` is given."""
+    if not args.uncompacted_layers:
+        return variant.label
+    return f"{variant.label}[{' '.join(map(str, sorted(set(args.uncompacted_layers))))} whole]"
+
+
 # ------------------------------------------------------------------------------------------------------ summary
 def summarize(runs: list[dict]) -> list[dict]:
     """Per (cache, ratio): accuracy and F1 per seed over all its questions, their mean / std over seeds, accuracy per
@@ -384,11 +433,13 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 
 def target_verdicts(summary: list[dict]) -> dict:
-    """The issue's two targets for each KV-Surgeon tier that ran: ``{tier label: {target: verdict}}``."""
+    """The issue's two targets for each KV-Surgeon tier that ran (without ``--uncompacted-layers``):
+    ``{tier label: {target: verdict}}``."""
     accuracy = {(row["cache"], row["ratio"]): row["accuracy"] for row in summary}
     full = accuracy[(FULL, 1.0)]
     verdicts = {}
-    for label in sorted({cache for cache, _ in accuracy if cache.partition(":")[0] == KV_SURGEON}):
+    tiers = {cache for cache, _ in accuracy if cache.partition(":")[0] == KV_SURGEON and "[" not in cache}
+    for label in sorted(tiers):  # rows with layers kept whole ("...[12 whole]") are not at their ratio
         result = {}
         kept = accuracy.get((label, 10.0))
         name = f"at 10x keeps >= {TARGET_KEPT_ACCURACY:.0%} of full-context accuracy"
@@ -518,6 +569,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=SelfStudy.question_tokens,
         help="self-study tier: tokens of the questions-and-answers conversation (the seed: 8192 + 4096)",
     )
+    parser.add_argument(
+        "--uncompacted-layers",
+        nargs="+",
+        type=int,
+        default=[],
+        metavar="LAYER",
+        help="diagnostic: keep these global layers whole in every compacted cache",
+    )
     parser.add_argument("--chunk-tokens", type=int, default=None, help="compact chunk by chunk (None: one chunk)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=8, help="questions answered per generate call")
@@ -530,6 +589,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in (*positive, "self_study_answer_tokens", "self_study_question_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if any(layer < 0 for layer in args.uncompacted_layers):
+        parser.error(f"--uncompacted-layers must be layer indices >= 0, got {args.uncompacted_layers}")
     if any(not 1 <= ratio < math.inf for ratio in args.ratios):
         parser.error("--ratios must be finite numbers >= 1")
     try:
@@ -557,6 +618,7 @@ def main(argv: list[str] | None = None) -> None:
     def count_tokens(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False).input_ids)
 
+    budgets = budgets_of(args, model)
     runs, documents_json = [], []
     for seed in args.seeds:
         rng = random.Random(seed)
@@ -590,7 +652,7 @@ def main(argv: list[str] | None = None) -> None:
                         ratio=ratio,
                         method=variant.method,
                         queries=variant.queries,
-                        budgets=args.budgets,
+                        budgets=budgets,
                         chunk_tokens=args.chunk_tokens,
                         seed=seed,
                         progress=False,
@@ -605,10 +667,11 @@ def main(argv: list[str] | None = None) -> None:
                     quality = compacted.metadata.get("quality", {}).get("heldout_relative_loss_mean")
                     rows = scored_rows(document, replies)
                     correct = sum(row["correct"] for row in rows)
-                    print(f"  {variant.label:<24}{ratio:>6g}x  {correct}/{len(rows)} correct  {seconds:7.1f} s")
+                    label = run_label(args, variant)
+                    print(f"  {label:<24}{ratio:>6g}x  {correct}/{len(rows)} correct  {seconds:7.1f} s")
                     runs.append(
                         run
-                        | {"cache": variant.label, "ratio": float(ratio), "seconds": seconds, "rows": rows}
+                        | {"cache": label, "ratio": float(ratio), "seconds": seconds, "rows": rows}
                         | {"stored_bytes": compacted.nbytes(), "heldout_relative_loss": quality}
                     )
 

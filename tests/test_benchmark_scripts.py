@@ -242,6 +242,46 @@ def test_compaction_qa_self_study_lengths_come_from_the_command_line(qa):
         qa.parse_args(["--self-study-answer-tokens", "0"])
 
 
+class _HalfBudgets:
+    def token_budgets(self, ratio, length):
+        return {0: [length // 2, 1], 2: [3, 4]}
+
+
+def test_compaction_qa_layers_kept_whole_replace_only_their_counts(qa):
+    budgets = qa.LayersKeptWhole(_HalfBudgets(), frozenset({2}))
+    assert budgets.token_budgets(10.0, 40) == {0: [20, 1], 2: [40, 40]}
+    with pytest.raises(ValueError, match=r"--uncompacted-layers: \[1\] are not global layers"):
+        qa.LayersKeptWhole(_HalfBudgets(), frozenset({1, 2})).token_budgets(10.0, 40)
+    args = qa.parse_args(["--uncompacted-layers", "13", "12", "--methods", "kv_surgeon:self_study"])
+    assert args.uncompacted_layers == [13, 12]
+    assert qa.run_label(args, args.variants[0]) == "kv_surgeon:self_study[12 13 whole]"
+    assert qa.run_label(qa.parse_args([]), qa.Variant("loo")) == "loo"
+    with pytest.raises(SystemExit):
+        qa.parse_args(["--uncompacted-layers", "-1"])
+    # rows with whole layers are not at their ratio: no target verdicts for them
+    rows = [("full", 1.0), ("kv_surgeon[1 whole]", 10.0), ("kv_surgeon:self_study[1 whole]", 10.0)]
+    summary = [{"cache": cache, "ratio": ratio, "accuracy": 1.0} for cache, ratio in rows]
+    assert qa.target_verdicts(summary) == {}
+
+
+def test_compaction_qa_every_layer_whole_answers_as_the_full_cache(qa, tmp_path):
+    pytest.importorskip("long_context_eval")
+    from hf_structkv.models import tiny_model
+
+    model = tiny_model("qwen2", vocab_size=300, max_position_embeddings=8192)
+    args = qa.parse_args(["--uncompacted-layers", "0", "1"])
+    assert isinstance(qa.budgets_of(args, model).base, qa.HeadBudgets)  # auto -> uniform for a non-embedded model
+    assert qa.budgets_of(qa.parse_args(["--budgets", "uniform"]), model) == "uniform"
+    out = tmp_path / "qa.json"
+    argv = ["--tiny", "--tasks", "needle", "--doc-tokens", "300", "--questions", "2", "--methods", "kv_surgeon"]
+    argv += ["--ratios", "10", "--max-new-tokens", "4", "--query-cap", "64", "--uncompacted-layers", "0", "1"]
+    qa.main([*argv, "--out", str(out)])
+    runs = json.loads(out.read_text())["runs"]
+    full, whole = (next(run for run in runs if run["cache"] == cache) for cache in ("full", "kv_surgeon[0 1 whole]"))
+    assert [row["reply"] for row in whole["rows"]] == [row["reply"] for row in full["rows"]]
+    assert whole["heldout_relative_loss"] == pytest.approx(0.0, abs=1e-6)
+
+
 def test_compaction_qa_smoke(tmp_path):
     pytest.importorskip("long_context_eval")
     pytest.importorskip("matplotlib")
