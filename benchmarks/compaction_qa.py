@@ -32,9 +32,9 @@ met / not measured, for each KV-Surgeon query tier that ran.
         --out benchmarks/results/compaction_qa.json --plot docs/img/compaction_qa.png
 
 ``--uncompacted-layers 12 13 ...`` is a diagnostic: every compacted cache keeps those layers whole (the other layers
-keep the counts of ``--budgets``), so it stores more than ``1/ratio`` of the context and its rows are labelled
-``<variant>[layers whole]`` (the targets are then not measured). Comparing runs shows which layers an answer
-depends on.
+keep the shipped allocation's counts, or with ``--budgets uniform`` those of equal shares, `HeadBudgets.uniform`), so it
+stores more than ``1/ratio`` of the context and its rows are labelled ``<variant>[layers whole]`` (the targets are then
+not measured). Comparing runs shows which layers an answer depends on.
 
 ``--tiny`` runs the same code on a random tiny model with a byte tokenizer and short documents (a smoke test,
 numbers meaningless).

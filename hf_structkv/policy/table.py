@@ -699,12 +699,12 @@ def calibrated_policy(model: Any = None) -> PolicyTable:
     return _shipped_policy(CALIBRATED_POLICY, model)
 
 
-def _shipped_policy(name: str, model: Any, cls: type = None):
-    """Load the shipped policy folder ``hf_structkv/data/policies/<name>`` with ``cls.from_pretrained`` (default
-    `PolicyTable`; `PrefillPolicy` for the prefill companions)."""
+def _shipped_policy(name: str, model: Any, cls: type = PolicyTable):
+    """Load the shipped policy folder ``hf_structkv/data/policies/<name>`` with ``cls.from_pretrained``
+    (`PrefillPolicy` for the prefill companions)."""
     resource = importlib.resources.files("hf_structkv") / "data" / "policies" / name
     with importlib.resources.as_file(resource) as folder:
-        return (cls or PolicyTable).from_pretrained(folder, model=model)
+        return cls.from_pretrained(folder, model=model)
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
