@@ -32,9 +32,9 @@ met / not measured, for each KV-Surgeon query tier that ran.
         --out benchmarks/results/compaction_qa.json --plot docs/img/compaction_qa.png
 
 ``--uncompacted-layers 12 13 ...`` is a diagnostic: every compacted cache keeps those layers whole (the other layers
-keep the shipped allocation's counts, or with ``--budgets uniform`` those of equal shares, `HeadBudgets.uniform`), so it
-stores more than ``1/ratio`` of the context and its rows are labelled ``<variant>[layers whole]`` (the targets are then
-not measured). Comparing runs shows which layers an answer depends on.
+keep what ``compact(budgets=--budgets)`` gives them), so it stores more than ``1/ratio`` of the context and its rows
+are labelled ``<variant>[layers whole]`` (the targets are then not measured).
+Comparing runs shows which layers an answer depends on.
 
 ``--tiny`` runs the same code on a random tiny model with a byte tokenizer and short documents (a smoke test,
 numbers meaningless).
@@ -66,11 +66,10 @@ from hf_structkv.compaction import (
     HEAD_METHODS,
     METHODS,
     QUERY_TIERS,
-    HeadBudgets,
     SelfStudy,
     compact,
-    default_head_budgets,
     prefill_context,
+    resolve_budgets,
 )
 from hf_structkv.eval.squad import SquadQuestion, contains_answer, normalize_answer, squad_document, squad_titles
 from hf_structkv.generation import generation_inputs
@@ -356,18 +355,20 @@ def scored_rows(document: QADocument, replies: list[str]) -> list[dict]:
 # ------------------------------------------------------------------------------------------------- compaction
 @dataclass(frozen=True)
 class LayersKeptWhole:
-    """Head budgets that keep ``layers`` uncompacted and take every other layer's counts from ``base``.
+    """Head budgets that keep ``layers`` uncompacted and give every other layer what ``compact(budgets=base)`` would.
 
     Attributes:
-        base: any object with ``token_budgets(ratio, length) -> {global layer: [kept entries per KV head]}``.
+        model: the model compacted (``base`` is resolved for it and the ratio, as `resolve_budgets` does).
+        base: anything ``compact(budgets=...)`` accepts (``"auto"``, ``"uniform"``, a `HeadBudgets`, ...).
         layers: global layer indices whose every KV head keeps the whole chunk (``length`` entries).
     """
 
-    base: HeadBudgets
+    model: PreTrainedModel
+    base: object
     layers: frozenset[int]
 
     def token_budgets(self, ratio: float, length: int) -> dict[int, list[int]]:
-        counts = self.base.token_budgets(ratio, length)
+        counts = resolve_budgets(self.base, self.model, ratio)[0].token_budgets(ratio, length)
         missing = sorted(self.layers - set(counts))
         if missing:
             raise ValueError(f"--uncompacted-layers: {missing} are not global layers of the model ({sorted(counts)})")
@@ -376,16 +377,10 @@ class LayersKeptWhole:
 
 def budgets_of(args: argparse.Namespace, model: PreTrainedModel) -> str | LayersKeptWhole:
     """What ``compact(budgets=...)`` gets: ``--budgets`` as is, or wrapped in `LayersKeptWhole` when
-    ``--uncompacted-layers`` is given (``auto``: the shipped allocation, uniform for a model it was not made for)."""
+    ``--uncompacted-layers`` is given."""
     if not args.uncompacted_layers:
         return args.budgets
-    base = HeadBudgets.uniform(model)
-    if args.budgets == "auto":
-        try:
-            base = default_head_budgets(model)
-        except ValueError:  # not the embedded model: compact()'s "auto" is uniform too
-            pass
-    return LayersKeptWhole(base, frozenset(args.uncompacted_layers))
+    return LayersKeptWhole(model, args.budgets, frozenset(args.uncompacted_layers))
 
 
 def run_label(args: argparse.Namespace, variant: Variant) -> str:

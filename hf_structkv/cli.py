@@ -123,6 +123,7 @@ def cmd_head_budgets(args) -> int:
         model,
         tokenizer,
         texts,
+        quotes=args.quotes,
         fractions=args.fractions or DEFAULT_FRACTIONS,
         method=args.method,
         max_answer_tokens=args.max_answer_tokens,
@@ -268,7 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     model_options(budgets_p)
     texts = budgets_p.add_mutually_exclusive_group()
     texts.add_argument("--text-file", action="append", help="UTF-8 text file (repeatable), disjoint from evaluations")
-    texts.add_argument("--squad-article", action="append", help="SQuAD dev article title (repeatable; default: Force)")
+    texts.add_argument(
+        "--squad-article", action="append", help="SQuAD dev article title (repeatable; default: Force, Prime_number)"
+    )
     budgets_p.add_argument("--squad-paragraphs", type=int, help="paragraphs of each article to use (default: 5)")
     budgets_p.add_argument(
         "--fractions",
@@ -276,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated retained fractions probed per head, 0 = the head removed (default: 0,0.02,0.1)",
     )
     budgets_p.add_argument("--method", default="kv_surgeon", choices=METHODS, help="per-head compaction method")
+    budgets_p.add_argument(
+        "--quotes", type=int, default=0, help="exact-lookup references per text (sentences continued verbatim)"
+    )
     budgets_p.add_argument("--max-answer-tokens", type=int, default=48, help="length of each reference answer")
     budgets_p.add_argument("--query-cap", type=int, default=4096, help="calibration queries per KV head")
     budgets_p.add_argument("--out", required=True, help="folder to write config.json and README.md")

@@ -248,10 +248,19 @@ class _HalfBudgets:
 
 
 def test_compaction_qa_layers_kept_whole_replace_only_their_counts(qa):
-    budgets = qa.LayersKeptWhole(_HalfBudgets(), frozenset({2}))
+    from hf_structkv.models import tiny_model
+
+    model = tiny_model("qwen2", vocab_size=300, num_hidden_layers=3)
+    budgets = qa.LayersKeptWhole(model, _HalfBudgets(), frozenset({2}))
     assert budgets.token_budgets(10.0, 40) == {0: [20, 1], 2: [40, 40]}
     with pytest.raises(ValueError, match=r"--uncompacted-layers: \[1\] are not global layers"):
-        qa.LayersKeptWhole(_HalfBudgets(), frozenset({1, 2})).token_budgets(10.0, 40)
+        qa.LayersKeptWhole(model, _HalfBudgets(), frozenset({1, 2})).token_budgets(10.0, 40)
+    # "auto" on a model without a shipped allocation: compact()'s uniform floor rule in the other layers
+    assert qa.LayersKeptWhole(model, "auto", frozenset({1})).token_budgets(3.0, 40) == {
+        0: [13, 13],
+        1: [40, 40],
+        2: [13, 13],
+    }
     args = qa.parse_args(["--uncompacted-layers", "13", "12", "--methods", "kv_surgeon:self_study"])
     assert args.uncompacted_layers == [13, 12]
     assert qa.run_label(args, args.variants[0]) == "kv_surgeon:self_study[12 13 whole]"
@@ -270,7 +279,7 @@ def test_compaction_qa_every_layer_whole_answers_as_the_full_cache(qa, tmp_path)
 
     model = tiny_model("qwen2", vocab_size=300, max_position_embeddings=8192)
     args = qa.parse_args(["--uncompacted-layers", "0", "1"])
-    assert isinstance(qa.budgets_of(args, model).base, qa.HeadBudgets)  # auto -> uniform for a non-embedded model
+    assert qa.budgets_of(args, model) == qa.LayersKeptWhole(model, "auto", frozenset({0, 1}))
     assert qa.budgets_of(qa.parse_args(["--budgets", "uniform"]), model) == "uniform"
     out = tmp_path / "qa.json"
     argv = ["--tiny", "--tasks", "needle", "--doc-tokens", "300", "--questions", "2", "--methods", "kv_surgeon"]

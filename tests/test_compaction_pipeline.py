@@ -383,8 +383,7 @@ def test_head_budgets_drive_calibrated_methods_and_zero_counts_keep_one_entry():
 
 
 def test_budgets_from_a_saved_file_go_through_head_budgets_load(llama, tmp_path, monkeypatch):
-    import sys
-    import types
+    from hf_structkv.compaction import pipeline
 
     loaded = []
 
@@ -396,7 +395,7 @@ def test_budgets_from_a_saved_file_go_through_head_budgets_load(llama, tmp_path,
             budgets.provenance = {"kind": "fake"}
             return budgets
 
-    monkeypatch.setitem(sys.modules, "hf_structkv.compaction.budgets", types.SimpleNamespace(HeadBudgets=HeadBudgets))
+    monkeypatch.setattr(pipeline, "HeadBudgets", HeadBudgets)
     path = tmp_path / "budgets"
     path.mkdir()
     cache = compact(llama, None, context_ids(40), ratio=4, method="streaming_llm", budgets=str(path))
@@ -424,9 +423,28 @@ def test_auto_budgets_fall_back_to_uniform_for_a_model_without_a_shipped_allocat
     assert auto.metadata["budgets"]["requested"] == "auto" and "requested" not in uniform.metadata["budgets"]
 
 
+def test_resolve_budgets_is_what_compact_keeps():
+    """`resolve_budgets` per spelling of ``budgets``; a sliding-window model's uniform rule covers its global layers
+    only; the shipped allocation needs the embedded model's structure and a ratio within its cap."""
+    from hf_structkv.compaction import UniformBudgets, resolve_budgets
+
+    gemma = tiny_model("gemma3", vocab_size=300)
+    uniform, record = resolve_budgets("uniform", gemma, 4.0)
+    assert uniform == UniformBudgets({1: 2, 3: 2})  # layers 0 and 2 slide
+    assert uniform.token_budgets(4.0, 41) == {1: [10, 10], 3: [10, 10]}
+    assert uniform.token_budgets(100.0, 41) == {1: [1, 1], 3: [1, 1]}
+    assert record["source"] == "uniform" and "requested" not in record
+    auto, record = resolve_budgets("auto", gemma, 4.0)
+    assert auto == uniform and record["requested"] == "auto"
+    fake = FakeBudgets()
+    assert resolve_budgets(fake, gemma, 4.0) == (fake, {"source": "FakeBudgets"})
+    cache = compact(gemma, None, context_ids(41), ratio=4, method="streaming_llm", budgets="uniform")
+    assert [n for n in cache.head_lengths() if n] == [[10, 10], [10, 10]]
+
+
 class TestBudgetsRejectBadInput:
     def test_not_a_budget(self, llama):
-        with pytest.raises(TypeError, match=r"budgets must be 'uniform', a HeadBudgets .* got int"):
+        with pytest.raises(TypeError, match=r"budgets must be 'uniform', 'auto', a HeadBudgets .* got int"):
             compact(llama, None, context_ids(8), method="streaming_llm", budgets=3)
 
     def test_missing_file(self, llama, tmp_path):

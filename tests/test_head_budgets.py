@@ -27,6 +27,7 @@ from hf_structkv.compaction.budgets import (
     compute_head_budgets,
     default_head_budgets,
     influence_curve,
+    quote_references,
 )
 from hf_structkv.hub import STRUCTURE_FIELDS, model_fingerprint
 from hf_structkv.models import tiny_byte_tokenizer, tiny_model
@@ -355,6 +356,35 @@ def test_compute_shapes_provenance_and_determinism(tokenizer):
     assert again.weights == budgets.weights and again.provenance["nll_increase"] == provenance["nll_increase"]
 
 
+def test_quote_references_copy_the_rest_of_a_sentence_verbatim():
+    text = TEXT + "Short one. It had   a store, a mill and\na card reader for programs! Why? "
+    pairs = quote_references(text, 10, seed=0, prefix_words=3)
+    prefixes = [q.split('begins "')[1].removesuffix('".') for q, _ in pairs]
+    assert prefixes == ["Ada Lovelace wrote", "She worked with", "It had a"]  # every eligible one, in text order
+    assert [a for _, a in pairs][2] == "store, a mill and\na card reader for programs!"  # white space as written
+    for prefix, (_, answer) in zip(prefixes, pairs):
+        assert " ".join(f"{prefix} {answer}".split()) in " ".join(text.split())
+    one = quote_references(text, 1, seed=5, prefix_words=3)
+    assert one == quote_references(text, 1, seed=5, prefix_words=3) and one[0] in pairs
+    assert {quote_references(text, 1, seed=k, prefix_words=3)[0] for k in range(20)} == set(pairs)  # seeded draws
+    assert quote_references(text, 0) == [] and quote_references("Too short.", 3) == []
+    for kwargs, message in [(dict(count=-1), "count must be an int >= 0"), (dict(prefix_words=0), "prefix_words")]:
+        with pytest.raises(ValueError, match=message):
+            quote_references(text, **{"count": 1, **kwargs})
+
+
+def test_quotes_add_teacher_forced_lookups_to_the_reference_answers(tokenizer):
+    model = tiny()
+    plain, quoted = measure(model, tokenizer), measure(model, tokenizer, quotes=2, max_answer_tokens=40)
+    [text] = quoted.provenance["texts"]
+    assert quoted.provenance["quotes_per_text"] == 2 and text["quotes"] == [q for q, _ in quote_references(TEXT, 2)]
+    rests = [tokenizer(a, add_special_tokens=False).input_ids for _, a in quote_references(TEXT, 2)]
+    assert text["answer_tokens"][2:] == [min(40, len(r)) for r in rests] and len(text["answers"]) == 2
+    assert quoted.provenance["nll_increase"] != plain.provenance["nll_increase"]
+    with pytest.raises(ValueError, match="count must be an int >= 0"):
+        measure(model, tokenizer, quotes=-1)
+
+
 def test_answer_nll_on_the_full_cache_is_the_plain_models_teacher_forced_nll():
     """Scoring a right-padded batch of question + answer rows after a keep-everything `CompactedCache` gives each
     answer's mean NLL of a plain forward over context + question + answer (no cache)."""
@@ -459,10 +489,11 @@ def test_cli_head_budgets_on_a_tiny_model(tmp_path, tokenizer):
     text_file = tmp_path / "doc.txt"
     text_file.write_text(TEXT, encoding="utf-8")
     argv = ["head-budgets", "--model", str(model_dir), "--text-file", str(text_file), "--fractions", "0,0.1"]
-    argv += ["--method", "key_norm", "--max-answer-tokens", "4", "--out", str(out)]
+    argv += ["--method", "key_norm", "--max-answer-tokens", "4", "--quotes", "1", "--out", str(out)]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         assert main(argv) == 0
     assert "head budgets of 4 KV heads from 1 text(s)" in printed.getvalue()
     budgets = HeadBudgets.load(out, model=tiny())
     assert budgets.provenance["fractions"] == [0.0, 0.1] and budgets.provenance["texts"][0]["name"] == str(text_file)
+    assert budgets.provenance["quotes_per_text"] == 1 and len(budgets.provenance["texts"][0]["quotes"]) == 1

@@ -1,10 +1,10 @@
 """Offline compaction: per-head methods (`compact_head`) and the end-to-end `compact(...)` pipeline."""
 
-from .budgets import HeadBudgets, compute_head_budgets, default_head_budgets
+from .budgets import HeadBudgets, UniformBudgets, compute_head_budgets, default_head_budgets
 from .chunks import chunk_spans, context_documents
 from .dataset import compact_dataset, compact_document
 from .methods import HEAD_METHODS, CompactedHead, HeadMethod, compact_head, register, relative_loss
-from .pipeline import METHODS, QUERY_TIERS, compact, prefill_context
+from .pipeline import METHODS, QUERY_TIERS, compact, prefill_context, resolve_budgets
 from .queries import Conversation, capture_queries, conversation_queries, repeat_pass_queries, subsample_queries
 from .self_study import SelfStudy, self_study_conversations, self_study_queries
 
@@ -17,6 +17,7 @@ __all__ = [
     "Conversation",
     "HeadMethod",
     "SelfStudy",
+    "UniformBudgets",
     "capture_queries",
     "chunk_spans",
     "compact",
@@ -31,6 +32,7 @@ __all__ = [
     "register",
     "relative_loss",
     "repeat_pass_queries",
+    "resolve_budgets",
     "self_study_conversations",
     "self_study_queries",
     "subsample_queries",

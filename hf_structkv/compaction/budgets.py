@@ -21,6 +21,8 @@ import json
 import math
 import numbers
 import os
+import random
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,7 +51,7 @@ from ..hub import (
 )
 from ..prompts import document_chat_prompt
 from .methods import HEAD_METHODS, compact_head
-from .pipeline import prefill_context
+from .prefill import prefill_context
 from .queries import repeat_pass_queries
 
 __all__ = [
@@ -57,7 +59,9 @@ __all__ = [
     "CAP_FRACTION",
     "DEFAULT_QUESTIONS",
     "HeadBudgets",
+    "UniformBudgets",
     "allocate_shares",
+    "quote_references",
     "compute_head_budgets",
     "default_head_budgets",
 ]
@@ -354,6 +358,27 @@ class HeadBudgets:
         )
 
 
+@dataclass(frozen=True)
+class UniformBudgets:
+    """``compact(budgets="uniform")``: every KV head of every global layer keeps ``max(1, floor(length / ratio))``
+    entries, at any ratio (unlike `HeadBudgets.uniform`, whose equal shares obey the cap and the exact total).
+
+    Attributes:
+        heads: ``{global layer index: KV heads}``.
+    """
+
+    heads: dict[int, int]
+
+    @classmethod
+    def of(cls, model: PreTrainedModel) -> UniformBudgets:
+        fingerprint = model_fingerprint(model)
+        return cls({layer: fingerprint["num_key_value_heads"] for layer in _global_layers(fingerprint)})
+
+    def token_budgets(self, ratio: float, length: int) -> dict[int, list[int]]:
+        """``{global layer index: [max(1, floor(length / ratio))] * KV heads}``."""
+        return {layer: [max(1, math.floor(length / ratio))] * n for layer, n in self.heads.items()}
+
+
 def _model_card(config: dict[str, Any], repo_id: str | None) -> str:
     """``README.md`` of saved budgets: what they are, how to use them, how they were computed."""
     metadata = {"fingerprint": config["fingerprint"]}
@@ -506,6 +531,38 @@ def allocate_shares(
 
 
 # ---------------------------------------------------------------------------------------------------- measurement
+QUOTE_PREFIX_WORDS = 5
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def quote_references(
+    text: str, count: int, seed: int = 0, prefix_words: int = QUOTE_PREFIX_WORDS
+) -> list[tuple[str, str]]:
+    """``count`` exact-lookup references of ``text``: (question, answer) pairs whose answer is text copied verbatim.
+
+    The text is split into sentences at ``.``, ``!`` or ``?`` followed by white space; ``count`` of the sentences
+    with more than ``prefix_words + 2`` words are drawn without replacement (seeded, in text order). Each question
+    gives a sentence's first ``prefix_words`` words and asks for the rest word for word; the answer is that rest as
+    it stands in the text. Unlike a model-generated answer, it can only be reproduced by looking the sentence up, so
+    its likelihood measures what a head contributes to exact recall (names, numbers).
+
+    Returns:
+        ``min(count, eligible sentences)`` pairs; empty for ``count=0``.
+
+    Raises:
+        ValueError: ``count`` or ``prefix_words`` is not an int (>= 0, resp. >= 1).
+    """
+    for name, value, least in (("count", count, 0), ("prefix_words", prefix_words, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    head = re.compile(rf"((?:\S+\s+){{{prefix_words - 1}}}\S+)\s+(\S.*)", re.DOTALL)  # first words, the rest
+    splits = [head.fullmatch(s.strip()) for s in _SENTENCE_END.split(text)]
+    eligible = [m for m in splits if m is not None and len(m.group(2).split()) > 2]
+    chosen = sorted(random.Random(seed).sample(range(len(eligible)), min(count, len(eligible))))
+    question = 'Continue, word for word, the sentence of the text above that begins "{}".'
+    return [(question.format(" ".join(eligible[i].group(1).split())), eligible[i].group(2)) for i in chosen]
+
+
 @dataclass(frozen=True)
 class _ReferenceAnswers:
     """Question + answer token sequences, right padded: ``ids [B, n]``; answer ``b`` occupies positions
@@ -569,6 +626,7 @@ def _text_increases(
     tokenizer: PreTrainedTokenizerBase,
     text: str,
     questions: Sequence[str],
+    quotes: int,
     fractions: Sequence[float],
     method: str,
     hparams: dict[str, Any],
@@ -580,14 +638,18 @@ def _text_increases(
     """NLL increases ``[global layers * H_kv, K]`` of one text (heads layer-major) and a description of the text."""
     context_text, suffix = document_chat_prompt(tokenizer, text)
     context_ids = tokenizer(context_text, return_tensors="pt", add_special_tokens=False).input_ids
-    question_ids = [
-        tokenizer(q + suffix, return_tensors="pt", add_special_tokens=False).input_ids[0] for q in questions
-    ]
+
+    def ids(piece: str) -> torch.Tensor:
+        return tokenizer(piece, return_tensors="pt", add_special_tokens=False).input_ids[0]
+
+    lookups = quote_references(text, quotes, seed)
+    question_ids = [ids(q + suffix) for q in [*questions, *(q for q, _ in lookups)]]
     cache = prefill_context(model, context_ids)
     length = context_ids.shape[1]
     everything = _keep_everything(cache)
     full = CompactedCache.from_selection(cache, everything)
-    answers = [_generate_answer(model, full, q, max_answer_tokens) for q in question_ids]
+    answers = [_generate_answer(model, full, q, max_answer_tokens) for q in question_ids[: len(questions)]]
+    answers += [ids(answer)[:max_answer_tokens] for _, answer in lookups]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     reference = _ReferenceAnswers.build(question_ids, answers, pad_id)
     baseline = reference.nll(model, full)
@@ -617,7 +679,8 @@ def _text_increases(
     description = {
         "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
         "tokens": length,
-        "answers": [tokenizer.decode(a, skip_special_tokens=True) for a in answers],
+        "answers": [tokenizer.decode(a, skip_special_tokens=True) for a in answers[: len(questions)]],
+        "quotes": [q for q, _ in lookups],
         "answer_tokens": [len(a) for a in answers],
         "baseline_nll": baseline,
     }
@@ -642,6 +705,7 @@ def compute_head_budgets(
     tokenizer: PreTrainedTokenizerBase,
     texts: Sequence[str],
     questions: Sequence[str] = DEFAULT_QUESTIONS,
+    quotes: int = 0,
     fractions: Sequence[float] = DEFAULT_FRACTIONS,
     method: str = "kv_surgeon",
     target_ratios: Sequence[float] = DEFAULT_TARGET_RATIOS,
@@ -658,7 +722,9 @@ def compute_head_budgets(
 
     For each text: the text is wrapped in the tokenizer's chat template (``document_chat_prompt``) and prefilled;
     the model answers each of ``questions`` greedily from the full cache (at most ``max_answer_tokens`` tokens):
-    these are the reference answers, never seen by the compaction. Then, for every KV head of every global layer
+    these are the reference answers, never seen by the compaction. With ``quotes``, `quote_references` adds that
+    many exact-lookup references per text (a sentence's first words given, the rest of it, verbatim from the text, as
+    the answer), which generic answers rarely depend on. Then, for every KV head of every global layer
     and every retained fraction ``f``, that head alone is compacted to ``round(f * T)`` entries (``0``: the head is
     removed) with `compact_head` (``method``; a calibrated method gets the repeat-pass queries of the full cache,
     at most ``query_cap`` per KV head), every other head kept whole, and the increase of the answers'
@@ -674,6 +740,8 @@ def compute_head_budgets(
     Args:
         texts: documents (plain text) disjoint from any evaluation.
         questions: asked about every text; each is followed by the end of the user turn and the assistant header.
+        quotes: exact-lookup references per text (0: only the answers to ``questions``); each answer is cut to
+            ``max_answer_tokens`` tokens like the generated ones.
         fractions: strictly increasing retained fractions in ``[0, 1)``.
         method: a key of `HEAD_METHODS`; ``**hparams`` its hyper-parameters.
         target_ratios, solver_steps, floor: see `allocate_shares`.
@@ -697,6 +765,7 @@ def compute_head_budgets(
     for name, value in (("max_answer_tokens", max_answer_tokens), ("query_cap", query_cap)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    quote_references("", quotes)  # validates quotes before the long measurement
     fingerprint = model_fingerprint(model, tokenizer)
     layers, n_kv = _global_layers(fingerprint), fingerprint["num_key_value_heads"]
     start = time.perf_counter()
@@ -706,7 +775,18 @@ def compute_head_budgets(
     with tqdm(total=total, desc=f"head sensitivity ({method})", unit="probe", disable=not progress) as bar:
         for text in texts:
             increases, description = _text_increases(
-                model, tokenizer, text, questions, fractions, method, hparams, max_answer_tokens, query_cap, seed, bar
+                model,
+                tokenizer,
+                text,
+                questions,
+                quotes,
+                fractions,
+                method,
+                hparams,
+                max_answer_tokens,
+                query_cap,
+                seed,
+                bar,
             )
             curves.append(increases)
             described.append(description)
@@ -723,6 +803,7 @@ def compute_head_budgets(
         "query_cap_per_head": query_cap,
         "fractions": fractions,
         "questions": list(questions),
+        "quotes_per_text": quotes,
         "max_answer_tokens": max_answer_tokens,
         "texts": described,
         "target_ratios": [float(r) for r in target_ratios],

@@ -26,13 +26,14 @@ from ..attention.registry import enable
 from ..cache.compacted import CompactedCache
 from ..hub import model_fingerprint
 from .block_replay import BlockReplay
+from .budgets import CAP_FRACTION, HeadBudgets, UniformBudgets, default_head_budgets
 from .chunks import Context, chunk_spans, context_documents
 from .methods import HEAD_METHODS, CalibratedMethod, CompactedHead, compact_head, relative_loss
 from .prefill import prefill_context
 from .queries import DEFAULT_CAP, DEFAULT_INSTRUCTION, Conversation, conversation_queries, repetition_conversation
 from .self_study import SelfStudy, self_study_conversations
 
-__all__ = ["METHODS", "QUERY_TIERS", "compact", "prefill_context"]
+__all__ = ["METHODS", "QUERY_TIERS", "compact", "prefill_context", "resolve_budgets"]
 
 METHODS = tuple(sorted(HEAD_METHODS))
 QUERY_TIERS = ("repeat", "self_study")
@@ -79,38 +80,37 @@ def _split_queries(queries: torch.Tensor, heldout_fraction: float, cap: int, see
     return queries[:, order[n_heldout:][:cap]], queries[:, order[:n_heldout]]
 
 
-def _budget_source(budgets, model: PreTrainedModel, ratio: float) -> tuple[object | None, dict]:
-    """``budgets`` -> (an object with ``token_budgets(ratio, length)``, or None for uniform; its metadata record).
+def resolve_budgets(budgets, model: PreTrainedModel, ratio: float) -> tuple[object, dict]:
+    """What ``compact(budgets=...)`` does with ``budgets`` at ``ratio``: (an object with
+    ``token_budgets(ratio, length) -> {global layer: [kept entries per KV head]}``, its metadata record).
 
-    ``"auto"`` is the shipped allocation when it was computed for ``model``'s structure and ``ratio`` is within its
-    range (``ratio >= 1 / CAP_FRACTION``: no head keeps more than that share), uniform otherwise.
+    ``"uniform"`` is `UniformBudgets`. ``"auto"`` is the shipped allocation when it was computed for ``model``'s
+    structure and ``ratio`` is within its range (``ratio >= 1 / CAP_FRACTION``: no head keeps more than that share),
+    uniform otherwise. A path or Hub id is read by ``HeadBudgets.load(path, model=model)``, which checks that it was
+    computed for ``model``. An object with ``token_budgets`` is used as it is.
 
-    A path or Hub id is read by ``HeadBudgets.load(path, model=model)``, which checks that it was computed for
-    ``model``.
+    Raises:
+        TypeError: ``budgets`` is none of these.
     """
     uniform = {"source": "uniform", "rule": "max(1, floor(chunk_length / ratio)) per KV head"}
     if isinstance(budgets, str) and budgets == "uniform":
-        return None, uniform
+        return UniformBudgets.of(model), uniform
     if isinstance(budgets, str) and budgets == "auto":
-        from .budgets import CAP_FRACTION, default_head_budgets
-
         if ratio * CAP_FRACTION < 1:  # every head keeps more than the allocation's cap: only uniform fits
-            return None, uniform | {"requested": "auto"}
+            return UniformBudgets.of(model), uniform | {"requested": "auto"}
         try:
             shipped = default_head_budgets(model)
         except ValueError:  # another attention structure: no shipped allocation applies
-            return None, uniform | {"requested": "auto"}
+            return UniformBudgets.of(model), uniform | {"requested": "auto"}
         return shipped, {"source": "shipped", "requested": "auto", "provenance": shipped.provenance}
     if isinstance(budgets, (str, os.PathLike)):
-        from .budgets import HeadBudgets
-
         source, record = HeadBudgets.load(budgets, model=model), {"source": "HeadBudgets.load", "path": str(budgets)}
     elif callable(getattr(budgets, "token_budgets", None)):
         source, record = budgets, {"source": type(budgets).__name__}
     else:
         raise TypeError(
-            "budgets must be 'uniform', a HeadBudgets (an object with token_budgets(ratio, length)) or the path of a "
-            f"saved one, got {type(budgets).__name__}"
+            "budgets must be 'uniform', 'auto', a HeadBudgets (an object with token_budgets(ratio, length)) or the "
+            f"path of a saved one, got {type(budgets).__name__}"
         )
     provenance = getattr(source, "provenance", None)
     if provenance is not None:
@@ -119,15 +119,10 @@ def _budget_source(budgets, model: PreTrainedModel, ratio: float) -> tuple[objec
 
 
 def _token_budgets(source, ratio: float, length: int, cache: DynamicCache) -> dict[int, list[int]]:
-    """Kept entries per KV head of every global layer for a chunk of ``length`` tokens, each at least 1.
-
-    Uniform (``source=None``): ``max(1, floor(length / ratio))`` for every head. Otherwise
-    ``source.token_budgets(ratio, length)``, checked against the cache's global layers and KV heads; a count of 0 is
-    raised to 1 (as the uniform rule does), since a head keeps at least one entry.
-    """
+    """Kept entries per KV head of every global layer for a chunk of ``length`` tokens, each at least 1:
+    ``source.token_budgets(ratio, length)`` checked against the cache's global layers and KV heads; a count of 0 is
+    raised to 1 (as the uniform rule does), since a head keeps at least one entry."""
     heads = {i: layer.keys.shape[1] for i, layer in enumerate(cache.layers) if not layer.is_sliding}
-    if source is None:
-        return {i: [max(1, math.floor(length / ratio))] * n for i, n in heads.items()}
     counts = source.token_budgets(ratio, length)
     budgets = {}
     for layer_idx, n_heads in heads.items():
@@ -284,7 +279,7 @@ def compact(
     if self_study is not None and not isinstance(self_study, SelfStudy):
         raise TypeError(f"self_study must be a SelfStudy or None, got {type(self_study).__name__}")
     self_study = SelfStudy() if self_study is None else self_study
-    budget_source, budget_record = _budget_source(budgets, model, ratio)
+    budget_source, budget_record = resolve_budgets(budgets, model, ratio)
     context_ids, document_lengths = context_documents(tokenizer, context)
     spans = chunk_spans(document_lengths, chunk_tokens)
     start = time.perf_counter()
@@ -331,7 +326,7 @@ def compact(
                     heldout_losses.setdefault(layer_idx, []).append(loss)
             per_chunk.append(heads)
         selection.set_layer(layer_idx, [_in_context(list(chunk_heads), spans) for chunk_heads in zip(*per_chunk)])
-    if budget_source is not None:
+    if not isinstance(budget_source, UniformBudgets):  # the uniform rule is in the record already
         budget_record["kept_per_chunk"] = [{str(k): v for k, v in counts.items()} for counts in chunk_budgets]
     metadata = {
         "fingerprint": model_fingerprint(model, tokenizer),
