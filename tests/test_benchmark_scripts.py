@@ -275,12 +275,17 @@ def test_compaction_qa_layers_kept_whole_replace_only_their_counts(qa):
 
 def test_compaction_qa_every_layer_whole_answers_as_the_full_cache(qa, tmp_path):
     pytest.importorskip("long_context_eval")
+    from hf_structkv.compaction import HeadBudgets
     from hf_structkv.models import tiny_model
 
     model = tiny_model("qwen2", vocab_size=300, max_position_embeddings=8192)
     args = qa.parse_args(["--uncompacted-layers", "0", "1"])
     assert qa.budgets_of(args, model) == qa.LayersKeptWhole(model, "auto", frozenset({0, 1}))
     assert qa.budgets_of(qa.parse_args(["--budgets", "uniform"]), model) == "uniform"
+    HeadBudgets.uniform(model).save_pretrained(tmp_path / "equal")
+    assert qa.budgets_of(qa.parse_args(["--budgets", str(tmp_path / "equal")]), model) == str(tmp_path / "equal")
+    with pytest.raises(SystemExit):
+        qa.parse_args(["--budgets", str(tmp_path / "missing")])
     out = tmp_path / "qa.json"
     argv = ["--tiny", "--tasks", "needle", "--doc-tokens", "300", "--questions", "2", "--methods", "kv_surgeon"]
     argv += ["--ratios", "10", "--max-new-tokens", "4", "--query-cap", "64", "--uncompacted-layers", "0", "1"]

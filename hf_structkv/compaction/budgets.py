@@ -4,12 +4,15 @@ KV-Surgeon seed, appendix "Compaction ratio and per-head budgets" (restated in `
 ``(l, h)`` keeps its own fraction ``r_lh`` of the context, the mean over heads is ``1/ratio``, every head is capped at
 ``r_lh <= 0.75`` and the budget a capped head cannot use goes to the other heads in proportion to their shares. The
 shares are computed once per model from per-head influence curves (how the log-perplexity of model-generated
-reference answers grows as that head alone is compressed) and reused for every ratio by rescaling.
+reference answers, and optionally of exact-lookup quotes of the text, grows as that head alone is compressed) and reused
+for every ratio by rescaling.
 
 * `HeadBudgets`: the ratio-agnostic shares of one model (with its fingerprint and how they were computed),
   `HeadBudgets.token_budgets` turns them into kept-entry counts for a ratio and a context length; saved as JSON
   (``config.json`` + a model card ``README.md``), loadable from a folder, a JSON file or the Hub.
-* `compute_head_budgets`: measures the influence curves on texts and solves for the shares (`allocate_shares`).
+* `compute_head_budgets`: measures the influence curves on texts and solves for the shares (`allocate_shares`);
+  `quote_references` makes its exact-lookup references.
+* `UniformBudgets`: ``compact(budgets="uniform")``'s floor rule, with the same ``token_budgets`` interface.
 * `default_head_budgets`: the allocation shipped for the embedded default model.
 """
 
