@@ -368,7 +368,7 @@ def test_quote_references_copy_the_rest_of_a_sentence_verbatim():
     assert one == quote_references(text, 1, seed=5, prefix_words=3) and one[0] in pairs
     assert {quote_references(text, 1, seed=k, prefix_words=3)[0] for k in range(20)} == set(pairs)  # seeded draws
     assert quote_references(text, 0) == [] and quote_references("Too short.", 3) == []
-    for kwargs, message in [(dict(count=-1), "count must be an int >= 0"), (dict(prefix_words=0), "prefix_words")]:
+    for kwargs, message in [(dict(count=-1), "count must be an integer >= 0"), (dict(prefix_words=0), "prefix_words")]:
         with pytest.raises(ValueError, match=message):
             quote_references(text, **{"count": 1, **kwargs})
 
@@ -381,7 +381,7 @@ def test_quotes_add_teacher_forced_lookups_to_the_reference_answers(tokenizer):
     rests = [tokenizer(a, add_special_tokens=False).input_ids for _, a in quote_references(TEXT, 2)]
     assert text["answer_tokens"][2:] == [min(40, len(r)) for r in rests] and len(text["answers"]) == 2
     assert quoted.provenance["nll_increase"] != plain.provenance["nll_increase"]
-    with pytest.raises(ValueError, match="count must be an int >= 0"):
+    with pytest.raises(ValueError, match="quotes must be an integer >= 0"):
         measure(model, tokenizer, quotes=-1)
 
 

@@ -53,7 +53,7 @@ from ..hub import (
     model_fingerprint,
 )
 from ..prompts import document_chat_prompt
-from .methods import HEAD_METHODS, compact_head
+from .methods import HEAD_METHODS, _check_int, compact_head
 from .prefill import prefill_context
 from .queries import repeat_pass_queries
 
@@ -553,11 +553,10 @@ def quote_references(
         ``min(count, eligible sentences)`` pairs; empty for ``count=0``.
 
     Raises:
-        ValueError: ``count`` or ``prefix_words`` is not an int (>= 0, resp. >= 1).
+        ValueError: ``count`` or ``prefix_words`` is not an integer (>= 0, resp. >= 1).
     """
-    for name, value, least in (("count", count, 0), ("prefix_words", prefix_words, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    _check_int("count", count, 0)
+    _check_int("prefix_words", prefix_words, 1)
     head = re.compile(rf"((?:\S+\s+){{{prefix_words - 1}}}\S+)\s+(\S.*)", re.DOTALL)  # first words, the rest
     splits = [head.fullmatch(s.strip()) for s in _SENTENCE_END.split(text)]
     eligible = [m for m in splits if m is not None and len(m.group(2).split()) > 2]
@@ -768,7 +767,7 @@ def compute_head_budgets(
     for name, value in (("max_answer_tokens", max_answer_tokens), ("query_cap", query_cap)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    quote_references("", quotes)  # validates quotes before the long measurement
+    _check_int("quotes", quotes, 0)
     fingerprint = model_fingerprint(model, tokenizer)
     layers, n_kv = _global_layers(fingerprint), fingerprint["num_key_value_heads"]
     start = time.perf_counter()
