@@ -438,7 +438,8 @@ def test_calibrated_method_on_a_model_with_sliding_layers(tokenizer):
         (dict(fractions=(0.0, 1.0)), "fractions must be strictly increasing"),
         (dict(method="best"), "method must be one of"),
         (dict(method="kv_surgeon", pool_factor=0.5), "pool_factor must be >= 1"),
-        (dict(max_answer_tokens=0), "max_answer_tokens must be a positive int"),
+        (dict(max_answer_tokens=0), "max_answer_tokens must be an integer >= 1"),
+        (dict(query_cap=True), "query_cap must be an integer >= 1"),
         (dict(text_names=["a", "b"]), "text_names must name each of the 1 texts"),
     ],
 )

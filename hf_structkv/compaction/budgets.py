@@ -623,19 +623,23 @@ def _probe_cache(
     return CompactedCache.from_selection(cache, indices, biases, served)
 
 
+@dataclass(frozen=True)
+class _ProbeSetting:
+    """What `compute_head_budgets` measures on every text: the reference questions and quotes, the retained fractions
+    probed, the compaction method and its hyper-parameters, the answer length cap, the query cap and the seed."""
+
+    questions: tuple[str, ...]
+    quotes: int
+    fractions: tuple[float, ...]
+    method: str
+    hparams: dict[str, Any]
+    max_answer_tokens: int
+    query_cap: int
+    seed: int
+
+
 def _text_increases(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    text: str,
-    questions: Sequence[str],
-    quotes: int,
-    fractions: Sequence[float],
-    method: str,
-    hparams: dict[str, Any],
-    max_answer_tokens: int,
-    query_cap: int,
-    seed: int,
-    bar: tqdm,
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, text: str, setting: _ProbeSetting, bar: tqdm
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """NLL increases ``[global layers * H_kv, K]`` of one text (heads layer-major) and a description of the text."""
     context_text, suffix = document_chat_prompt(tokenizer, text)
@@ -644,34 +648,43 @@ def _text_increases(
     def ids(piece: str) -> torch.Tensor:
         return tokenizer(piece, return_tensors="pt", add_special_tokens=False).input_ids[0]
 
-    lookups = quote_references(text, quotes, seed)
-    question_ids = [ids(q + suffix) for q in [*questions, *(q for q, _ in lookups)]]
+    lookups = quote_references(text, setting.quotes, setting.seed)
+    question_ids = [ids(q + suffix) for q in [*setting.questions, *(q for q, _ in lookups)]]
     cache = prefill_context(model, context_ids)
     length = context_ids.shape[1]
     everything = _keep_everything(cache)
     full = CompactedCache.from_selection(cache, everything)
-    answers = [_generate_answer(model, full, q, max_answer_tokens) for q in question_ids[: len(questions)]]
-    answers += [ids(answer)[:max_answer_tokens] for _, answer in lookups]
+    answers = [
+        _generate_answer(model, full, q, setting.max_answer_tokens) for q in question_ids[: len(setting.questions)]
+    ]
+    answers += [ids(answer)[: setting.max_answer_tokens] for _, answer in lookups]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     reference = _ReferenceAnswers.build(question_ids, answers, pad_id)
     baseline = reference.nll(model, full)
     queries = None
-    if HEAD_METHODS[method].needs_queries:
-        queries = repeat_pass_queries(model, tokenizer, context_ids, cap=query_cap, seed=seed)
+    if HEAD_METHODS[setting.method].needs_queries:
+        queries = repeat_pass_queries(model, tokenizer, context_ids, cap=setting.query_cap, seed=setting.seed)
     scalings = attention_scalings(model)
     rows = []
     for layer_idx in [i for i, layer_indices in enumerate(everything) if layer_indices is not None]:
         keys, values = cache.layers[layer_idx].keys[0], cache.layers[layer_idx].values[0]
         for h in range(keys.shape[0]):
             row = []
-            for fraction in fractions:
+            for fraction in setting.fractions:
                 budget = round(fraction * length)
                 if budget == 0:  # the head removed
                     kept, bias, kept_values = torch.zeros(0, dtype=torch.long), torch.zeros(0), values[h, :0]
                 else:
                     head_queries = None if queries is None else queries[layer_idx][h]
                     head = compact_head(
-                        keys[h], values[h], head_queries, budget, method, scalings.get(layer_idx), seed, **hparams
+                        keys[h],
+                        values[h],
+                        head_queries,
+                        budget,
+                        setting.method,
+                        scalings.get(layer_idx),
+                        setting.seed,
+                        **setting.hparams,
                     )
                     kept, bias, kept_values = head.indices, head.bias, head.values
                 probe = _probe_cache(cache, everything, layer_idx, h, kept, bias, kept_values)
@@ -681,7 +694,7 @@ def _text_increases(
     description = {
         "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
         "tokens": length,
-        "answers": [tokenizer.decode(a, skip_special_tokens=True) for a in answers[: len(questions)]],
+        "answers": [tokenizer.decode(a, skip_special_tokens=True) for a in answers[: len(setting.questions)]],
         "quotes": [q for q, _ in lookups],
         "answer_tokens": [len(a) for a in answers],
         "baseline_nll": baseline,
@@ -764,10 +777,12 @@ def compute_head_budgets(
     if method not in HEAD_METHODS:
         raise ValueError(f"method must be one of {sorted(HEAD_METHODS)}, got {method!r}")
     HEAD_METHODS[method](**hparams)  # validates the hyper-parameters before the long measurement
-    for name, value in (("max_answer_tokens", max_answer_tokens), ("query_cap", query_cap)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    _check_int("max_answer_tokens", max_answer_tokens, 1)
+    _check_int("query_cap", query_cap, 1)
     _check_int("quotes", quotes, 0)
+    setting = _ProbeSetting(
+        tuple(questions), quotes, tuple(fractions), method, dict(hparams), max_answer_tokens, query_cap, seed
+    )
     fingerprint = model_fingerprint(model, tokenizer)
     layers, n_kv = _global_layers(fingerprint), fingerprint["num_key_value_heads"]
     start = time.perf_counter()
@@ -776,20 +791,7 @@ def compute_head_budgets(
     total = len(texts) * len(layers) * n_kv * len(fractions)
     with tqdm(total=total, desc=f"head sensitivity ({method})", unit="probe", disable=not progress) as bar:
         for text in texts:
-            increases, description = _text_increases(
-                model,
-                tokenizer,
-                text,
-                questions,
-                quotes,
-                fractions,
-                method,
-                hparams,
-                max_answer_tokens,
-                query_cap,
-                seed,
-                bar,
-            )
+            increases, description = _text_increases(model, tokenizer, text, setting, bar)
             curves.append(increases)
             described.append(description)
     increases = torch.stack(curves).mean(dim=0)  # [global layers * H_kv, K]
