@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from . import __version__
 from .attention.registry import enable
 from .cache.compacted_layers import CompactedLayer, SharedContextSlidingLayer
+from .validation import is_int
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -383,7 +384,7 @@ def _check_config(config: dict[str, Any]) -> None:
             f"{FORMAT_VERSION}); a newer hf_structkv may read it"
         )
     length = config.get("original_length")
-    if not _is_int(length) or length < 1:
+    if not is_int(length) or length < 1:
         raise ValueError(f"original_length in {CONFIG_NAME} must be a positive integer, got {length!r}")
     if config.get("dtype") not in _DTYPES:
         raise ValueError(f"dtype in {CONFIG_NAME} must be one of {sorted(_DTYPES)}, got {config.get('dtype')!r}")
@@ -408,7 +409,7 @@ def _check_layer_description(i: int, desc: Any, original_length: int) -> None:
         if (
             not isinstance(lengths, list)
             or not lengths
-            or not all(_is_int(n) and 0 <= n <= original_length for n in lengths)
+            or not all(is_int(n) and 0 <= n <= original_length for n in lengths)
         ):
             raise ValueError(
                 f"layers[{i}].head_lengths in {CONFIG_NAME} must list one kept-entry count in "
@@ -416,7 +417,7 @@ def _check_layer_description(i: int, desc: Any, original_length: int) -> None:
             )
     elif kind == "sliding":
         window = desc.get("sliding_window")
-        if not _is_int(window) or window < 2:
+        if not is_int(window) or window < 2:
             raise ValueError(f"layers[{i}].sliding_window in {CONFIG_NAME} must be an integer >= 2, got {window!r}")
     else:
         raise ValueError(f"layers[{i}] in {CONFIG_NAME} must have type 'compacted' or 'sliding', got {desc!r}")
@@ -529,10 +530,6 @@ def _build_layers(
         else:
             layers.append(SharedContextSlidingLayer(desc["sliding_window"], *parts, length))
     return layers
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # ---------------------------------------------------------------------------------------------------- Hub

@@ -78,9 +78,9 @@ def test_chunk_spans_pack_whole_documents_greedily(lengths, chunk_tokens):
             assert next_start + document_at[next_start] - start > chunk_tokens
 
 
-@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
-def test_chunk_spans_reject_bad_chunk_tokens(bad):
-    with pytest.raises(ValueError, match=r"chunk_tokens must be a positive int \(tokens per chunk\) or None"):
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (-1, ValueError), (2.5, TypeError), (True, TypeError)])
+def test_chunk_spans_reject_bad_chunk_tokens(bad, error):
+    with pytest.raises(error, match=r"chunk_tokens must be an integer >= 1 \(tokens per chunk\) or None"):
         chunk_spans([5], bad)
     with pytest.raises(ValueError, match="document_lengths must be positive ints"):
         chunk_spans([], 4)

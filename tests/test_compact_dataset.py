@@ -288,10 +288,10 @@ def test_settings_record_objects_by_their_description(tmp_path, llama, rows):
 @pytest.mark.parametrize(
     "index, count, error, message",
     [
-        (2, 2, ValueError, r"need 0 <= process_index < num_processes, got 2 and 2"),
-        (0, 0, ValueError, r"need 0 <= process_index < num_processes"),
-        (True, 2, TypeError, r"process_index must be an int, got bool"),
-        (0, 2.0, TypeError, r"num_processes must be an int, got float"),
+        (2, 2, ValueError, r"process_index must be an integer in \[0, 1\], got 2"),
+        (0, 0, ValueError, r"num_processes must be an integer >= 1, got 0"),
+        (True, 2, TypeError, r"process_index must be an integer in \[0, 1\], got True"),
+        (0, 2.0, TypeError, r"num_processes must be an integer >= 1, got 2.0"),
     ],
 )
 def test_compact_dataset_checks_process_arguments(tmp_path, llama, rows, index, count, error, message):

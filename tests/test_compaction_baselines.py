@@ -274,15 +274,15 @@ def test_degenerate_inputs_give_finite_outputs(method, hparams, case):
 
 
 @pytest.mark.parametrize(
-    ("method", "hparams", "match"),
+    ("method", "hparams", "error", "match"),
     [
-        ("am_omp", {"keys_per_step": 0}, "keys_per_step"),
-        ("am_omp", {"keys_per_step": 1.5}, "keys_per_step"),
-        ("h2o", {"recent_tokens": -1}, "recent_tokens"),
-        ("kvzip", {"bias_bound": 0.0}, "bias_bound"),
+        ("am_omp", {"keys_per_step": 0}, ValueError, "keys_per_step must be an integer >= 1, got 0"),
+        ("am_omp", {"keys_per_step": 1.5}, TypeError, "keys_per_step must be an integer >= 1, got 1.5"),
+        ("h2o", {"recent_tokens": -1}, ValueError, "recent_tokens must be an integer >= 0, got -1"),
+        ("kvzip", {"bias_bound": 0.0}, ValueError, "bias_bound"),
     ],
 )
-def test_bad_hyperparameters_raise_naming_them(method, hparams, match):
+def test_bad_hyperparameters_raise_naming_them(method, hparams, error, match):
     keys, values, calib, _ = random_head(0)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         compact_head(keys, values, calib, 4, method=method, **hparams)

@@ -97,9 +97,9 @@ def test_prefill_in_pieces_equals_one_forward(llama, prefill_chunk_tokens):
         torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
-def test_prefill_rejects_bad_piece_sizes(llama, bad):
-    with pytest.raises(ValueError, match="prefill_chunk_tokens must be a positive int or None"):
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (-3, ValueError), (2.5, TypeError), (True, TypeError)])
+def test_prefill_rejects_bad_piece_sizes(llama, bad, error):
+    with pytest.raises(error, match=r"prefill_chunk_tokens must be an integer >= 1 \(tokens per forward\) or None"):
         prefill_context(llama, context_ids(8), prefill_chunk_tokens=bad)
 
 
@@ -200,9 +200,9 @@ class TestCompactRejectsBadInput:
         with pytest.raises(ValueError, match=r"ratio must be a finite number >= 1 \(original / kept entries\), got"):
             compact(llama, None, context_ids(8), method="streaming_llm", ratio=ratio)
 
-    @pytest.mark.parametrize("sinks", [-1, 2.0])
-    def test_sink_tokens(self, llama, sinks):
-        with pytest.raises(ValueError, match=r"sink_tokens must be an integer >= 0, got"):
+    @pytest.mark.parametrize("sinks, error", [(-1, ValueError), (2.0, TypeError)])
+    def test_sink_tokens(self, llama, sinks, error):
+        with pytest.raises(error, match=r"sink_tokens must be an integer >= 0, got"):
             compact(llama, None, context_ids(8), method="streaming_llm", sink_tokens=sinks)
 
     @pytest.mark.parametrize(

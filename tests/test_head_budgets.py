@@ -140,8 +140,7 @@ def test_zero_shares_keep_one_entry_and_uniform_is_even():
         (math.nan, 100, "ratio must be a finite number > 0"),
         (True, 100, "ratio must be a finite number > 0"),
         ("10", 100, "ratio must be a finite number > 0"),
-        (10.0, 0, "length must be a positive integer"),
-        (10.0, 10.5, "length must be a positive integer"),
+        (10.0, 0, r"length must be an integer >= 1 \(context tokens\), got 0"),
         (200.0, 100, r"each head keeps at least one: use ratio <= 100"),
         (1.0, 100, r"above the cap of 75 .* use ratio >= 1.333"),
         (1.0, 1, r"above the cap of 0 .* a 1-token context cannot be compacted"),
@@ -150,6 +149,8 @@ def test_zero_shares_keep_one_entry_and_uniform_is_even():
 def test_token_budgets_rejects_bad_input(ratio, length, message):
     with pytest.raises(ValueError, match=message):
         HeadBudgets.uniform(tiny()).token_budgets(ratio, length)
+    with pytest.raises(TypeError, match=r"length must be an integer >= 1 \(context tokens\), got 10.5"):
+        HeadBudgets.uniform(tiny()).token_budgets(10.0, 10.5)
 
 
 # ---------------------------------------------------------------------------------------------------- HeadBudgets
@@ -321,7 +322,7 @@ def test_a_head_that_hurts_more_gets_more_and_flat_curves_are_uniform():
     assert allocate_shares([0.0, 0.1], increases[:, :2], floor=1.0).tolist() == pytest.approx([1 / 3] * 3)
     for kwargs, message in [
         (dict(increases=torch.zeros(4, 3)), r"increases must be a finite \[heads, 2\]"),
-        (dict(steps=0), "steps must be a positive int"),
+        (dict(steps=0), "steps must be an integer >= 1"),
         (dict(target_ratios=[0.0]), "target_ratios must be finite numbers > 0"),
         (dict(floor=1.5), r"floor must be in \[0, 1\]"),
     ]:
@@ -439,7 +440,6 @@ def test_calibrated_method_on_a_model_with_sliding_layers(tokenizer):
         (dict(method="best"), "method must be one of"),
         (dict(method="kv_surgeon", pool_factor=0.5), "pool_factor must be >= 1"),
         (dict(max_answer_tokens=0), "max_answer_tokens must be an integer >= 1"),
-        (dict(query_cap=True), "query_cap must be an integer >= 1"),
         (dict(text_names=["a", "b"]), "text_names must name each of the 1 texts"),
     ],
 )
@@ -447,6 +447,11 @@ def test_compute_rejects_bad_arguments(tokenizer, kwargs, message):
     texts = kwargs.pop("texts", [TEXT])
     with pytest.raises(ValueError, match=message):
         compute_head_budgets(tiny(), tokenizer, texts, **{"questions": QUESTIONS, **kwargs})
+
+
+def test_compute_rejects_a_bool_query_cap(tokenizer):
+    with pytest.raises(TypeError, match="query_cap must be an integer >= 1, got True"):
+        compute_head_budgets(tiny(), tokenizer, [TEXT], questions=QUESTIONS, query_cap=True)
 
 
 # ---------------------------------------------------------------------------------------------------- shipped file, CLI

@@ -123,8 +123,8 @@ def test_mismatched_inputs():
         PolicyController(small_table(), None)
     controller = PolicyController(small_table(), COSTS)
     controller.step((SCAFFOLD,))
-    for bad in (2, -1, 1.0, True):
-        with pytest.raises(ValueError, match=r"num_steps must be an integer in \[0, 1\]"):
+    for bad, error in ((2, ValueError), (-1, ValueError), (1.0, TypeError), (True, TypeError)):
+        with pytest.raises(error, match=r"num_steps must be an integer in \[0, 1\] \(steps taken\)"):
             controller.rollback(bad)
 
 

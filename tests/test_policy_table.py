@@ -388,7 +388,7 @@ def test_a_position_bin_table_looks_up_bin_tags_and_round_trips(tmp_path):
 
 def test_calibrated_tables_need_a_fingerprint_that_fits_their_costs():
     fields = dict(family="function_calling", costs=COSTS, entries={}, budget=0.5)
-    with pytest.raises(ValueError, match="a calibrated table needs the fingerprint of its model"):
+    with pytest.raises(ValueError, match="a calibrated policy table needs the fingerprint of its model"):
         PolicyTable(**fields)
     fingerprint = model_fingerprint(tiny_model("llama"))  # 2 layers: not COSTS' 6
     with pytest.raises(ValueError, match=r"costs do not match the fingerprint's model \(2 layers"):

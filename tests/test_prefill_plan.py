@@ -220,7 +220,7 @@ def test_policy_files_round_trip_and_the_illustrative_policy(tmp_path):
         PrefillPolicy.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="built for another model"):
         shipped.check_model(tiny_model("qwen2"))
-    with pytest.raises(ValueError, match="calibrated prefill policy needs"):
+    with pytest.raises(ValueError, match="a calibrated prefill policy needs the fingerprint of its model"):
         PrefillPolicy(UNIT_COSTS, {}, 0.5)
     with pytest.raises(TypeError, match="GroupCosts"):
         PrefillPolicy("costs", {}, 0.5, provenance="illustrative")

@@ -65,11 +65,11 @@ def test_self_study_settings():
     assert [t.max_new_tokens for t in paper.tasks] == [2048, 2048, 2048, 12288] and paper.turn_suffix == "<end>"
     assert all(t.temperature == 0 for t in SelfStudy(greedy=True).tasks)
     assert SelfStudy().describe()["tasks"][3]["max_new_tokens"] == 96
-    with pytest.raises(ValueError, match="SelfStudy.answer_tokens must be a positive int"):
+    with pytest.raises(ValueError, match=r"SelfStudy.answer_tokens must be an integer >= 1 \(max new tokens\)"):
         SelfStudy(answer_tokens=0)
     with pytest.raises(TypeError, match="SelfStudy.greedy must be a bool"):
         SelfStudy(greedy="yes")
-    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0"):
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0"):
         SelfStudyTask("t", "p", -1, 0.0, 1.0, 1)
     with pytest.raises(ValueError, match="need temperature >= 0, 0 < top_p <= 1 and top_k >= 1"):
         SelfStudyTask("t", "p", 4, 0.7, 0.0, 20)

@@ -43,7 +43,7 @@ def test_load_spider_reads_dev_and_filters():
     pets = load_spider(limit=3, db_ids=["pets_1"])
     assert len(pets) == 3 and {entry.db_id for entry in pets} == {"pets_1"}
     assert len(spider_tables()) == 166
-    with pytest.raises(ValueError, match="limit must be a positive int"):
+    with pytest.raises(ValueError, match=r"limit must be an integer >= 1 \(questions\) or None, got 0"):
         load_spider(limit=0)
     with pytest.raises(ValueError, match="without dev questions"):
         load_spider(db_ids=["no_such_db"])

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_structkv.validation import is_int
+
 from .runtime import check_num_splits, check_runs_on, check_tensor
 from .softmax_stats import (
     BLOCK_N,
@@ -191,7 +193,7 @@ def _compacted_attention_kernel(
 
 def _check_offsets(prefix_offsets: list[int], n_entries: int) -> list[int]:
     offsets = list(prefix_offsets) if isinstance(prefix_offsets, (list, tuple)) else []
-    if len(offsets) < 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in offsets):
+    if len(offsets) < 2 or any(not is_int(x) for x in offsets):
         raise ValueError(f"prefix_offsets must be H_kv + 1 >= 2 Python ints (row offsets), got {prefix_offsets!r}")
     if offsets[0] < 0 or offsets[-1] > n_entries or any(a > b for a, b in zip(offsets[:-1], offsets[1:])):
         raise ValueError(

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_structkv.validation import check_int
+
 INTERPRETED: tl.constexpr = tl.constexpr(bool(triton.knobs.runtime.interpret))
 """Whether the kernels are built for the Triton interpreter: Triton reads ``TRITON_INTERPRET`` when a kernel is
 decorated, i.e. when triton_ops' modules are imported."""
@@ -45,5 +47,4 @@ def check_tensor(name: str, t: object, ndim: int, dtypes=SUPPORTED_DTYPES) -> to
 
 def check_num_splits(num_splits: int | None) -> None:
     """``num_splits``: None (automatic) or a positive int."""
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits must be None (automatic) or a positive int, got {num_splits!r}")
+    check_int("num_splits", num_splits, 1, none_ok=True)

@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..validation import check_int
+
 
 class TokenStatistics(NamedTuple):
     """What an attention-based controller sees when it decides a generated token.
@@ -38,14 +40,8 @@ class AttentionMass:
     """
 
     def __init__(self, num_groups: int = 3, observation_window: int | None = None):
-        if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
-            raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
-        if observation_window is not None and (
-            isinstance(observation_window, bool) or not isinstance(observation_window, int) or observation_window < 0
-        ):
-            raise ValueError(f"observation_window must be None or an int >= 0, got {observation_window!r}")
-        self.num_groups = num_groups
-        self.observation_window = observation_window
+        self.num_groups = check_int("num_groups", num_groups, 1)
+        self.observation_window = check_int("observation_window", observation_window, 0, none_ok=True)
         self.mass: list[torch.Tensor | None] = [None] * num_groups
         self.prompt_real: torch.Tensor | None = None
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..validation import check_int
+
 
 class SlotStore:
     """Named fields ``[B, H_kv, capacity, w]`` plus ``positions`` ``[B, capacity]`` (int32, ``-1`` = empty slot).
@@ -22,9 +24,7 @@ class SlotStore:
     """
 
     def __init__(self, grow: int = 16):
-        if isinstance(grow, bool) or not isinstance(grow, int) or grow < 1:
-            raise ValueError(f"grow must be a positive int, got {grow!r}")
-        self.grow = grow
+        self.grow = check_int("grow", grow, 1, counts="slots")
         self.fields: dict[str, torch.Tensor] = {}
         self.positions: torch.Tensor | None = None
         self.counts: list[int] = []

@@ -53,7 +53,8 @@ from ..hub import (
     model_fingerprint,
 )
 from ..prompts import document_chat_prompt
-from .methods import HEAD_METHODS, _check_int, compact_head
+from ..validation import check_int
+from .methods import HEAD_METHODS, compact_head
 from .prefill import prefill_context
 from .queries import repeat_pass_queries
 
@@ -229,8 +230,7 @@ class HeadBudgets:
         """
         if not _is_real(ratio) or not math.isfinite(ratio) or ratio <= 0:
             raise ValueError(f"ratio must be a finite number > 0 (original / kept entries), got {ratio!r}")
-        if isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 1:
-            raise ValueError(f"length must be a positive integer (context tokens), got {length!r}")
+        check_int("length", length, 1, counts="context tokens")
         n_heads, cap = self.n_heads, math.floor(CAP_FRACTION * length)
         total = round(n_heads * length / ratio)
         if total < n_heads:
@@ -497,8 +497,7 @@ def allocate_shares(
     is never switched off (Zweiger et al.'s published Qwen3-4B allocation likewise gives its least-served heads
     about 14% of the uniform share). ``floor=1`` is the uniform allocation.
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    check_int("steps", steps, 1)
     if not target_ratios or not all(_is_real(r) and math.isfinite(r) and r > 0 for r in target_ratios):
         raise ValueError(f"target_ratios must be finite numbers > 0, got {target_ratios!r}")
     if not _is_real(floor) or not 0 <= floor <= 1:
@@ -555,8 +554,8 @@ def quote_references(
     Raises:
         ValueError: ``count`` or ``prefix_words`` is not an integer (>= 0, resp. >= 1).
     """
-    _check_int("count", count, 0)
-    _check_int("prefix_words", prefix_words, 1)
+    check_int("count", count, 0)
+    check_int("prefix_words", prefix_words, 1)
     head = re.compile(rf"((?:\S+\s+){{{prefix_words - 1}}}\S+)\s+(\S.*)", re.DOTALL)  # first words, the rest
     splits = [head.fullmatch(s.strip()) for s in _SENTENCE_END.split(text)]
     eligible = [m for m in splits if m is not None and len(m.group(2).split()) > 2]
@@ -777,9 +776,9 @@ def compute_head_budgets(
     if method not in HEAD_METHODS:
         raise ValueError(f"method must be one of {sorted(HEAD_METHODS)}, got {method!r}")
     HEAD_METHODS[method](**hparams)  # validates the hyper-parameters before the long measurement
-    _check_int("max_answer_tokens", max_answer_tokens, 1)
-    _check_int("query_cap", query_cap, 1)
-    _check_int("quotes", quotes, 0)
+    check_int("max_answer_tokens", max_answer_tokens, 1)
+    check_int("query_cap", query_cap, 1)
+    check_int("quotes", quotes, 0)
     setting = _ProbeSetting(
         tuple(questions), quotes, tuple(fractions), method, dict(hparams), max_answer_tokens, query_cap, seed
     )

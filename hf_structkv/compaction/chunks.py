@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from ..validation import check_int, is_int
+
 Context = str | torch.Tensor | Sequence[str] | Sequence[torch.Tensor]
 
 
@@ -56,13 +58,12 @@ def chunk_spans(document_lengths: Sequence[int], chunk_tokens: int | None) -> li
     at most ``chunk_tokens`` tokens; a document longer than ``chunk_tokens`` is a run of
     ``ceil(length / chunk_tokens)`` chunks of near-equal length (the first ones one token longer) of its own.
     """
-    if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in document_lengths) or not document_lengths:
+    if any(not is_int(n) or n < 1 for n in document_lengths) or not document_lengths:
         raise ValueError(f"document_lengths must be positive ints, got {list(document_lengths)!r}")
     total = sum(document_lengths)
     if chunk_tokens is None:
         return [(0, total)]
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be a positive int (tokens per chunk) or None, got {chunk_tokens!r}")
+    check_int("chunk_tokens", chunk_tokens, 1, counts="tokens per chunk", none_ok=True)
     spans: list[tuple[int, int]] = []
     chunk_start = position = 0
     for length in document_lengths:

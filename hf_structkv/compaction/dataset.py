@@ -28,6 +28,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..cache.compacted import CompactedCache
 from ..hub import CACHE_FILES, CONFIG_NAME, STRUCTURE_FIELDS, model_fingerprint
 from ..prompts import document_chat_prompt
+from ..validation import check_int
 from .pipeline import compact
 from .self_study import SelfStudy
 
@@ -198,11 +199,8 @@ def compact_dataset(
     Returns:
         The manifest records of this process's contexts (see `merge_manifest`), in dataset order.
     """
-    for name, value in (("process_index", process_index), ("num_processes", num_processes)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if not 0 <= process_index < num_processes:
-        raise ValueError(f"need 0 <= process_index < num_processes, got {process_index} and {num_processes}")
+    num_processes = check_int("num_processes", num_processes, 1)
+    process_index = check_int("process_index", process_index, 0, num_processes - 1)
     shard = dataset_contexts(dataset, text_column, id_column)[process_index::num_processes]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from typing import ClassVar
 
 import torch
 
+from ..validation import check_int
 from .refit import fit_multipliers, fit_values
 
 FLOAT = torch.float64
@@ -50,12 +51,6 @@ def _as_matrix(name: str, tensor: object) -> torch.Tensor:
     if not torch.isfinite(matrix).all():
         raise ValueError(f"{name} has non-finite entries")
     return matrix
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    """A hyper-parameter that must be an integer >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -393,7 +388,7 @@ class KVSurgeon(CalibratedMethod):
         super().__post_init__()
         if not self.pool_factor >= 1:
             raise ValueError(f"pool_factor must be >= 1, got {self.pool_factor!r}")
-        _check_int("block_size", self.block_size, 1)
+        check_int("block_size", self.block_size, 1)
         if not self.relative_ridge > 0:
             raise ValueError(f"relative_ridge must be > 0, got {self.relative_ridge!r}")
         if not self.mass_weight >= 0:
@@ -470,7 +465,7 @@ class StreamingLLM(QueryFreeMethod):
     sink_tokens: int = 4
 
     def __post_init__(self) -> None:
-        _check_int("sink_tokens", self.sink_tokens, 0)
+        check_int("sink_tokens", self.sink_tokens, 0)
 
     def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
         sinks = min(self.sink_tokens, budget)
@@ -591,7 +586,7 @@ class AttentionMatchingOMP(CalibratedMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_int("keys_per_step", self.keys_per_step, 1)
+        check_int("keys_per_step", self.keys_per_step, 1)
 
     def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
         columns = problem.unnormalized(torch.arange(problem.length, device=problem.keys.device))
@@ -612,7 +607,7 @@ class HeavyHitters(CalibratedMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_int("recent_tokens", self.recent_tokens, 0)
+        check_int("recent_tokens", self.recent_tokens, 0)
 
     def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
         recent = min(self.recent_tokens, budget)
@@ -732,11 +727,7 @@ class QFilters(HeadMethod):
 
 def _check_budget(budget: object) -> int:
     """Validate the budget: an integer >= 1."""
-    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral):
-        raise TypeError(f"budget must be an int >= 1, got {type(budget).__name__}")
-    if budget < 1:
-        raise ValueError(f"budget must be >= 1, got {budget}")
-    return int(budget)
+    return check_int("budget", budget, 1, counts="kept entries")
 
 
 def compact_head(

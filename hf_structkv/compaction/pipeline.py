@@ -25,6 +25,7 @@ from ..attention.modules import attention_scalings
 from ..attention.registry import enable
 from ..cache.compacted import CompactedCache
 from ..hub import model_fingerprint
+from ..validation import is_int
 from .block_replay import BlockReplay
 from .budgets import CAP_FRACTION, HeadBudgets, UniformBudgets, default_head_budgets
 from .chunks import Context, chunk_spans, context_documents
@@ -132,7 +133,7 @@ def _token_budgets(source, ratio: float, length: int, cache: DynamicCache) -> di
                 f"budgets.token_budgets({ratio}, {length}) must give {n_heads} counts for global layer {layer_idx}, "
                 f"got {layer_counts!r}: were the budgets computed for another model?"
             )
-        if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in layer_counts):
+        if any(not is_int(c) or c < 0 for c in layer_counts):
             raise ValueError(f"budgets.token_budgets gave layer {layer_idx} counts {layer_counts!r}; need ints >= 0")
         budgets[layer_idx] = [max(1, c) for c in layer_counts]
     return budgets

@@ -6,6 +6,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
+from ..validation import check_int
+
 
 def prefill_context(
     model: PreTrainedModel,
@@ -20,9 +22,7 @@ def prefill_context(
             bar; the cache is the same as one forward's); ``None`` reads it in one forward.
         progress: show a tqdm bar over the pieces.
     """
-    step = prefill_chunk_tokens
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 1):
-        raise ValueError(f"prefill_chunk_tokens must be a positive int or None, got {step!r}")
+    step = check_int("prefill_chunk_tokens", prefill_chunk_tokens, 1, counts="tokens per forward", none_ok=True)
     cache = DynamicCache(config=model.config)
     ids = context_ids.to(model.device)
     step = ids.shape[1] if step is None else step

@@ -25,6 +25,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..cache.compacted import CompactedCache
+from ..validation import check_int, is_int
 
 __all__ = [
     "RECORD_NAME",
@@ -133,7 +134,7 @@ def _check_layers(layers) -> frozenset[int] | None:
         chosen = frozenset(layers)
     except TypeError:
         raise TypeError(f"layers must be a collection of layer indices or None, got {type(layers).__name__}") from None
-    if not chosen or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in chosen):
+    if not chosen or any(not is_int(i) or i < 0 for i in chosen):
         raise ValueError(f"layers must be non-empty layer indices >= 0, got {sorted(chosen, key=str)!r}")
     return chosen
 
@@ -195,8 +196,7 @@ def recording(model: PreTrainedModel, positions: Positions = None, layers=None) 
 
 def subsample_queries(queries: torch.Tensor, cap: int = DEFAULT_CAP, seed: int = 0) -> torch.Tensor:
     """Seeded random subsample without replacement, kept in the original order: ``[N, D] -> [min(N, cap), D]``."""
-    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-        raise ValueError(f"cap must be a positive int, got {cap!r}")
+    check_int("cap", cap, 1, counts="queries per head")
     n = queries.shape[0]
     if n <= cap:
         return queries

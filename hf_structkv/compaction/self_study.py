@@ -21,6 +21,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from ..validation import check_int
 from .prefill import prefill_context
 from .queries import (
     DEFAULT_CAP,
@@ -56,8 +57,7 @@ class SelfStudyTask:
     top_k: int
 
     def __post_init__(self):
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
+        check_int("max_new_tokens", self.max_new_tokens, 0)
         if not self.temperature >= 0 or not 0 < self.top_p <= 1 or not self.top_k >= 1:
             raise ValueError(
                 f"need temperature >= 0, 0 < top_p <= 1 and top_k >= 1, got {self.temperature!r}, {self.top_p!r}, "
@@ -89,9 +89,7 @@ class SelfStudy:
 
     def __post_init__(self):
         for name in ("answer_tokens", "question_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"SelfStudy.{name} must be a positive int (max new tokens), got {value!r}")
+            check_int(f"SelfStudy.{name}", getattr(self, name), 1, counts="max new tokens")
         if not isinstance(self.greedy, bool) or not isinstance(self.turn_suffix, str):
             raise TypeError("SelfStudy.greedy must be a bool and SelfStudy.turn_suffix a str")
 

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from ..structure.function_calls import parameter_schema
 from ..structured_generation import generate_calls
+from ..validation import check_int
 from .bfcl_checker import check_calls
 
 __all__ = [
@@ -170,8 +171,7 @@ def bfcl_split(categories: Sequence[str], split: str, seed: int = 0, limit: int 
     (its seeded sample: the partition's first ``limit``)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
-    if limit is not None and (not isinstance(limit, int) or limit < 1):
-        raise ValueError(f"limit must be a positive int or None, got {limit!r}")
+    check_int("limit", limit, 1, counts="cases per category", none_ok=True)
     if isinstance(categories, str) or not categories:
         raise ValueError(f"categories must be a non-empty list of names from {list(CATEGORIES)}, got {categories!r}")
     chosen: list[BfclEntry] = []
@@ -223,8 +223,7 @@ def evaluate_bfcl(
         raise ValueError("entries must be a non-empty list of BfclEntry objects (load_bfcl / bfcl_split)")
     if not all(isinstance(entry, BfclEntry) for entry in entries):
         raise TypeError("entries must hold only BfclEntry objects (load_bfcl / bfcl_split)")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens, 1)
     records = []
     for entry in tqdm(entries, desc="bfcl", unit="case", disable=not progress):
         start = time.perf_counter()

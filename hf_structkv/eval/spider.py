@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from ..sql_generation import generate_sql
 from ..structure.sql_grammar import DatabaseSchema
+from ..validation import check_int
 from .spider_evaluator import exact_match
 
 __all__ = [
@@ -90,8 +91,7 @@ def load_spider(limit: int | None = None, db_ids: Sequence[str] | None = None) -
     Raises:
         ValueError: ``limit`` is not a positive int or ``None``; ``db_ids`` names a database with no dev question.
     """
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-        raise ValueError(f"limit must be a positive int or None, got {limit!r}")
+    check_int("limit", limit, 1, counts="questions", none_ok=True)
     rows = _read_json("dev.json")
     entries = [SpiderEntry(i, row["db_id"], row["question"], row["query"]) for i, row in enumerate(rows)]
     if db_ids is not None:
@@ -144,8 +144,7 @@ def evaluate_spider(
         raise ValueError("entries must be a non-empty list of SpiderEntry objects (load_spider)")
     if not all(isinstance(entry, SpiderEntry) for entry in entries):
         raise TypeError("entries must hold only SpiderEntry objects (load_spider)")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens, 1)
     records = []
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     for entry in tqdm(entries, desc="spider", unit="question", disable=not progress):

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 
 from ..structure.tags import STATES, StructuralTag
+from ..validation import check_int
 from .costs import Action, GroupCosts
 from .table import PolicyTable
 
@@ -150,7 +151,6 @@ class PolicyController:
 
     def rollback(self, num_steps: int) -> None:
         """Restore the exact state after the first ``num_steps`` steps (speculative-decoding rollback, B.7)."""
-        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or not 0 <= num_steps <= self.num_steps:
-            raise ValueError(f"num_steps must be an integer in [0, {self.num_steps}] (steps taken), got {num_steps!r}")
+        check_int("num_steps", num_steps, 0, self.num_steps, counts="steps taken")
         del self._balances[num_steps + 1 :]
         del self._scheduled[num_steps + 1 :]

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
+from ..validation import check_int
+
 
 class Action(IntEnum):
     """What happens to a token's K/V in one layer group once it leaves the recent window; ordered ``R < L < H``."""
@@ -48,8 +50,7 @@ def group_names(count: int) -> tuple[str, ...]:
 def layer_groups(num_layers: int, count: int = 3) -> tuple[range, ...]:
     """The lower / middle / upper layer groups ``[0, b1), [b1, b2), [b2, L)`` with ``b1 = ⌊(L+2)/3⌋`` and
     ``b2 = ⌊(2L+2)/3⌋`` (A.2); with ``count=1`` the single group ``[0, L)``."""
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+    check_int("num_layers", num_layers, 1)
     check_group_count(count)
     if count == 1:
         return (range(0, num_layers),)

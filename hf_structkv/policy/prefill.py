@@ -29,33 +29,33 @@ A saved policy is a folder (or a Hub model repository) with ``prefill_policy.jso
 from __future__ import annotations
 
 import heapq
-import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ..structure.prompt_spans import PROMPT_LABELS, label_prompt, token_labels
+from ..validation import check_int
 from .costs import Action, GroupCosts, layer_groups
 from .table import (
     CONVENTIONS,
-    PROVENANCES,
     PolicyEntry,
     PolicyLookup,
     PolicyTable,
     _costs_from_json,
+    _costs_to_json,
     _entry_from_json,
     _entry_to_json,
     _hub,
-    _is_int,
     _is_number,
     _json_text,
     _merge,
+    _PolicyFile,
     _shipped_policy,
 )
 
@@ -98,7 +98,7 @@ _JSON_FIELDS = (
 
 
 @dataclass(frozen=True)
-class PrefillPolicy:
+class PrefillPolicy(_PolicyFile):
     """The frozen prefill record: per prompt label and layer group an action, a floor and priorities, and ``B_P``.
 
     Attributes:
@@ -122,6 +122,10 @@ class PrefillPolicy:
     calibration: Mapping[str, Any] = field(default_factory=dict)
     fingerprint: Mapping[str, Any] | None = None
 
+    _FILE_NAME: ClassVar[str] = PREFILL_POLICY_NAME
+    _HUB_FILES: ClassVar[tuple[str, ...]] = (PREFILL_POLICY_NAME,)
+    _WHAT: ClassVar[str] = "prefill policy"
+
     def __post_init__(self) -> None:
         if not isinstance(self.costs, GroupCosts):
             raise TypeError(f"PrefillPolicy.costs must be a GroupCosts, got {type(self.costs).__name__}")
@@ -139,39 +143,7 @@ class PrefillPolicy:
                 raise ValueError(f"entries[{label!r}] must be a PolicyEntry with one action per layer group ({groups})")
         if not _is_number(self.budget) or not 0 <= self.budget <= 1:
             raise ValueError(f"budget (B_P) must be a number in [0, 1], got {self.budget!r}")
-        if self.provenance not in PROVENANCES:
-            raise ValueError(f"provenance must be one of {PROVENANCES}, got {self.provenance!r}")
-        if not isinstance(self.description, str):
-            raise TypeError(f"description must be a str, got {type(self.description).__name__}")
-        for name, value in self.thresholds.items():
-            if not isinstance(name, str) or not _is_number(value):
-                raise ValueError(f"thresholds must map names to finite numbers, got {name!r}: {value!r}")
-        try:
-            calibration = json.loads(json.dumps(dict(self.calibration), allow_nan=False))
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"calibration must be JSON-serialisable (no NaN): {err}") from None
-        object.__setattr__(self, "calibration", MappingProxyType(calibration))
-        self._check_fingerprint()
-
-    def _check_fingerprint(self) -> None:
-        if self.fingerprint is None:
-            if self.provenance == "calibrated":
-                raise ValueError("a calibrated prefill policy needs fingerprint=model_fingerprint(model)")
-            return
-        if not isinstance(self.fingerprint, Mapping):
-            raise TypeError(f"fingerprint must be a dict or None, got {type(self.fingerprint).__name__}")
-        missing = [name for name in _hub().STRUCTURE_FIELDS if name not in self.fingerprint]
-        if missing:
-            raise ValueError(f"the fingerprint lacks {missing}; build it with hf_structkv.hub.model_fingerprint(model)")
-        layers, kv, dim = (self.fingerprint[k] for k in ("num_hidden_layers", "num_key_value_heads", "head_dim"))
-        if not all(_is_int(v) and v > 0 for v in (layers, kv, dim)):
-            raise ValueError("the fingerprint's num_hidden_layers, num_key_value_heads and head_dim must be positive")
-        if GroupCosts.from_dims([kv] * layers, [dim] * layers) != self.costs:
-            raise ValueError(
-                f"costs do not match the fingerprint's model ({layers} layers, {kv} KV heads, head_dim {dim}): "
-                "build them with GroupCosts.from_config(model.config)"
-            )
-        object.__setattr__(self, "fingerprint", json.loads(json.dumps(dict(self.fingerprint), allow_nan=False)))
+        self._check_records()
 
     def lookup(self, labels: Sequence[str]) -> PolicyLookup:
         """Base action, floor and priorities per group of a token carrying ``labels`` (eq. 12 over several labels:
@@ -197,12 +169,7 @@ class PrefillPolicy:
             "hf_structkv_version": _hub().__version__,
             "labels": list(PROMPT_LABELS),
             "conventions": dict(PREFILL_CONVENTIONS),
-            "group_costs": {
-                "layer_groups": [[g.start, g.stop] for g in self.costs.groups],
-                "elements": list(self.costs.elements),
-                "rows": list(self.costs.rows),
-                "padding": list(self.costs.padding),
-            },
+            "group_costs": _costs_to_json(self.costs),
             "prefill_budget": self.budget,
             "entries": {label: _entry_to_json(self.entries[label]) for label in PROMPT_LABELS if label in self.entries},
             "thresholds": dict(self.thresholds),
@@ -261,35 +228,6 @@ class PrefillPolicy:
         text = _json_text(self.to_json_dict()) + "\n"
         _hub()._replace_file(directory / PREFILL_POLICY_NAME, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
-    @classmethod
-    def from_pretrained(
-        cls,
-        path_or_repo_id: str | os.PathLike,
-        model: Any = None,
-        revision: str | None = None,
-        token: str | None = None,
-    ) -> PrefillPolicy:
-        """Load a policy saved by `save_pretrained` from a folder or a Hub repository (JSON only).
-
-        Args:
-            model: when given, checked with `check_model`.
-            revision: Hub branch, tag or commit (ignored for a folder).
-            token: Hub token for private repositories.
-        """
-        folder = _hub()._resolve_folder(path_or_repo_id, revision, token, files=(PREFILL_POLICY_NAME,))
-        policy = cls.from_json_dict(_hub()._read_config(folder, PREFILL_POLICY_NAME, "prefill policy"))
-        if model is not None:
-            policy.check_model(model)
-        return policy
-
-    def check_model(self, model: Any) -> None:
-        """Raise ``ValueError`` unless ``model`` has this policy's fingerprint (when recorded) and group costs."""
-        if self.fingerprint is not None:
-            _hub()._check_same_model(dict(self.fingerprint), _hub().model_fingerprint(model), what="prefill policy")
-        costs = GroupCosts.from_config(model.config)
-        if costs != self.costs:
-            raise ValueError(f"this prefill policy was built for group costs {self.costs}, the model's are {costs}")
-
 
 @dataclass(frozen=True)
 class PrefillPlan:
@@ -339,9 +277,8 @@ def plan_prefill(
         raise TypeError(f"costs must be a GroupCosts (GroupCosts.from_config(model.config)), got {type(costs)}")
     if costs != policy.costs:
         raise ValueError(f"the prefill policy was built for group costs {policy.costs}, the model's are {costs}")
-    for name, value in (("sink_tokens", sink_tokens), ("window", window)):
-        if not _is_int(value) or value < 0:
-            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    check_int("sink_tokens", sink_tokens, 0)
+    check_int("window", window, 0)
     n = len(token_labels)
     if n == 0:
         raise ValueError("token_labels is empty: a prompt has at least one token")

@@ -40,9 +40,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from ..structure.tags import NEXT, ROLES, STATES, TAG_CLASSES, StructuralTag, check_tag_view, view_vocabulary
+from ..validation import is_int
 from .costs import GROUP_COUNTS, Action, GroupCosts, group_names, layer_groups
 
 __all__ = [
@@ -183,8 +184,101 @@ class PolicyEntry:
         return PolicyLookup(self.action, self.floor, self.priorities)
 
 
+_Saved = TypeVar("_Saved", bound="_PolicyFile")
+
+
+class _PolicyFile:
+    """What `PolicyTable` and `PrefillPolicy` share as policies saved in one JSON file: the checks of their
+    ``provenance``, ``description``, ``thresholds``, ``calibration`` and ``fingerprint`` fields (`_check_records`,
+    run by their ``__post_init__`` after ``costs`` is checked and the mappings frozen), `from_pretrained` and
+    `check_model`.
+
+    A subclass names its JSON file (``_FILE_NAME``), the files a Hub download fetches (``_HUB_FILES``) and itself in
+    messages (``_WHAT``).
+    """
+
+    _FILE_NAME: ClassVar[str]
+    _HUB_FILES: ClassVar[tuple[str, ...]]
+    _WHAT: ClassVar[str]
+
+    def _check_records(self) -> None:
+        if self.provenance not in PROVENANCES:
+            raise ValueError(f"provenance must be one of {PROVENANCES}, got {self.provenance!r}")
+        if not isinstance(self.description, str):
+            raise TypeError(f"description must be a str, got {type(self.description).__name__}")
+        for name, value in self.thresholds.items():
+            if not isinstance(name, str) or not _is_number(value):
+                raise ValueError(f"thresholds must map names to finite numbers, got {name!r}: {value!r}")
+        try:
+            calibration = json.loads(json.dumps(dict(self.calibration), allow_nan=False))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"calibration must be JSON-serialisable (no NaN): {err}") from None
+        object.__setattr__(self, "calibration", MappingProxyType(calibration))
+        if self.fingerprint is None:
+            if self.provenance == "calibrated":
+                raise ValueError(
+                    f"a calibrated {self._WHAT} needs the fingerprint of its model: "
+                    "fingerprint=model_fingerprint(model) (from hf_structkv.hub import model_fingerprint)"
+                )
+            return
+        if not isinstance(self.fingerprint, Mapping):
+            raise TypeError(f"fingerprint must be a dict or None, got {type(self.fingerprint).__name__}")
+        missing = [name for name in _hub().STRUCTURE_FIELDS if name not in self.fingerprint]
+        if missing:
+            raise ValueError(
+                f"the fingerprint lacks the fields {missing}; build it with hf_structkv.hub.model_fingerprint(model)"
+            )
+        layers = self.fingerprint["num_hidden_layers"]
+        kv_heads, head_dim = self.fingerprint["num_key_value_heads"], self.fingerprint["head_dim"]
+        if not all(is_int(v) and v > 0 for v in (layers, kv_heads, head_dim)):
+            raise ValueError("the fingerprint's num_hidden_layers, num_key_value_heads and head_dim must be positive")
+        groups = len(self.costs.groups)
+        if GroupCosts.from_dims([kv_heads] * layers, [head_dim] * layers, groups) != self.costs:
+            raise ValueError(
+                f"costs do not match the fingerprint's model ({layers} layers, {kv_heads} KV heads, head_dim "
+                f"{head_dim}): build them with GroupCosts.from_config(model.config, groups={groups})"
+            )
+        object.__setattr__(self, "fingerprint", json.loads(json.dumps(dict(self.fingerprint), allow_nan=False)))
+
+    @classmethod
+    def from_pretrained(
+        cls: type[_Saved],
+        path_or_repo_id: str | os.PathLike,
+        model: Any = None,
+        revision: str | None = None,
+        token: str | None = None,
+    ) -> _Saved:
+        """Load what `save_pretrained` wrote, from a folder or a Hub repository (JSON only, no code runs).
+
+        Args:
+            model: when given, the policy must fit it (`check_model`).
+            revision: Hub branch, tag or commit (ignored for a folder).
+            token: Hub token for private repositories.
+
+        Raises:
+            ValueError: a missing or invalid JSON file (see ``from_json_dict``), or a model the policy was not built
+                for.
+        """
+        folder = _hub()._resolve_folder(path_or_repo_id, revision, token, files=cls._HUB_FILES)
+        policy = cls.from_json_dict(_hub()._read_config(folder, cls._FILE_NAME, cls._WHAT))
+        if model is not None:
+            policy.check_model(model)
+        return policy
+
+    def check_model(self, model: Any) -> None:
+        """Raise ``ValueError`` unless ``model`` has this policy's fingerprint (when recorded) and layer-group costs."""
+        if self.fingerprint is not None:
+            _hub()._check_same_model(dict(self.fingerprint), _hub().model_fingerprint(model), what=self._WHAT)
+        costs = GroupCosts.from_config(model.config, len(self.costs.groups))
+        if costs != self.costs:
+            raise ValueError(
+                f"this {self._WHAT} was built for other layer dimensions: its group costs are {self.costs}, the "
+                f"model's are {costs}"
+            )
+
+
 @dataclass(frozen=True)
-class PolicyTable:
+class PolicyTable(_PolicyFile):
     """The frozen record a PASK controller runs from (A.4). Validated on construction; compare with ``==``.
 
     Attributes:
@@ -228,6 +322,10 @@ class PolicyTable:
     calibration: Mapping[str, Any] = field(default_factory=dict)
     fingerprint: Mapping[str, Any] | None = None
 
+    _FILE_NAME: ClassVar[str] = TABLE_NAME
+    _HUB_FILES: ClassVar[tuple[str, ...]] = POLICY_FILES
+    _WHAT: ClassVar[str] = "policy table"
+
     def __post_init__(self) -> None:
         if self.family not in ROLES:
             raise ValueError(f"family must be one of {tuple(ROLES)}, got {self.family!r}")
@@ -260,7 +358,7 @@ class PolicyTable:
             )
         for name in ("elements", "rows", "padding"):
             values = getattr(self.costs, name)
-            if len(values) != len(groups) or not all(_is_int(v) and v >= 0 for v in values):
+            if len(values) != len(groups) or not all(is_int(v) and v >= 0 for v in values):
                 raise ValueError(f"PolicyTable.costs.{name} must hold one integer >= 0 per layer group, got {values}")
 
     def _check_entries(self) -> None:
@@ -292,50 +390,12 @@ class PolicyTable:
                 raise ValueError(f"reserve_by_state[{state!r}] must be a finite number of bits >= 0, got {bits!r}")
         if not _is_number(self.reserve_pooled) or self.reserve_pooled < 0:
             raise ValueError(f"reserve_pooled must be a finite number of bits >= 0, got {self.reserve_pooled!r}")
-        if not _is_int(self.sink_tokens) or self.sink_tokens < 0:
+        if not is_int(self.sink_tokens) or self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
-        if not _is_int(self.window) or self.window < 1:
+        if not is_int(self.window) or self.window < 1:
             raise ValueError(
                 f"window must be an integer >= 1 (a token's tag arrives one step after its K/V), got {self.window!r}"
             )
-
-    def _check_records(self) -> None:
-        if self.provenance not in PROVENANCES:
-            raise ValueError(f"provenance must be one of {PROVENANCES}, got {self.provenance!r}")
-        if not isinstance(self.description, str):
-            raise TypeError(f"description must be a str, got {type(self.description).__name__}")
-        for name, value in self.thresholds.items():
-            if not isinstance(name, str) or not _is_number(value):
-                raise ValueError(f"thresholds must map names to finite numbers, got {name!r}: {value!r}")
-        try:
-            calibration = json.loads(json.dumps(dict(self.calibration), allow_nan=False))
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"calibration must be JSON-serialisable (no NaN): {err}") from None
-        object.__setattr__(self, "calibration", MappingProxyType(calibration))
-        if self.fingerprint is None:
-            if self.provenance == "calibrated":
-                raise ValueError(
-                    "a calibrated table needs the fingerprint of its model: fingerprint=model_fingerprint(model) "
-                    "(from hf_structkv.hub import model_fingerprint)"
-                )
-            return
-        if not isinstance(self.fingerprint, Mapping):
-            raise TypeError(f"fingerprint must be a dict or None, got {type(self.fingerprint).__name__}")
-        missing = [name for name in _hub().STRUCTURE_FIELDS if name not in self.fingerprint]
-        if missing:
-            raise ValueError(
-                f"the fingerprint lacks the fields {missing}; build it with hf_structkv.hub.model_fingerprint(model)"
-            )
-        layers = self.fingerprint["num_hidden_layers"]
-        kv_heads, head_dim = self.fingerprint["num_key_value_heads"], self.fingerprint["head_dim"]
-        if not all(_is_int(v) and v > 0 for v in (layers, kv_heads, head_dim)):
-            raise ValueError("the fingerprint's num_hidden_layers, num_key_value_heads and head_dim must be positive")
-        if GroupCosts.from_dims([kv_heads] * layers, [head_dim] * layers, len(self.costs.groups)) != self.costs:
-            raise ValueError(
-                f"costs do not match the fingerprint's model ({layers} layers, {kv_heads} KV heads, head_dim "
-                f"{head_dim}): build them with GroupCosts.from_config(model.config, groups={len(self.costs.groups)})"
-            )
-        object.__setattr__(self, "fingerprint", json.loads(json.dumps(dict(self.fingerprint), allow_nan=False)))
 
     def _resolve_vocabulary(self) -> dict[StructuralTag, tuple[str | None, PolicyLookup]]:
         """Every full tag of the vocabulary -> (its entry key or ``None``, its lookup result): the B.1 fallback chain,
@@ -471,12 +531,7 @@ class PolicyTable:
             "family": self.family,
             "vocabulary": _vocabulary(self.family),
             "conventions": dict(CONVENTIONS),
-            "group_costs": {
-                "layer_groups": [[g.start, g.stop] for g in self.costs.groups],
-                "elements": list(self.costs.elements),
-                "rows": list(self.costs.rows),
-                "padding": list(self.costs.padding),
-            },
+            "group_costs": _costs_to_json(self.costs),
             "decode_budget": self.budget,
             "sink_tokens": self.sink_tokens,
             "window": self.window,
@@ -563,43 +618,6 @@ class PolicyTable:
         (directory / TABLE_NAME).unlink(missing_ok=True)
         _hub()._replace_file(directory / CARD_NAME, lambda tmp: tmp.write_text(card, encoding="utf-8"))
         _hub()._replace_file(directory / TABLE_NAME, lambda tmp: tmp.write_text(text, encoding="utf-8"))
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        path_or_repo_id: str | os.PathLike,
-        model: Any = None,
-        revision: str | None = None,
-        token: str | None = None,
-    ) -> PolicyTable:
-        """Load a table saved by `save_pretrained` from a folder or a Hub repository (JSON only).
-
-        Args:
-            model: when given, the table must fit it: its fingerprint (when the table has one) and its layer-group
-                costs must equal the model's.
-            revision: Hub branch, tag or commit (ignored for a folder).
-            token: Hub token for private repositories.
-
-        Raises:
-            ValueError: a missing or invalid ``policy_table.json`` (see `from_json_dict`), or a model the table was
-                not built for.
-        """
-        folder = _hub()._resolve_folder(path_or_repo_id, revision, token, files=POLICY_FILES)
-        table = cls.from_json_dict(_hub()._read_config(folder, TABLE_NAME, "policy table"))
-        if model is not None:
-            table.check_model(model)
-        return table
-
-    def check_model(self, model: Any) -> None:
-        """Raise ``ValueError`` unless ``model`` has this table's fingerprint (when recorded) and layer-group costs."""
-        if self.fingerprint is not None:
-            _hub()._check_same_model(dict(self.fingerprint), _hub().model_fingerprint(model), what="policy table")
-        costs = GroupCosts.from_config(model.config, len(self.costs.groups))
-        if costs != self.costs:
-            raise ValueError(
-                f"this policy table was built for other layer dimensions: its group costs are {self.costs}, the "
-                f"model's are {costs}"
-            )
 
     def push_to_hub(
         self, repo_id: str, private: bool | None = None, token: str | None = None, revision: str | None = None
@@ -755,11 +773,21 @@ def _actions_from_json(values: Any, where: str) -> tuple[Action, ...]:
     return tuple(Action[v] for v in values)
 
 
+def _costs_to_json(costs: GroupCosts) -> dict[str, list]:
+    """The ``group_costs`` object of a policy file (`_costs_from_json` reads it back)."""
+    return {
+        "layer_groups": [[g.start, g.stop] for g in costs.groups],
+        "elements": list(costs.elements),
+        "rows": list(costs.rows),
+        "padding": list(costs.padding),
+    }
+
+
 def _costs_from_json(value: Any) -> GroupCosts:
     value = _json_object(value, "group_costs", ("layer_groups", "elements", "rows", "padding"))
     bounds = value["layer_groups"]
     if not isinstance(bounds, list) or not all(
-        isinstance(b, list) and len(b) == 2 and all(_is_int(x) for x in b) for b in bounds
+        isinstance(b, list) and len(b) == 2 and all(is_int(x) for x in b) for b in bounds
     ):
         raise ValueError(f"group_costs.layer_groups must list [start, stop) integer pairs, got {bounds!r}")
     lists = []
@@ -852,10 +880,6 @@ def _hub():
 def _cell(key: str) -> str:
     """A lookup key as code in a Markdown table cell (its ``|`` escaped)."""
     return "`" + key.replace("|", "\\|") + "`"
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: Any) -> bool:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..validation import is_int
+
 SMALLEST_FP16 = 2.0**-24
 """The smallest positive (subnormal) FP16 value: the floor of every scale."""
 
@@ -52,7 +54,7 @@ def unpack_int4(codes: torch.Tensor, d: int) -> torch.Tensor:
     """Signed codes int8 ``[..., d]`` in ``[-8, 7]`` from packed ``codes`` uint8 ``[..., ceil(d / 2)]``."""
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
         raise TypeError(f"codes must be a uint8 tensor of packed nibbles, got {getattr(codes, 'dtype', type(codes))}")
-    if isinstance(d, bool) or not isinstance(d, int) or d < 1 or codes.shape[-1] != (d + 1) // 2:
+    if not is_int(d) or d < 1 or codes.shape[-1] != (d + 1) // 2:
         raise ValueError(f"d must be the unpacked row length with ceil(d / 2) == {codes.shape[-1]}, got {d!r}")
     pairs = torch.stack((codes & 0x0F, codes >> 4), dim=-1).flatten(-2)[..., :d]
     return (pairs.to(torch.int8) ^ 8) - 8

@@ -26,6 +26,7 @@ from lmformatenforcer import JsonSchemaParser, TokenEnforcer, TokenEnforcerToken
 from lmformatenforcer.characterlevelparser import CharacterLevelParser
 from transformers import PreTrainedTokenizerBase
 
+from ..validation import check_int
 from .adapter import GrammarAdapter, GrammarSequence, stop_token_ids
 from .json_tags import token_tags
 from .tags import StructuralTag
@@ -181,8 +182,7 @@ class JsonSchemaSequence(GrammarSequence):
         return after[len(before) :], word_start
 
     def rollback(self, num_tokens: int) -> None:
-        if not isinstance(num_tokens, int) or not 0 <= num_tokens <= len(self._tokens):
-            raise ValueError(f"num_tokens must be an int in [0, {len(self._tokens)}], got {num_tokens!r}")
+        check_int("num_tokens", num_tokens, 0, len(self._tokens), counts="tokens accepted")
         keep = len(self._tokens) - num_tokens
         del self._tokens[keep:]
         del self._parsers[keep + 1 :]

@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from itertools import product
 from typing import NamedTuple
 
+from ..validation import check_int
+
 TAG_CLASSES = ("pure_scaffold", "schema_bearing", "free_generation")
 ROLES = {
     "function_calling": ("scaffold_separator", "required", "optional", "dispatch_key"),
@@ -149,8 +151,7 @@ def position_bin_starts(
     Args:
         lengths: category -> the generated (non-stop) token counts of its calibration requests.
     """
-    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
-        raise ValueError(f"bins must be a positive int, got {bins!r}")
+    check_int("bins", bins, 1)
     if not 0 < coverage <= 1:
         raise ValueError(f"coverage must be in (0, 1], got {coverage!r}")
     if not lengths or not all(lengths.values()):

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from ..validation import check_int
 from .adapter import GrammarAdapter, GrammarSequence, stop_token_ids
 from .sql_grammar import DatabaseSchema, SqlGrammar, sql_grammar
 from .sql_tags import EarleySet, SqlTagger
@@ -149,8 +150,7 @@ class SqlGrammarSequence(GrammarSequence):
         return tags
 
     def rollback(self, num_tokens: int) -> None:
-        if not isinstance(num_tokens, int) or not 0 <= num_tokens <= len(self._steps):
-            raise ValueError(f"num_tokens must be an int in [0, {len(self._steps)}], got {num_tokens!r}")
+        check_int("num_tokens", num_tokens, 0, len(self._steps), counts="tokens accepted")
         if num_tokens == 0:
             return
         keep = len(self._steps) - num_tokens

@@ -22,12 +22,6 @@ DevelopmentLengths = Sequence[tuple[int, int]]
 """``(prompt_tokens, generated_tokens)`` of development cases (from a Full-KV run): what budget arithmetic needs."""
 
 
-def check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
 def check_ratio(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
         raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")

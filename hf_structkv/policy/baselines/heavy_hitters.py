@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ...cache.attention_mass import AttentionMass, TokenStatistics
+from ...validation import check_int
 from ..costs import Action, GroupCosts
 from ..table import DEFAULT_WINDOW
 from .base import (
@@ -31,7 +32,6 @@ from .base import (
     BudgetKnob,
     DevelopmentLengths,
     check_costs,
-    check_int,
     check_lengths,
     check_ratio,
     sink_mask,

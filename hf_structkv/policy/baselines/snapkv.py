@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from ...cache.attention_mass import AttentionMass
+from ...validation import check_int
 from ..costs import Action, GroupCosts
 from ..table import DEFAULT_WINDOW
-from .base import BaselineController, BudgetKnob, DevelopmentLengths, check_costs, check_int, check_lengths, check_ratio
+from .base import BaselineController, BudgetKnob, DevelopmentLengths, check_costs, check_lengths, check_ratio
 from .heavy_hitters import heavy_count
 
 __all__ = ["SnapKV"]

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from ...cache.attention_mass import AttentionMass
+from ...validation import check_int
 from ..costs import Action, GroupCosts
 from ..table import DEFAULT_WINDOW
-from .base import BaselineController, BudgetKnob, DevelopmentLengths, check_costs, check_int, check_lengths, sink_mask
+from .base import BaselineController, BudgetKnob, DevelopmentLengths, check_costs, check_lengths, sink_mask
 
 __all__ = ["StreamingLLM"]
 

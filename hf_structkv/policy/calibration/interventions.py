@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ...structure.tags import StructuralTag
+from ...validation import check_int
 from ..costs import Action, GroupCosts
 from .buckets import Bucket
 from .references import ReferenceTrajectory
@@ -102,8 +103,7 @@ class _InterventionController:
         return actions
 
     def rollback(self, num_steps: int) -> None:
-        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or not 0 <= num_steps <= self.num_steps:
-            raise ValueError(f"num_steps must be an integer in [0, {self.num_steps}], got {num_steps!r}")
+        check_int("num_steps", num_steps, 0, self.num_steps, counts="steps taken")
         del self._scheduled[num_steps + 1 :]
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
+from ...validation import check_int
+
 __all__ = [
     "DEFAULT_RESERVE_HORIZON",
     "DEFAULT_RESERVE_QUANTILE",
@@ -27,8 +29,7 @@ DEFAULT_RESERVE_QUANTILE = 0.8
 
 def reserve_statistics(floor_costs: Sequence[float], allowance: float, horizon: int) -> list[float]:
     """``S^(K)_u`` for every position ``u`` of one trajectory (eq. 16)."""
-    if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 0:
-        raise ValueError(f"horizon (K) must be an integer >= 0, got {horizon!r}")
+    check_int("horizon (K)", horizon, 0, counts="lookahead tokens")
     stats = []
     for u in range(len(floor_costs)):
         best, running = 0.0, 0.0

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from ...eval.bfcl import BfclEntry
 from ...eval.bfcl_checker import check_calls
 from ...structured_generation import generate_calls
+from ...validation import check_int
 
 __all__ = ["DevResult", "dev_candidate_indices", "evaluate_controller", "select_cheapest"]
 
@@ -26,12 +27,9 @@ def dev_candidate_indices(path_length: int, max_candidates: int | None) -> list[
     Raises:
         ValueError: ``path_length < 1`` or ``max_candidates < 1``.
     """
-    if isinstance(path_length, bool) or not isinstance(path_length, int) or path_length < 1:
-        raise ValueError(f"path_length must be a positive int, got {path_length!r}")
-    if max_candidates is None:
+    check_int("path_length", path_length, 1)
+    if check_int("max_candidates", max_candidates, 1, none_ok=True) is None:
         return list(range(path_length))
-    if isinstance(max_candidates, bool) or not isinstance(max_candidates, int) or max_candidates < 1:
-        raise ValueError(f"max_candidates must be a positive int or None (all), got {max_candidates!r}")
     if max_candidates == 1:
         return [0]
     last = path_length - 1

@@ -1,0 +1,57 @@
+"""Integer-argument checks shared by the whole package, so every integer argument is validated the same way and
+its error says the same thing: the argument's name, the allowed range, what the number counts, and the bad value.
+
+``bool`` is not an integer here (``True`` is never a token count); NumPy and other ``numbers.Integral`` integers are.
+A value that is not an integer raises ``TypeError``; an integer outside the range raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+__all__ = ["check_int", "is_int"]
+
+
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an integer (any ``numbers.Integral``) and not a ``bool``."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(
+    name: str,
+    value: Any,
+    minimum: int = 0,
+    maximum: int | None = None,
+    *,
+    counts: str = "",
+    none_ok: bool = False,
+) -> int | None:
+    """``value`` as an ``int`` after checking it is an integer in ``[minimum, maximum]``.
+
+    Args:
+        name: the argument's name, as the caller spells it (the error starts with it).
+        value: the argument.
+        minimum: the smallest allowed value.
+        maximum: the largest allowed value, or ``None`` for no upper bound.
+        counts: what the number counts (e.g. ``"tokens per chunk"``), said in the error; empty: nothing said.
+        none_ok: ``None`` is allowed too (and returned as ``None``).
+
+    Returns:
+        ``int(value)``, or ``None`` when ``value`` is ``None`` and ``none_ok``.
+
+    Raises:
+        TypeError: ``value`` is not an integer (a ``bool`` included), or ``None`` without ``none_ok``.
+        ValueError: ``value`` is an integer outside ``[minimum, maximum]``.
+    """
+    if value is None and none_ok:
+        return None
+    if is_int(value) and minimum <= value and (maximum is None or value <= maximum):
+        return int(value)
+    allowed = f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
+    if counts:
+        allowed += f" ({counts})"
+    if none_ok:
+        allowed += " or None"
+    message = f"{name} must be {allowed}, got {value!r}"
+    raise ValueError(message) if is_int(value) else TypeError(message)
