@@ -17,6 +17,7 @@ from hf_structkv.policy.calibration import (
     Bucket,
     BucketIntervention,
     CalibrationSettings,
+    VerdictStore,
     calibrate,
     dev_candidate_indices,
     envelope,
@@ -38,6 +39,7 @@ from hf_structkv.policy.calibration.references import (
     run_case,
     with_position_tags,
 )
+from hf_structkv.policy.calibration.task_sensitivity import intervention_runs
 from hf_structkv.quant.int4 import dequantize_int4, quantize_int4
 from hf_structkv.structure.prompt_spans import PROMPT_LABELS
 from hf_structkv.structure.tags import StructuralTag, position_bin_starts, view_tags
@@ -279,6 +281,81 @@ def test_reference_cache_is_reused_and_keyed(model, tokenizer, cases, tmp_path):
         reference_trajectories(model, tokenizer, [], MAX_NEW, WINDOW, 4)
 
 
+# ---------------------------------------------------------------------------------------------- verdict store
+def _verdict_reference(case_id="toy", tokens=(5, 6, 7)):
+    return ReferenceTrajectory(
+        tokens=tuple(tokens),
+        tags=(None,) * len(tokens),
+        valid=True,
+        text="",
+        case_id=case_id,
+        category="simple_python",
+        prompt_ids=(1, 2),
+        prompt_labels=((), ()),
+        seconds=0.0,
+    )
+
+
+BUCKET = Bucket("pure_scaffold|scaffold_separator|boundary|no_lookahead", 1)
+
+
+def test_verdict_store_round_trips_and_keys_by_case_reference_bucket_and_action(tmp_path):
+    key = {"model": "m", "window": 3}
+    store = VerdictStore.open(tmp_path, key)
+    ref = _verdict_reference()
+    assert store.get(ref, BUCKET, L) is None and not store.path.exists()
+    store.put(ref, BUCKET, L, False)
+    store.put(ref, BUCKET, R, True)
+    again = VerdictStore.open(tmp_path, key)
+    assert len(again) == 2 and again.get(ref, BUCKET, L) is False and again.get(ref, BUCKET, R) is True
+    assert again.get(_verdict_reference(tokens=(5, 6, 8)), BUCKET, L) is None  # the reference changed
+    assert again.get(_verdict_reference(case_id="other"), BUCKET, L) is None
+    assert again.get(ref, Bucket(BUCKET.key, 2), L) is None
+    other = VerdictStore.open(tmp_path, {"model": "m", "window": 4})
+    assert other.path != store.path and len(other) == 0
+    with pytest.raises(ValueError, match="R or L"):
+        store.get(ref, BUCKET, H)
+    with pytest.raises(TypeError, match="valid must be a bool"):
+        store.put(ref, BUCKET, L, 1)
+
+
+def test_verdict_store_skips_a_cut_line_and_restarts_a_file_of_another_key(tmp_path):
+    key = {"model": "m"}
+    store = VerdictStore.open(tmp_path, key)
+    ref = _verdict_reference()
+    store.put(ref, BUCKET, L, True)
+    with store.path.open("a", encoding="utf-8") as file:
+        file.write('{"case": "toy", "refer')  # a crash in the middle of a line
+    resumed = VerdictStore.open(tmp_path, key)
+    assert len(resumed) == 1
+    resumed.put(ref, BUCKET, R, False)
+    assert len(VerdictStore.open(tmp_path, key)) == 2  # the new line was not glued to the cut one
+    store.path.write_text(json.dumps({"key": {"model": "another"}}) + "\n", encoding="utf-8")
+    collided = VerdictStore(store.path, key)
+    assert len(collided) == 0
+    collided.put(ref, BUCKET, L, True)
+    lines = store.path.read_text(encoding="utf-8").splitlines()
+    assert json.loads(lines[0]) == {"key": key} and len(lines) == 2
+
+
+def test_intervention_runs_generate_each_needed_case_once_with_a_store(tmp_path):
+    refs = [_verdict_reference("a", tuple(range(12))), _verdict_reference("b", tuple(range(12)))]
+    refs = [dataclasses.replace(r, tags=((BUCKET.key,),) * 11 + (None,)) for r in refs]
+    entries = [type("Entry", (), {"id": r.case_id})() for r in refs]
+    calls = []
+
+    def generate(entry, reference, bucket, action):
+        calls.append((entry.id, action))
+        return dataclasses.replace(reference, valid=entry.id == "a" and action == L)
+
+    first = intervention_runs(entries, refs, [BUCKET], "decode", generate, 4, 3, store=VerdictStore.open(tmp_path, {}))
+    assert len(calls) == 4 and first.reused == 0
+    second = intervention_runs(entries, refs, [BUCKET], "decode", generate, 4, 3, store=VerdictStore.open(tmp_path, {}))
+    assert len(calls) == 4 and second.reused == 4
+    assert second.verdicts == first.verdicts == {(BUCKET, L): [True, False], (BUCKET, R): [False, False]}
+    assert second.generated == first.generated == {(BUCKET, L): 2, (BUCKET, R): 2}
+
+
 # ---------------------------------------------------------------------------------------------- Runtime-D
 def _toy_reference(tags, prompt_labels):
     return ReferenceTrajectory(
@@ -380,8 +457,13 @@ SETTINGS = CalibrationSettings(max_new_tokens=MAX_NEW, window=WINDOW, max_dev_ca
 
 
 @pytest.fixture(scope="module")
-def calibrated(model, tokenizer, cases, tmp_path_factory):
-    return calibrate(model, tokenizer, *cases, SETTINGS, cache_dir=tmp_path_factory.mktemp("cache"), log=lambda _: None)
+def calibration_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def calibrated(model, tokenizer, cases, calibration_cache):
+    return calibrate(model, tokenizer, *cases, SETTINGS, cache_dir=calibration_cache, log=lambda _: None)
 
 
 def test_calibrate_end_to_end_gives_loadable_tables_that_generate_calls_accepts(
@@ -424,6 +506,19 @@ def test_calibrate_is_deterministic(model, tokenizer, cases, calibrated, tmp_pat
     assert again.table.reserve_by_state == calibrated.table.reserve_by_state
     assert again.prefill_policy.entries == calibrated.prefill_policy.entries
     assert json.dumps(again.report["decode"]) == json.dumps(calibrated.report["decode"])
+
+
+def test_a_second_calibration_reads_its_runtime_v_verdicts_back(model, tokenizer, cases, calibrated, calibration_cache):
+    """Same model, cases, settings and cache folder: Runtime-V reads each verdict instead of generating it, and the
+    table is the same."""
+    assert calibrated.report["decode"]["runtime_v_reused"] == 0
+    again = calibrate(model, tokenizer, *cases, SETTINGS, cache_dir=calibration_cache, log=lambda _: None)
+    generations = calibrated.report["decode"]["runtime_v_generations"]
+    assert generations > 0 and again.report["decode"]["runtime_v_generations"] == generations
+    assert again.report["decode"]["runtime_v_reused"] == generations
+    assert again.report["prefill"]["runtime_v_reused"] == calibrated.report["prefill"]["runtime_v_generations"]
+    assert again.table.entries == calibrated.table.entries and again.table.budget == calibrated.table.budget
+    assert again.prefill_policy.entries == calibrated.prefill_policy.entries
 
 
 def test_calibrate_with_a_tag_view_runs_on_viewed_tags_and_records_the_view(model, tokenizer, cases, tmp_path):

@@ -4,8 +4,8 @@ distortion on a model's own reference trajectories to a frozen `PolicyTable` and
 Modules, one job each: `buckets` (what an intervention acts on), `references` (cached all-high trajectories),
 `interventions` (single-bucket policies and the exact window shortcut), `task_sensitivity` (Runtime-V), `floors`
 (envelope, eq. 5-6), `distortion` (Runtime-D, eq. 7), `path` (priorities eq. 8, greedy nested path), `reserve`
-(eqs. 10, 16), `candidates` (tables and nominal budgets), `selection` (eq. 9), `runner` (`calibrate`), `cli`
-(``hf-structkv calibrate``).
+(eqs. 10, 16), `candidates` (tables and nominal budgets), `selection` (eq. 9), `verdicts` (Runtime-V verdicts on
+disk: a stopped calibration resumes), `runner` (`calibrate`), `cli` (``hf-structkv calibrate``).
 """
 
 from .buckets import Bucket
@@ -16,6 +16,7 @@ from .references import ReferenceTrajectory, reference_trajectories
 from .reserve import left_quantile, reserve_statistics, reserve_table
 from .runner import CalibrationResult, CalibrationSettings, calibrate
 from .selection import dev_candidate_indices, select_cheapest
+from .verdicts import VerdictStore
 
 __all__ = [
     "DEFAULT_THRESHOLDS",
@@ -24,6 +25,7 @@ __all__ = [
     "CalibrationResult",
     "CalibrationSettings",
     "ReferenceTrajectory",
+    "VerdictStore",
     "calibrate",
     "dev_candidate_indices",
     "envelope",

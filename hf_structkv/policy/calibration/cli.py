@@ -77,7 +77,11 @@ def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
         "per token for every layer (with --decode-only)",
     )
     parser.add_argument("--seed", type=int, default=0, help="split and torch seed")
-    parser.add_argument("--cache-dir", help="reference-trajectory cache (default ~/.cache/hf_structkv/calibration)")
+    parser.add_argument(
+        "--cache-dir",
+        help="cache of reference trajectories and Runtime-V verdicts: a stopped run started again resumes from it "
+        "(default ~/.cache/hf_structkv/calibration)",
+    )
     parser.add_argument("--threads", type=int, help="torch CPU threads")
 
 

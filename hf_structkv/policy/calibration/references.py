@@ -5,8 +5,9 @@ One case is generated alone (batch 1): BFCL cases mostly carry their own tools, 
 grammar; batch 1 also makes the window shortcut of `task_sensitivity` exact (a batch's padding and shapes change the
 floating-point results of the other rows).
 
-The cache is one JSON file per (model fingerprint, tokenizer, case ids, generation settings), named by the hash of
-that key, in ``cache_dir``: a re-run with the same model, cases and settings reads it instead of generating.
+The cache is one JSON file per (`generation_key`, case ids), named by the hash of that key, in ``cache_dir``: a
+re-run with the same model, cases and settings reads it instead of generating (the interventions' verdicts are kept
+beside it by `verdicts.VerdictStore`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,14 @@ from ...structure.tags import StructuralTag, position_tag
 from ...structured_generation import call_prompt, generate_calls
 from ..table import PolicyTable
 
-__all__ = ["CaseRun", "ReferenceTrajectory", "reference_trajectories", "run_case", "with_position_tags"]
+__all__ = [
+    "CaseRun",
+    "ReferenceTrajectory",
+    "generation_key",
+    "reference_trajectories",
+    "run_case",
+    "with_position_tags",
+]
 
 TokenTags = tuple[str, ...] | None
 """A generated token's candidate tag keys (``class|role|state|next``; ``()`` unresolved); ``None``: a stop token."""
@@ -135,12 +143,13 @@ def _reference(model, tokenizer, entry: BfclEntry, policy: PolicyTable, max_new_
     )
 
 
-def _cache_key(model, tokenizer, entries: Sequence[BfclEntry], policy: PolicyTable, max_new_tokens: int) -> dict:
+def generation_key(model, tokenizer, policy: PolicyTable, max_new_tokens: int) -> dict[str, Any]:
+    """What a calibration's generations depend on besides the case and the intervention: package version, model
+    fingerprint, dtype, generation cap, and ``policy``'s window, sinks and tag view (the key of the on-disk caches)."""
     return {
         "hf_structkv_version": __version__,
         "fingerprint": model_fingerprint(model, tokenizer),
         "dtype": str(model.dtype),
-        "cases": [entry.id for entry in entries],
         "max_new_tokens": max_new_tokens,
         "window": policy.window,
         "sink_tokens": policy.sink_tokens,
@@ -169,7 +178,7 @@ def reference_trajectories(
     if not entries or not all(isinstance(entry, BfclEntry) for entry in entries):
         raise ValueError("entries must be a non-empty list of BfclEntry objects (bfcl_split)")
     policy = PolicyTable.all_high(model, window=window, sink_tokens=sink_tokens, tag_view=tag_view)
-    key = _cache_key(model, tokenizer, entries, policy, max_new_tokens)
+    key = {**generation_key(model, tokenizer, policy, max_new_tokens), "cases": [entry.id for entry in entries]}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = None if cache_dir is None else Path(cache_dir) / f"references-{digest}.json"
     if path is not None and path.is_file():

@@ -24,6 +24,7 @@ from ...eval.bfcl import BfclEntry
 from ...hub import model_fingerprint
 from ...structure.prompt_spans import PROMPT_LABELS
 from ...structure.tags import check_tag_view, position_bin_starts
+from ...validation import check_int
 from ..costs import Action, GroupCosts, check_group_count
 from ..prefill import PrefillPolicy
 from ..table import DEFAULT_SINK_TOKENS, DEFAULT_WINDOW, PolicyEntry, PolicyTable
@@ -33,7 +34,7 @@ from .distortion import attention_distortion, capture_reference_states
 from .floors import DEFAULT_THRESHOLDS, check_thresholds, envelope, protection_floors
 from .interventions import occurrences, prefill_positions
 from .path import greedy_path, upgrade_priorities
-from .references import reference_trajectories, with_position_tags
+from .references import generation_key, reference_trajectories, with_position_tags
 from .reserve import DEFAULT_RESERVE_HORIZON, DEFAULT_RESERVE_QUANTILE
 from .selection import DevResult, dev_candidate_indices, evaluate_controller, select_cheapest
 from .task_sensitivity import (
@@ -43,6 +44,7 @@ from .task_sensitivity import (
     prefill_generator,
     task_sensitivity,
 )
+from .verdicts import VerdictStore
 
 __all__ = ["REPORT_NAME", "STAGES", "STAGE_CHOICES", "CalibrationResult", "CalibrationSettings", "calibrate"]
 
@@ -90,12 +92,9 @@ class CalibrationSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "thresholds", check_thresholds(self.thresholds))
-        for name in ("max_new_tokens", "window"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
-            raise ValueError(f"sink_tokens must be an int >= 0, got {self.sink_tokens!r}")
+        check_int("max_new_tokens", self.max_new_tokens, 1)
+        check_int("window", self.window, 1)
+        check_int("sink_tokens", self.sink_tokens, 0)
         for name in ("alpha_decode", "alpha_prefill"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
@@ -166,7 +165,8 @@ def calibrate(
     """Run Algorithm 1 on ``calibration`` (fits) and ``development`` (selection) cases.
 
     Args:
-        cache_dir: where reference trajectories are cached (``None``: not cached).
+        cache_dir: where reference trajectories and Runtime-V verdicts are cached (``None``: not cached); a stopped
+            run started again with the same model and settings resumes from what it had generated.
         log: receives progress lines (the time estimate after the reference pass).
         data: a description of the data recorded in the card (benchmark, categories, split seed).
 
@@ -226,8 +226,13 @@ def calibrate(
     }
     selected = {}
     for stage in stages:
+        store = None
+        if cache_dir is not None:
+            key = generation_key(model, tokenizer, reference, settings.max_new_tokens)
+            key.update(stage=stage.name, layer_groups=settings.layer_groups, position_bins=view["position_bins"])
+            store = VerdictStore.open(cache_dir, key)
         selected[stage.name], report[stage.name] = _run_stage(
-            stage, calibration, refs, reference_error, settings, model, costs, progress, log
+            stage, calibration, refs, reference_error, settings, model, costs, progress, log, store
         )
     report["seconds"] = round(time.perf_counter() - start, 1)
     table = prefill = None
@@ -315,10 +320,19 @@ def _prefill_stage(model, tokenizer, development, refs, reference, costs, settin
     )
 
 
-def _run_stage(stage: _Stage, calibration, refs, reference_error, settings, model, costs, progress, log):
-    """Runtime-V, Runtime-D, priorities, one greedy path per τ, development selection of one stage."""
+def _run_stage(stage: _Stage, calibration, refs, reference_error, settings, model, costs, progress, log, store):
+    """Runtime-V (verdicts read from / written to ``store`` when given), Runtime-D, priorities, one greedy path per
+    τ, development selection of one stage."""
     runs = intervention_runs(
-        calibration, refs, stage.buckets, stage.name, stage.generate, settings.sink_tokens, settings.window, progress
+        calibration,
+        refs,
+        stage.buckets,
+        stage.name,
+        stage.generate,
+        settings.sink_tokens,
+        settings.window,
+        progress,
+        store=store,
     )
     sensitivity = task_sensitivity(runs, refs)
     distortion = attention_distortion(
@@ -381,6 +395,7 @@ def _run_stage(stage: _Stage, calibration, refs, reference_error, settings, mode
         },
         "runtime_v_seconds": round(runs.seconds, 1),
         "runtime_v_generations": sum(runs.generated.values()),
+        "runtime_v_reused": runs.reused,
         "paths": paths,
         "development": [
             {

@@ -5,6 +5,9 @@ Each calibration case is generated under the intervention (batch 1, `run_case`) 
 reproduces the reference: a decode intervention whose bucket has no occurrence early enough to leave the recent window
 before the trajectory ends (`reaches_generation`), or a prefill intervention that lowers no prompt token (or a
 reference of one token). Skipped cases count with the reference's verdict (a zero contribution to ``V``).
+
+With a `VerdictStore`, a needed case whose verdict is stored is read instead of generated (a resumed or repeated
+calibration), and each new verdict is stored as soon as it exists.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from ..costs import Action, GroupCosts
 from .buckets import Bucket
 from .interventions import BucketIntervention, prefill_intervention_plan, prefill_positions, reaches_generation
 from .references import CaseRun, ReferenceTrajectory, run_case
+from .verdicts import VerdictStore
 
 __all__ = [
     "InterventionRuns",
@@ -39,12 +43,14 @@ class InterventionRuns:
 
     Attributes:
         verdicts: ``{(bucket, action): [valid per case]}`` (skipped cases: the reference's verdict).
-        generated: ``{(bucket, action): number of cases generated}``.
+        generated: ``{(bucket, action): number of cases that need a generation}`` (generated now or read back).
+        reused: how many of those were read from the `VerdictStore` instead of generated.
         seconds: total generation time.
     """
 
     verdicts: dict[tuple[Bucket, Action], list[bool]] = field(default_factory=dict)
     generated: dict[tuple[Bucket, Action], int] = field(default_factory=dict)
+    reused: int = 0
     seconds: float = 0.0
 
 
@@ -66,12 +72,14 @@ def intervention_runs(
     sink_tokens: int,
     window: int,
     progress: bool = False,
+    store: VerdictStore | None = None,
 ) -> InterventionRuns:
     """Verdicts of every intervention ``(bucket, a)``, ``a ∈ {L, R}``, on every case.
 
     Args:
         entries, references: the calibration cases and their reference trajectories (same order).
         generate: ``(entry, reference, bucket, action) -> CaseRun`` of one intervened generation.
+        store: verdicts read before generating and written after (``None``: every needed case is generated).
     """
     if len(entries) != len(references) or any(e.id != r.case_id for e, r in zip(entries, references)):
         raise ValueError("entries and references must be the same cases in the same order")
@@ -85,7 +93,14 @@ def intervention_runs(
                 verdicts = []
                 for entry, reference, run in zip(entries, references, needed):
                     if run:
-                        verdicts.append(generate(entry, reference, bucket, action).valid)
+                        valid = None if store is None else store.get(reference, bucket, action)
+                        if valid is None:
+                            valid = generate(entry, reference, bucket, action).valid
+                            if store is not None:
+                                store.put(reference, bucket, action, valid)
+                        else:
+                            runs.reused += 1
+                        verdicts.append(valid)
                         bar.update()
                     else:
                         verdicts.append(reference.valid)
