@@ -35,6 +35,8 @@ from hf_structkv.policy.calibration.buckets import parse_bucket
 from hf_structkv.policy.calibration.distortion import attention_distortion, capture_reference_states
 from hf_structkv.policy.calibration.references import (
     ReferenceTrajectory,
+    generation_key,
+    key_digest,
     reference_trajectories,
     run_case,
     with_position_tags,
@@ -265,6 +267,16 @@ def test_intervention_controller_lowers_only_occurrences():
     tied = BucketIntervention(one_group, Bucket(key, 0, 1), R, 4, 8).controller(one_group)
     assert tied.step([tags[0]]) == (R,) and tied.step([tags[1]]) == (H,)  # every layer at once
     assert tied.scheduled_bits == COSTS.full
+
+
+def test_generation_key_and_its_digest(model, tokenizer):
+    table = PolicyTable.all_high(model, window=WINDOW)
+    key = generation_key(model, tokenizer, table, MAX_NEW)
+    assert key["max_new_tokens"] == MAX_NEW and key["window"] == WINDOW and "tag_view" not in key  # full: as before
+    assert generation_key(model, tokenizer, PolicyTable.all_high(model, tag_view="no_role"), MAX_NEW)["tag_view"]
+    assert generation_key(model, tokenizer, table, MAX_NEW + 1) != key
+    assert key_digest({"a": 1, "b": [2]}) == key_digest({"b": [2], "a": 1}) != key_digest({"a": 2, "b": [2]})
+    assert len(key_digest(key)) == 20 and int(key_digest(key), 16) >= 0
 
 
 def test_reference_cache_is_reused_and_keyed(model, tokenizer, cases, tmp_path):

@@ -36,6 +36,7 @@ __all__ = [
     "CaseRun",
     "ReferenceTrajectory",
     "generation_key",
+    "key_digest",
     "reference_trajectories",
     "run_case",
     "with_position_tags",
@@ -143,6 +144,11 @@ def _reference(model, tokenizer, entry: BfclEntry, policy: PolicyTable, max_new_
     )
 
 
+def key_digest(key: Any) -> str:
+    """The 20-hex-digit hash naming a cache file: SHA-256 of ``key`` as sorted JSON."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+
 def generation_key(model, tokenizer, policy: PolicyTable, max_new_tokens: int) -> dict[str, Any]:
     """What a calibration's generations depend on besides the case and the intervention: package version, model
     fingerprint, dtype, generation cap, and ``policy``'s window, sinks and tag view (the key of the on-disk caches)."""
@@ -179,8 +185,7 @@ def reference_trajectories(
         raise ValueError("entries must be a non-empty list of BfclEntry objects (bfcl_split)")
     policy = PolicyTable.all_high(model, window=window, sink_tokens=sink_tokens, tag_view=tag_view)
     key = {**generation_key(model, tokenizer, policy, max_new_tokens), "cases": [entry.id for entry in entries]}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    path = None if cache_dir is None else Path(cache_dir) / f"references-{digest}.json"
+    path = None if cache_dir is None else Path(cache_dir) / f"references-{key_digest(key)}.json"
     if path is not None and path.is_file():
         stored = json.loads(path.read_text(encoding="utf-8"))
         if stored.get("key") == key:

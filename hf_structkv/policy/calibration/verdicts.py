@@ -16,20 +16,15 @@ line holds another key (a hash collision) is started anew.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 from ..costs import Action
 from .buckets import Bucket
-from .references import ReferenceTrajectory
+from .references import ReferenceTrajectory, key_digest
 
 __all__ = ["VerdictStore"]
-
-
-def _digest(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:20]
 
 
 class VerdictStore:
@@ -54,7 +49,7 @@ class VerdictStore:
     @classmethod
     def open(cls, cache_dir: str | Path, key: dict[str, Any]) -> VerdictStore:
         """The store of ``key`` in ``cache_dir`` (``verdicts-<hash of key>.jsonl``)."""
-        return cls(Path(cache_dir) / f"verdicts-{_digest(key)}.jsonl", key)
+        return cls(Path(cache_dir) / f"verdicts-{key_digest(key)}.jsonl", key)
 
     def __len__(self) -> int:
         return len(self._verdicts)
@@ -85,7 +80,7 @@ class VerdictStore:
     def _line_key(reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> tuple[str, str, str, str]:
         if action not in (Action.L, Action.R):
             raise ValueError(f"an intervention applies R or L, got {action!r}")
-        return reference.case_id, _digest(list(reference.tokens)), str(bucket), action.name
+        return reference.case_id, key_digest(list(reference.tokens)), str(bucket), action.name
 
     def _read(self) -> None:
         text = self.path.read_text(encoding="utf-8")
