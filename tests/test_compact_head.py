@@ -348,3 +348,12 @@ def test_refit_guard_evicts_where_the_refit_overfits_and_refits_where_it_general
     assert evicted(queries=120, budget=8) <= 2  # well-posed: the refit generalises
     with pytest.raises(ValueError, match=r"refit_guard must be in \[0, 1\)"):
         compact_head(*random_head(0)[:3], 5, method="loo", refit_guard=1.0)
+
+
+@pytest.mark.parametrize(
+    ("budget", "error"), [(0, ValueError), (-2, ValueError), (2.5, TypeError), (True, TypeError), ("4", TypeError)]
+)
+def test_compact_head_rejects_a_bad_budget_naming_it(budget, error):
+    keys, values, queries, _ = random_head(0)
+    with pytest.raises(error, match=r"^budget must be an integer >= 1 \(kept entries\), got "):
+        compact_head(keys, values, queries, budget)

@@ -725,11 +725,6 @@ class QFilters(HeadMethod):
 # Public entry points.
 
 
-def _check_budget(budget: object) -> int:
-    """Validate the budget: an integer >= 1."""
-    return check_int("budget", budget, 1, counts="kept entries")
-
-
 def compact_head(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -759,7 +754,7 @@ def compact_head(
     if method not in HEAD_METHODS:
         raise ValueError(f"method must be one of {sorted(HEAD_METHODS)}, got {method!r}")
     rule = HEAD_METHODS[method](**hparams)
-    budget = _check_budget(budget)
+    budget = check_int("budget", budget, 1, counts="kept entries")
     if queries is None and rule.needs_queries:
         raise ValueError(f"method {method!r} needs calibration queries, got queries=None")
     problem = HeadProblem.build(keys, values, queries, scaling)

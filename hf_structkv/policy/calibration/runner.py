@@ -225,12 +225,13 @@ def calibrate(
         },
     }
     selected = {}
+    store_key = {
+        **generation_key(model, tokenizer, reference, settings.max_new_tokens),
+        "layer_groups": settings.layer_groups,
+        "position_bins": view["position_bins"],
+    }
     for stage in stages:
-        store = None
-        if cache_dir is not None:
-            key = generation_key(model, tokenizer, reference, settings.max_new_tokens)
-            key.update(stage=stage.name, layer_groups=settings.layer_groups, position_bins=view["position_bins"])
-            store = VerdictStore.open(cache_dir, key)
+        store = None if cache_dir is None else VerdictStore.open(cache_dir, {**store_key, "stage": stage.name})
         selected[stage.name], report[stage.name] = _run_stage(
             stage, calibration, refs, reference_error, settings, model, costs, progress, log, store
         )
