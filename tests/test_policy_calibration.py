@@ -281,16 +281,30 @@ def test_generation_key_and_its_digest(model, tokenizer):
 
 def test_reference_cache_is_reused_and_keyed(model, tokenizer, cases, tmp_path):
     first = reference_trajectories(model, tokenizer, cases[0][:1], MAX_NEW, WINDOW, 4, cache_dir=tmp_path)
-    (path,) = tmp_path.glob("references-*.json")
+    (path,) = tmp_path.glob("reference-*.json")
     record = json.loads(path.read_text())
-    record["trajectories"][0]["text"] = "from the cache"
+    record["trajectory"]["text"] = "from the cache"
     path.write_text(json.dumps(record))
     again = reference_trajectories(model, tokenizer, cases[0][:1], MAX_NEW, WINDOW, 4, cache_dir=tmp_path)
     assert again[0].text == "from the cache" and again[0].tokens == first[0].tokens
     other = reference_trajectories(model, tokenizer, cases[0][:1], MAX_NEW, WINDOW + 1, 4, cache_dir=tmp_path)
-    assert other[0].text == first[0].text and len(list(tmp_path.glob("references-*.json"))) == 2
+    assert other[0].text == first[0].text and len(list(tmp_path.glob("reference-*.json"))) == 2
     with pytest.raises(ValueError, match="non-empty list"):
         reference_trajectories(model, tokenizer, [], MAX_NEW, WINDOW, 4)
+
+
+def test_a_grown_split_generates_only_its_new_cases(model, tokenizer, cases, references, tmp_path):
+    """References are cached per case: a split grown from one case to two reads the first and generates the second
+    (equal to a fresh generation of both)."""
+    reference_trajectories(model, tokenizer, cases[0][:1], MAX_NEW, WINDOW, 4, cache_dir=tmp_path)
+    (path,) = tmp_path.glob("reference-*.json")
+    record = json.loads(path.read_text())
+    record["trajectory"]["text"] = "from the cache"
+    path.write_text(json.dumps(record))
+    grown = reference_trajectories(model, tokenizer, cases[0][:2], MAX_NEW, WINDOW, 4, cache_dir=tmp_path)
+    assert [r.case_id for r in grown] == [e.id for e in cases[0][:2]] and grown[0].text == "from the cache"
+    assert dataclasses.replace(grown[1], seconds=0.0) == dataclasses.replace(references[1], seconds=0.0)
+    assert len(list(tmp_path.glob("reference-*.json"))) == 2
 
 
 # ---------------------------------------------------------------------------------------------- verdict store
@@ -348,6 +362,20 @@ def test_verdict_store_skips_a_cut_line_and_restarts_a_file_of_another_key(tmp_p
     collided.put(ref, BUCKET, L, True)
     lines = store.path.read_text(encoding="utf-8").splitlines()
     assert json.loads(lines[0]) == {"key": key} and len(lines) == 2
+
+
+def test_two_stores_sharing_a_new_file_keep_both_verdicts_and_one_key_line(tmp_path):
+    """Two processes calibrating different cases into one cache folder: both open the store before it exists."""
+    key = {"model": "m"}
+    first, second = VerdictStore.open(tmp_path, key), VerdictStore.open(tmp_path, key)
+    first.put(_verdict_reference("a"), BUCKET, L, True)
+    second.put(_verdict_reference("b"), BUCKET, R, False)  # the file exists now: appended, not started anew
+    first.put(_verdict_reference("a"), BUCKET, R, True)
+    lines = first.path.read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line) == {"key": key} for line in lines] == [True, False, False, False]
+    merged = VerdictStore.open(tmp_path, key)
+    assert len(merged) == 3 and merged.get(_verdict_reference("b"), BUCKET, R) is False
+    assert len(second) == 2  # it read the first store's line when it found the file
 
 
 def test_intervention_runs_generate_each_needed_case_once_with_a_store(tmp_path):
@@ -541,7 +569,8 @@ def test_calibrate_with_a_tag_view_runs_on_viewed_tags_and_records_the_view(mode
         model, tokenizer, cases[0], MAX_NEW, WINDOW, 4, cache_dir=tmp_path, tag_view="no_role"
     )
     full_refs = reference_trajectories(model, tokenizer, cases[0], MAX_NEW, WINDOW, 4, cache_dir=tmp_path)
-    assert len(list(tmp_path.glob("references-*.json"))) == 3  # cal + dev of the view, cal of the full view
+    n_cases = len(cases[0]) + len(cases[1]) + len(cases[0])  # per case: cal + dev of the view, cal of the full view
+    assert len(list(tmp_path.glob("reference-*.json"))) == n_cases
     for full, viewed in zip(full_refs, refs, strict=True):
         assert full.tokens == viewed.tokens  # all-high: the same tokens
         want = [

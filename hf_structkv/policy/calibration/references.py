@@ -5,9 +5,9 @@ One case is generated alone (batch 1): BFCL cases mostly carry their own tools, 
 grammar; batch 1 also makes the window shortcut of `task_sensitivity` exact (a batch's padding and shapes change the
 floating-point results of the other rows).
 
-The cache is one JSON file per (`generation_key`, case ids), named by the hash of that key, in ``cache_dir``: a
-re-run with the same model, cases and settings reads it instead of generating (the interventions' verdicts are kept
-beside it by `verdicts.VerdictStore`).
+The cache is one JSON file per (`generation_key`, case id), named by the hash of that key, in ``cache_dir``: a
+re-run with the same model and settings reads the cases it has instead of generating them, also when the split grew
+or shrank (the interventions' verdicts are kept beside them by `verdicts.VerdictStore`).
 """
 
 from __future__ import annotations
@@ -175,7 +175,8 @@ def reference_trajectories(
     desc: str = "reference",
     tag_view: str = "full",
 ) -> list[ReferenceTrajectory]:
-    """All-high greedy trajectories of ``entries`` (in order), read from / written to ``cache_dir`` when given.
+    """All-high greedy trajectories of ``entries`` (in order), each read from / written to ``cache_dir`` when given
+    (one file per case, written as soon as it is generated).
 
     Args:
         window, sink_tokens, tag_view: the all-high policy's recent window, sinks and tag view (the settings of the
@@ -184,23 +185,32 @@ def reference_trajectories(
     if not entries or not all(isinstance(entry, BfclEntry) for entry in entries):
         raise ValueError("entries must be a non-empty list of BfclEntry objects (bfcl_split)")
     policy = PolicyTable.all_high(model, window=window, sink_tokens=sink_tokens, tag_view=tag_view)
-    key = {**generation_key(model, tokenizer, policy, max_new_tokens), "cases": [entry.id for entry in entries]}
-    path = None if cache_dir is None else Path(cache_dir) / f"references-{key_digest(key)}.json"
-    if path is not None and path.is_file():
-        stored = json.loads(path.read_text(encoding="utf-8"))
-        if stored.get("key") == key:
-            return [_from_json(record) for record in stored["trajectories"]]
-    trajectories = [
-        _reference(model, tokenizer, entry, policy, max_new_tokens)
-        for entry in tqdm(entries, desc=desc, unit="case", disable=not progress)
-    ]
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        record = {"key": key, "trajectories": [asdict(t) for t in trajectories]}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record), encoding="utf-8")
-        tmp.replace(path)
+    common = generation_key(model, tokenizer, policy, max_new_tokens)
+    keys = [{**common, "case": entry.id} for entry in entries]
+    paths = [None if cache_dir is None else Path(cache_dir) / f"reference-{key_digest(key)}.json" for key in keys]
+    trajectories = [_read_reference(path, key) for path, key in zip(paths, keys, strict=True)]
+    missing = [i for i, trajectory in enumerate(trajectories) if trajectory is None]
+    for i in tqdm(missing, desc=desc, unit="case", disable=not progress):
+        trajectories[i] = _reference(model, tokenizer, entries[i], policy, max_new_tokens)
+        if paths[i] is not None:
+            _write_json(paths[i], {"key": keys[i], "trajectory": asdict(trajectories[i])})
     return trajectories
+
+
+def _read_reference(path: Path | None, key: dict[str, Any]) -> ReferenceTrajectory | None:
+    """The cached trajectory of ``key`` at ``path``, ``None`` when absent or of another key."""
+    if path is None or not path.is_file():
+        return None
+    stored = json.loads(path.read_text(encoding="utf-8"))
+    return _from_json(stored["trajectory"]) if stored.get("key") == key else None
+
+
+def _write_json(path: Path, record: dict[str, Any]) -> None:
+    """Write ``record`` to ``path`` through a temporary file, so a reader never sees half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record), encoding="utf-8")
+    tmp.replace(path)
 
 
 def with_position_tags(reference: ReferenceTrajectory, position_bins: Sequence[int]) -> ReferenceTrajectory:

@@ -30,7 +30,9 @@ __all__ = ["VerdictStore"]
 class VerdictStore:
     """The verdicts of one generation key (module docstring).
 
-    `get` reads; `put` appends one line to the file and remembers it (the only method that changes state).
+    `get` reads; `put` appends one line to the file and remembers it (the only method that changes state). Several
+    processes may share one file (e.g. one calibration per category into one cache folder): each appends its lines
+    in single writes and reads the others' when it opens the file.
 
     Args:
         path: the JSON-lines file (created by the first `put`).
@@ -66,15 +68,25 @@ class VerdictStore:
         line_key = self._line_key(reference, bucket, action)
         case, tokens, bucket_text, action_name = line_key
         line = {"case": case, "reference": tokens, "bucket": bucket_text, "action": action_name, "valid": valid}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("w" if self._fresh else "a", encoding="utf-8") as file:
-            if self._fresh:
-                file.write(json.dumps({"key": self.key}) + "\n")
-            elif self._cut:
-                file.write("\n")
-            file.write(json.dumps(line) + "\n")
-        self._fresh = self._cut = False
+        if self._fresh:
+            self._start_file()
+        with self.path.open("a", encoding="utf-8") as file:
+            file.write(("\n" if self._cut else "") + json.dumps(line) + "\n")  # one write: appends do not interleave
+        self._cut = False
         self._verdicts[line_key] = valid
+
+    def _start_file(self) -> None:
+        """Create the file with its key line; when another process created it meanwhile with the same key, append to
+        it instead (and read its verdicts); a file of another key is started anew."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with self.path.open("x", encoding="utf-8") as file:
+                file.write(json.dumps({"key": self.key}) + "\n")
+        except FileExistsError:
+            self._read()
+            if self._fresh:
+                self.path.write_text(json.dumps({"key": self.key}) + "\n", encoding="utf-8")
+        self._fresh = False
 
     @staticmethod
     def _line_key(reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> tuple[str, str, str, str]:
