@@ -3,8 +3,8 @@ mixed-precision cache, the same ledger (B.3) and the same held-out cases (PASK T
 
 1. Development split only: Full KV answers the first ``--dev-cases`` cases of each category; their prompt and decoded
    lengths fix each baseline's budget knob by its knob arithmetic (`for_budget`: StreamingLLM's recent prompt tokens,
-   SnapKV's prompt ratio, H2O's and MiKV's heavy ratio; the other Table 8 knobs at the stated defaults, the recent
-   window equal to PASK's). Nothing is chosen on the test split.
+   SnapKV's and CriticalKV's prompt ratio, H2O's and MiKV's heavy ratio; the other Table 8 knobs at the stated
+   defaults, the recent window equal to PASK's). Nothing is chosen on the test split.
 2. Test split: every method answers the first ``--cases`` test cases of each category greedily under the tools' JSON
    schema (`evaluate_bfcl`, batch 1), scored by BFCL's AST checker, at each target B < 1 (B = 1 keeps everything:
    that row is Full KV, run once). PASK runs its decode table and prefill policy with both budgets (``B_D``, ``B_P``)
@@ -35,6 +35,7 @@ from hf_structkv.eval.bfcl import CATEGORIES, bfcl_split, evaluate_bfcl
 from hf_structkv.models import load_default_model, tiny_byte_tokenizer, tiny_model
 from hf_structkv.policy import (
     H2O,
+    CriticalKV,
     GroupCosts,
     MiKV,
     PolicyTable,
@@ -52,13 +53,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bfcl_accuracy import print_table  # noqa: E402
 
 BUDGETS = (0.25, 0.33, 0.5, 1.0)
-BASELINES = {"streaming_llm": StreamingLLM, "h2o": H2O, "snapkv": SnapKV, "mikv": MiKV}
+BASELINES = {"streaming_llm": StreamingLLM, "h2o": H2O, "snapkv": SnapKV, "mikv": MiKV, "criticalkv": CriticalKV}
 METHODS = ("full_kv", *BASELINES, "pask")
 BASELINE_KNOBS = {  # Table 8 knobs other than the budget knob (the recent window is PASK's)
     "streaming_llm": {},
     "h2o": {"sink_tokens": 4},
     "snapkv": {"observation_window": 16, "pooling": "max", "kernel": 7},
     "mikv": {"sink_tokens": 4},
+    "criticalkv": {"observation_window": 16, "pooling": "max", "kernel": 7, "first_stage_ratio": 0.5},
 }
 
 

@@ -407,7 +407,7 @@ def test_bfcl_budget_tiny_run_writes_records_and_plot(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     subprocess.run(command, check=True, env=env, timeout=600, capture_output=True)
     result = json.loads(out.read_text())
-    methods = ["full_kv", "streaming_llm", "h2o", "snapkv", "mikv", "pask"]
+    methods = ["full_kv", "streaming_llm", "h2o", "snapkv", "mikv", "criticalkv", "pask"]
     assert [(r["method"], r["target_B"]) for r in result["records"]] == [("full_kv", 1.0)] + [
         (m, 0.33) for m in methods[1:]
     ]

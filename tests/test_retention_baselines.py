@@ -1,6 +1,7 @@
-"""Decode-time baselines (StreamingLLM, H2O, SnapKV, MiKV) on the mixed-precision cache: decisions against brute-force
-references on hand-made attention statistics, attention statistics against a dense softmax reference, stored tensors
-that really shrink, budgets measured by the ledger against the knob arithmetic, and clear errors."""
+"""Decode-time baselines (StreamingLLM, H2O, SnapKV, MiKV, CriticalKV) on the mixed-precision cache: decisions
+against brute-force references on hand-made attention statistics, attention statistics against a dense softmax
+reference, stored tensors that really shrink, budgets measured by the ledger against the knob arithmetic, and clear
+errors."""
 
 import math
 
@@ -12,11 +13,13 @@ from hf_structkv.attention.mixed_reference import (
     DensePartition,
     Int4Partition,
     attention_mass,
+    head_output_projections,
+    projected_value_norms,
 )
 from hf_structkv.cache.attention_mass import AttentionMass, TokenStatistics
 from hf_structkv.cache.mixed_precision import StructuredMixedPrecisionCache
 from hf_structkv.models import tiny_model
-from hf_structkv.policy import H2O, Action, GroupCosts, MiKV, PolicyTable, SnapKV, StreamingLLM
+from hf_structkv.policy import H2O, Action, CriticalKV, GroupCosts, MiKV, PolicyTable, SnapKV, StreamingLLM
 from hf_structkv.policy.baselines.base import solve_knob
 from hf_structkv.policy.baselines.snapkv import pool_scores
 from hf_structkv.quant import dequantize_int4, quantize_int4
@@ -108,6 +111,40 @@ def test_attention_mass_with_an_empty_partition_and_softcap():
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+def test_value_weighted_mass_equals_a_per_head_brute_force():
+    """CriticalKV's score sum_h a_hj ||v_j W_o^h||_1, partition by partition (dense, INT4, dense)."""
+    query, parts = random_partitions(seed=2)
+    n_q_heads, dim, d_model = query.shape[1], query.shape[-1], 5
+    o_proj = torch.nn.Linear(n_q_heads * dim, d_model, bias=False)
+    module = type("Attention", (torch.nn.Module,), {})()
+    module.o_proj = o_proj
+    projections = head_output_projections(module, n_q_heads, dim)
+    norms = [projected_value_norms(part, projections) for part in parts]
+    got = attention_mass(query, parts, 0.35, value_norms=norms)
+    values = torch.cat([part.float_keys_values()[1] for part in parts], dim=2)  # [B, H_kv, n, D]
+    keys = torch.cat([part.float_keys_values()[0] for part in parts], dim=2)
+    visible = torch.cat([part.visible for part in parts], dim=-1)
+    group = n_q_heads // keys.shape[1]
+    want = torch.zeros(query.shape[0], keys.shape[2])
+    for b in range(query.shape[0]):
+        for h in range(n_q_heads):
+            k, v = keys[b, h // group], values[b, h // group]
+            weight = o_proj.weight[:, h * dim : (h + 1) * dim].detach()
+            norm = (v @ weight.T).abs().sum(dim=-1)  # [n]
+            for row in range(query.shape[2]):
+                if visible[b, row].any():
+                    scores = (k @ query[b, h, row]) * 0.35
+                    probs = torch.softmax(scores.masked_fill(~visible[b, row], -torch.inf), dim=-1)
+                    want[b] += probs * norm
+    torch.testing.assert_close(torch.cat(got, dim=-1), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="one tensor per partition"):
+        attention_mass(query, parts, 0.35, value_norms=norms[:2])
+    with pytest.raises(ValueError, match="o_proj"):
+        head_output_projections(torch.nn.Module(), n_q_heads, dim)
+    with pytest.raises(ValueError, match="o_proj"):
+        head_output_projections(module, n_q_heads, dim + 1)
+
+
 def test_statistics_on_equals_off_and_mass_matches_closed_form(model):
     torch.manual_seed(0)
     ids = torch.randint(3, 256, (2, 12))
@@ -178,6 +215,21 @@ def test_attention_mass_accumulator_rows_and_validation():
         AttentionMass(observation_window=-1)
     with pytest.raises(ValueError, match="num_groups"):
         AttentionMass(num_groups=0)
+    with pytest.raises(ValueError, match="weighted mass must be given exactly"):
+        stats.add(0, torch.ones(3, 5), torch.ones(3, 5))
+    with pytest.raises(ValueError, match="no value-weighted mass"):
+        stats.weighted_row_mass(0, 5)
+    with pytest.raises(TypeError, match="value_weighted must be a bool"):
+        AttentionMass(value_weighted=1)
+    weighted = AttentionMass(value_weighted=True)
+    weighted.add(1, torch.ones(2, 3), torch.full((2, 3), 2.0))
+    weighted.add(1, torch.ones(2, 4), torch.full((2, 4), 3.0))
+    assert weighted.row_mass(0, 4)[1].tolist() == [2, 2, 2, 1]
+    assert weighted.weighted_row_mass(0, 5)[1].tolist() == [5, 5, 5, 3, 0]
+    weighted.select_rows(torch.tensor([1]))
+    assert weighted.weighted[1].shape == (1, 4)
+    with pytest.raises(ValueError, match="weighted mass must be given exactly"):
+        weighted.add(0, torch.ones(1, 2))
 
 
 # ----------------------------------------------------------------------------------------- decisions vs brute force
@@ -293,6 +345,62 @@ def test_snapkv_prompt_plan_matches_brute_force(model, pooling, kernel):
     )
 
 
+@pytest.mark.parametrize("first_stage_ratio", [0.0, 0.5, 1.0])
+def test_criticalkv_prompt_plan_matches_brute_force(model, first_stage_ratio):
+    """Two stages per group: floor(eps * k) by pooled attention, the rest by pooled value-weighted attention."""
+    generator = torch.Generator().manual_seed(7)
+    prompt, pooling, kernel = 24, "max", 3
+    real = torch.ones(prompt, dtype=torch.bool)
+    real[:3] = False
+    mass, weighted = torch.rand(3, prompt, generator=generator), torch.rand(3, prompt, generator=generator)
+    policy = CriticalKV(
+        model, observation_window=4, kernel=kernel, prompt_ratio=0.5, first_stage_ratio=first_stage_ratio
+    )
+    plan = policy.controller(costs_of(model)).plan_prompt(mass, real, weighted)
+    slots = [p for p in range(prompt) if real[p]]
+    prefix = slots[:-4]
+    keep = math.floor(0.5 * len(prefix))
+    first = math.floor(first_stage_ratio * keep + 1e-9)
+    for g in range(3):
+        pooled = brute_pool([float(mass[g, p]) for p in slots], pooling, kernel)[: len(prefix)]
+        pooled_w = brute_pool([float(weighted[g, p]) for p in slots], pooling, kernel)[: len(prefix)]
+        stage1 = sorted(range(len(prefix)), key=lambda i: (-pooled[i], i))[:first]
+        rest = [i for i in range(len(prefix)) if i not in stage1]
+        stage2 = sorted(rest, key=lambda i: (-pooled_w[i], i))[: keep - first]
+        want = [R] * prompt
+        for i in stage1 + stage2:
+            want[prefix[i]] = H
+        for p in slots[-4:]:
+            want[p] = H
+        assert plan[:, g].tolist() == want
+    snap = SnapKV(model, observation_window=4, kernel=kernel, prompt_ratio=0.5).controller(costs_of(model))
+    assert torch.equal(plan, snap.plan_prompt(mass, real)) == (first_stage_ratio == 1.0)
+    with pytest.raises(ValueError, match="value-weighted"):
+        policy.controller(costs_of(model)).plan_prompt(mass, real)
+
+
+def test_criticalkv_in_a_cache_plans_from_the_recorded_value_weighted_mass(model):
+    """On a tiny model: the cache records both statistics in the prompt forward, the plan is the brute-force two-stage
+    selection of them, eps = 1 generates what SnapKV generates, and the stored tensors shrink like SnapKV's."""
+    knobs = dict(observation_window=4, prompt_ratio=0.4, window=3)
+    out, cache = run(model, CriticalKV(model, first_stage_ratio=0.0, **knobs), prompt_len=20, new_tokens=6)
+    stats = cache.statistics
+    weighted, mass = stats.weighted_row_mass(0, 20), stats.row_mass(0, 20)
+    assert not torch.allclose(weighted, mass) and (weighted > 0).all()
+    replanned = CriticalKV(model, first_stage_ratio=0.0, **knobs).controller(cache.costs)
+    assert torch.equal(
+        cache.schedule.prefill_plan[0], replanned.plan_prompt(mass, torch.ones(20, dtype=torch.bool), weighted)
+    )
+    snap_out, snap_cache = run(model, SnapKV(model, **knobs), prompt_len=20, new_tokens=6)
+    eps_one_out, eps_one_cache = run(
+        model, CriticalKV(model, first_stage_ratio=1.0, **knobs), prompt_len=20, new_tokens=6
+    )
+    assert torch.equal(eps_one_out, snap_out) and torch.equal(
+        eps_one_cache.schedule.prefill_plan, snap_cache.schedule.prefill_plan
+    )
+    assert cache.nbytes() == snap_cache.nbytes() and cache.scheduled_payload() == snap_cache.scheduled_payload()
+
+
 def test_streaming_llm_plan_keeps_the_first_real_tokens_and_the_recent_ones(model):
     real = torch.tensor([False, False, True, True, True, True, True, True])
     plan = StreamingLLM(model, sink_tokens=3, window=2).controller(costs_of(model)).plan_prompt(torch.zeros(3, 8), real)
@@ -324,8 +432,9 @@ def test_streaming_llm_stores_exactly_sinks_and_window(model):
         lambda m: SnapKV(m, observation_window=5, prompt_ratio=0.3, window=3),
         lambda m: H2O(m, sink_tokens=2, window=3, heavy_ratio=0.3),
         lambda m: MiKV(m, sink_tokens=2, window=3, heavy_ratio=0.3),
+        lambda m: CriticalKV(m, observation_window=5, prompt_ratio=0.3, window=3),
     ],
-    ids=["streaming_llm", "snapkv", "h2o", "mikv"],
+    ids=["streaming_llm", "snapkv", "h2o", "mikv", "criticalkv"],
 )
 def test_measured_budget_matches_the_knob_arithmetic(model, policy):
     policy = policy(model)
@@ -368,7 +477,7 @@ LENGTHS = [(400, 90), (350, 60), (520, 120)]
 
 
 @pytest.mark.parametrize("target", [0.25, 0.33, 0.5])
-@pytest.mark.parametrize("policy_cls", [StreamingLLM, SnapKV, H2O, MiKV])
+@pytest.mark.parametrize("policy_cls", [StreamingLLM, SnapKV, H2O, MiKV, CriticalKV])
 def test_for_budget_is_the_closest_knob_from_below(model, policy_cls, target):
     policy = policy_cls.for_budget(model, target, LENGTHS, window=32)
     budget = policy.expected_budget(LENGTHS)
@@ -396,6 +505,8 @@ def test_clear_errors(model):
         SnapKV(model, kernel=4)
     with pytest.raises(ValueError, match="pooling"):
         SnapKV(model, pooling="mean")
+    with pytest.raises(ValueError, match="first_stage_ratio"):
+        CriticalKV(model, first_stage_ratio=1.5)
     with pytest.raises(ValueError, match="heavy_ratio"):
         H2O(model, heavy_ratio=1.5)
     with pytest.raises(ValueError, match="window"):

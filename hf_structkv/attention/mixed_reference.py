@@ -128,6 +128,7 @@ def attention_mass(
     partitions: list[DensePartition | Int4Partition],
     scaling: float,
     softcap: float | None = None,
+    value_norms: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Attention probability mass each entry receives, summed over query heads and query rows: the statistic of
     attention-based retention baselines (H2O, SnapKV, MiKV). The softmax runs over the union of the partitions, as in
@@ -135,6 +136,9 @@ def attention_mass(
 
     Args:
         query, partitions, scaling, softcap: as `mixed_precision_attention`.
+        value_norms: optional, one FP32 ``[B, H_kv, g, n]`` per partition (`projected_value_norms`): each query
+            head's probability of an entry is multiplied by it before the sum (CriticalKV's output-perturbation
+            score ``sum_h a_hj * ||v_j W_o^h||_1``).
 
     Returns:
         One FP32 tensor ``[B, n]`` per partition (its entries in order); a row that sees no key adds nothing.
@@ -147,4 +151,42 @@ def attention_mass(
     weights = [torch.exp(s - shift.unsqueeze(-1)) for s in scores]
     total = sum(w.sum(dim=-1) for w in weights)
     inverse = torch.where(total > 0, 1 / total.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(total))
-    return [(w * inverse.unsqueeze(-1)).sum(dim=(1, 2, 3)) for w in weights]
+    probs = [w * inverse.unsqueeze(-1) for w in weights]
+    if value_norms is not None:
+        if len(value_norms) != len(partitions):
+            raise ValueError(f"value_norms needs one tensor per partition ({len(partitions)}), got {len(value_norms)}")
+        probs = [p * norms.unsqueeze(-2) for p, norms in zip(probs, value_norms, strict=True)]
+    return [p.sum(dim=(1, 2, 3)) for p in probs]
+
+
+def head_output_projections(module: torch.nn.Module, num_query_heads: int, value_dim: int) -> torch.Tensor:
+    """Each query head's slice of the attention output projection, FP32 ``[H_q, D_v, d_model]``: head ``h``'s output
+    ``o_h [D_v]`` enters the residual stream as ``o_h @ result[h]`` (``o_proj.weight[:, h*D_v:(h+1)*D_v].T``).
+
+    Raises:
+        ValueError: ``module`` has no ``o_proj`` linear layer of ``H_q * D_v`` inputs.
+    """
+    weight = getattr(getattr(module, "o_proj", None), "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != num_query_heads * value_dim:
+        raise ValueError(
+            f"value-weighted attention statistics (CriticalKV) need the attention module's output projection o_proj "
+            f"with {num_query_heads} x {value_dim} inputs; {type(module).__name__} has none"
+        )
+    return weight.float().view(weight.shape[0], num_query_heads, value_dim).permute(1, 2, 0)
+
+
+def projected_value_norms(part: DensePartition | Int4Partition, projections: torch.Tensor) -> torch.Tensor:
+    """L1 norm of every entry's value as each query head writes it into the residual stream, ``||v_j W_o^h||_1``.
+
+    Args:
+        part: a partition with values ``[B, H_kv, n, D_v]`` (INT4 dequantised).
+        projections: `head_output_projections` ``[H_q, D_v, d_model]``, query head ``i`` reading KV head
+            ``i // (H_q / H_kv)``.
+
+    Returns:
+        FP32 ``[B, H_kv, g, n]``, ``g = H_q / H_kv``.
+    """
+    _, values = part.float_keys_values()  # [B, H_kv, n, D_v]
+    n_kv_heads = values.shape[1]
+    grouped = projections.view(n_kv_heads, projections.shape[0] // n_kv_heads, *projections.shape[1:])
+    return (values.unsqueeze(2) @ grouped.unsqueeze(0)).abs().sum(dim=-1)  # [B, H_kv, g, n]

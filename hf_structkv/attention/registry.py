@@ -49,7 +49,7 @@ def structkv_attention(
         partitions = mixed_layer.partitions(attention_mask, query.shape[-2])
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         out = mixed_precision_attention_for(query)(query, partitions, scaling=scaling, softcap=kwargs.get("softcap"))
-        mixed_layer.record_attention(query, partitions, scaling, kwargs.get("softcap"))  # no-op unless requested
+        mixed_layer.record_attention(query, partitions, scaling, kwargs.get("softcap"), module)  # no-op unless asked
         return out, None
     prefix_layer = kwargs.pop(PREFIX_KWARG, None)
     if prefix_layer is None:

@@ -10,7 +10,8 @@ row's first real tokens, which left padding moves away from position 0); generat
 
 With attention statistics (an `AttentionMass`, for the attention-based baselines of `hf_structkv.policy.baselines`)
 the controllers plan the prompt themselves, once, when prompt actions are first needed (the first commit, after the
-prompt forward): ``controller.plan_prompt(mass [groups, P], real [P]) -> [P, groups]``; and each generated token is
+prompt forward): ``controller.plan_prompt(mass [groups, P], real [P]) -> [P, groups]`` (with value-weighted
+statistics also ``weighted=[groups, P]``); and each generated token is
 decided by ``controller.step(candidates, TokenStatistics(position, mass))`` with the mass accumulated so far.
 """
 
@@ -99,10 +100,11 @@ class ActionSchedule:
         if stats is None or self.prefill_plan is not None or stats.prompt_real is None or not self.controllers:
             return
         real = stats.prompt_real  # [B, P]
-        plans = [
-            self.controllers[row].plan_prompt(stats.row_mass(row, real.shape[1]), real[row])
-            for row in range(self.batch_size)
-        ]
+        plans = []
+        for row in range(self.batch_size):
+            n = real.shape[1]
+            weighted = {"weighted": stats.weighted_row_mass(row, n)} if stats.value_weighted else {}
+            plans.append(self.controllers[row].plan_prompt(stats.row_mass(row, n), real[row], **weighted))
         self.prefill_plan = torch.stack(plans).to(torch.int64)
 
     def _prompt_length(self) -> int | None:

@@ -25,7 +25,13 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
-from ..attention.mixed_reference import DensePartition, Int4Partition, attention_mass
+from ..attention.mixed_reference import (
+    DensePartition,
+    Int4Partition,
+    attention_mass,
+    head_output_projections,
+    projected_value_norms,
+)
 from ..policy.costs import Action, GroupCosts
 from ..quant.int4 import quantize_int4
 from .action_schedule import ActionSchedule
@@ -63,6 +69,15 @@ def _is_tag_source(processor) -> bool:
     return hasattr(processor, "prompt_length") and all(
         callable(getattr(processor, name, None)) for name in ("num_tagged", "tag_at")
     )
+
+
+def _slot_mass(masses: list[torch.Tensor], positions: list[torch.Tensor], seen: int) -> torch.Tensor:
+    """Per-partition masses (each ``[B, n_part]``) scattered to their slots ``positions`` (each ``[B, n_part]``,
+    ``-1`` for an empty slot), ``[B, seen]``."""
+    slot_mass = torch.zeros(masses[0].shape[0], seen, device=masses[0].device)
+    for mass, slots in zip(masses, positions, strict=True):
+        slot_mass.scatter_add_(1, slots.long().clamp_min(0), mass * (slots >= 0))
+    return slot_mass
 
 
 class MixedPrecisionLayer(CacheLayerMixin):
@@ -181,11 +196,13 @@ class MixedPrecisionLayer(CacheLayerMixin):
         partitions: list[DensePartition | Int4Partition],
         scaling: float,
         softcap: float | None = None,
+        module: torch.nn.Module | None = None,
     ) -> None:
         """Add this forward's attention mass per slot to the cache's `AttentionMass` (a no-op without statistics).
 
         Args:
             query: ``[B, H_q, q, D]``; partitions: what `partitions` returned for this forward.
+            module: the attention module (its ``o_proj``), needed when the statistics are value-weighted.
 
         Raises:
             ValueError: statistics are requested while attention runs on the Triton backend.
@@ -204,19 +221,20 @@ class MixedPrecisionLayer(CacheLayerMixin):
 
         if choose_backend(query) != "torch":
             raise ValueError(
-                "attention statistics (H2O / SnapKV / MiKV baselines) are computed by the torch reference only: set "
-                f"{BACKEND_ENV}=torch, or use a policy without attention statistics"
+                "attention statistics (H2O / SnapKV / MiKV / CriticalKV baselines) are computed by the torch reference "
+                f"only: set {BACKEND_ENV}=torch, or use a policy without attention statistics"
             )
         counted = [replace(part, visible=part.visible[:, rows]) for part in partitions]
-        masses = attention_mass(query[:, :, rows], counted, scaling, softcap)  # each [B, n_part]
         positions = [self.high.view()[1]] if self.high.num_entries() else []
         positions += [self.low.view()[1]] if self.low.num_entries() else []
-        recent_slots = torch.arange(self.first_recent, seen, device=query.device)
-        positions.append(recent_slots.expand(query.shape[0], -1))
-        slot_mass = torch.zeros(query.shape[0], seen, device=query.device)
-        for mass, slots in zip(masses, positions, strict=True):
-            slot_mass.scatter_add_(1, slots.long().clamp_min(0), mass * (slots >= 0))
-        stats.add(self.group, slot_mass)
+        positions.append(torch.arange(self.first_recent, seen, device=query.device).expand(query.shape[0], -1))
+        weighted = None
+        if stats.value_weighted:
+            projections = head_output_projections(module, query.shape[1], recent.values.shape[-1]).to(query.device)
+            norms = [projected_value_norms(part, projections) for part in partitions]
+            weighted = _slot_mass(attention_mass(query[:, :, rows], counted, scaling, softcap, norms), positions, seen)
+        mass = _slot_mass(attention_mass(query[:, :, rows], counted, scaling, softcap), positions, seen)
+        stats.add(self.group, mass, weighted)
 
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` slots (a negative value removes that many from the end). Tokens already

@@ -1,6 +1,6 @@
 """PASK policies: retention actions and payload costs, the frozen policy table, the online controller (Algorithm 2)."""
 
-from .baselines import H2O, MiKV, SnapKV, StreamingLLM
+from .baselines import H2O, CriticalKV, MiKV, SnapKV, StreamingLLM
 from .controller import PolicyController
 from .costs import Action, GroupCosts, layer_groups
 from .prefill import (
@@ -16,6 +16,7 @@ from .table import PolicyEntry, PolicyLookup, PolicyTable, calibrated_policy, il
 
 __all__ = [
     "Action",
+    "CriticalKV",
     "H2O",
     "MiKV",
     "SnapKV",

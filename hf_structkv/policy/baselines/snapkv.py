@@ -35,13 +35,19 @@ def pool_scores(scores: torch.Tensor, pooling: str, kernel: int) -> torch.Tensor
     return pool(x, kernel, stride=1, padding=kernel // 2).view(-1)
 
 
+def top_first(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the ``count`` largest of ``scores`` ``[n]`` (ties: earlier first)."""
+    return torch.sort(-scores, stable=True).indices[:count]
+
+
 class _SnapKVController(BaselineController):
     def __init__(self, policy: SnapKV):
         super().__init__(policy.costs)
         self.policy = policy
 
-    def plan_prompt(self, mass: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """``[P, groups]`` actions from ``mass`` ``[groups, P]`` (the observation window's) and ``real`` ``[P]``."""
+    def plan_prompt(self, mass: torch.Tensor, real: torch.Tensor, weighted: torch.Tensor | None = None) -> torch.Tensor:
+        """``[P, groups]`` actions from ``mass`` ``[groups, P]`` (the observation window's), ``real`` ``[P]`` and,
+        for policies with value-weighted statistics, ``weighted`` ``[groups, P]``."""
         policy, groups = self.policy, len(self.costs.groups)
         slots = real.nonzero().flatten()
         window = min(policy.observation_window, len(slots))
@@ -49,10 +55,13 @@ class _SnapKVController(BaselineController):
         keep = heavy_count(policy.prompt_ratio, len(prefix))
         plan = torch.full((real.shape[0], groups), int(Action.R), dtype=torch.int64)
         plan[slots[len(prefix) :]] = int(Action.H)
+
+        def pooled(scores: torch.Tensor) -> torch.Tensor:
+            return pool_scores(scores[slots], policy.pooling, policy.kernel)[: len(prefix)]
+
         for group in range(groups):
-            pooled = pool_scores(mass[group, slots], policy.pooling, policy.kernel)[: len(prefix)]
-            order = torch.sort(-pooled, stable=True).indices
-            plan[prefix[order[:keep]], group] = int(Action.H)
+            scores = pooled(mass[group]), None if weighted is None else pooled(weighted[group])
+            plan[prefix[policy.select(*scores, keep)], group] = int(Action.H)
         return plan
 
     def decide(self, statistics) -> tuple[Action, ...]:
@@ -95,6 +104,10 @@ class SnapKV(BudgetKnob):
     def attention_statistics(self) -> AttentionMass:
         """Mass from the last ``observation_window`` prompt queries only."""
         return AttentionMass(len(self.costs.groups), observation_window=self.observation_window)
+
+    def select(self, pooled: torch.Tensor, weighted: torch.Tensor | None, keep: int) -> torch.Tensor:
+        """The ``keep`` prefix tokens kept ``H`` in one layer group: the largest pooled scores ``[m]``."""
+        return top_first(pooled, keep)
 
     def controller(self, costs: GroupCosts) -> _SnapKVController:
         if costs != self.costs:
