@@ -306,6 +306,7 @@ _ENTRY = "schema_bearing|required"
             r"conventions this hf_structkv does not implement: \['tie_order'\]",
         ),
         (("conventions",), "pask", "conventions in policy_table.json must be a JSON object"),
+        (("calibration",), [], "calibration in policy_table.json must be a JSON object, got list"),
         (("entries", "schema_bearing|mandatory"), _DELETE, None),  # placeholder replaced below
         (("entries", _ENTRY, "action"), ["H", "H", "X"], r"entries\['schema_bearing\|required'\]\.action must list"),
         (("entries", _ENTRY, "floor"), ["L", "H"], "needs one action, floor and priority pair per layer group"),

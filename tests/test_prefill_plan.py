@@ -213,6 +213,8 @@ def test_policy_files_round_trip_and_the_illustrative_policy(tmp_path):
         ({"prefill_budget": 1.5}, "B_P"),
         ({"entries": {"keyword": record["entries"]["schema_scaffold"]}}, "unknown prompt label"),
         ({"conventions": {}}, "conventions"),
+        ({"thresholds": [0.5]}, "thresholds in prefill_policy.json must be a JSON object, got list"),
+        ({"calibration": "none"}, "calibration in prefill_policy.json must be a JSON object, got str"),
     ]:
         with pytest.raises(ValueError, match=message):
             PrefillPolicy.from_json_dict({**record, **change})

@@ -172,11 +172,7 @@ class PrefillPolicy(_PolicyFile):
             "group_costs": _costs_to_json(self.costs),
             "prefill_budget": self.budget,
             "entries": {label: _entry_to_json(self.entries[label]) for label in PROMPT_LABELS if label in self.entries},
-            "thresholds": dict(self.thresholds),
-            "calibration": dict(self.calibration),
-            "provenance": self.provenance,
-            "description": self.description,
-            "fingerprint": None if self.fingerprint is None else dict(self.fingerprint),
+            **self._records_to_json(),
         }
 
     @classmethod
@@ -207,18 +203,11 @@ class PrefillPolicy(_PolicyFile):
         entries = record["entries"]
         if not isinstance(entries, dict):
             raise ValueError(f"entries in {PREFILL_POLICY_NAME} must be a JSON object of label -> entry")
-        for name in ("thresholds", "calibration"):
-            if not isinstance(record[name], dict):
-                raise ValueError(f"{name} in {PREFILL_POLICY_NAME} must be a JSON object")
         return cls(
             costs=_costs_from_json(record["group_costs"]),
             entries={label: _entry_from_json(label, value) for label, value in entries.items()},
             budget=record["prefill_budget"],
-            provenance=record["provenance"],
-            description=record["description"],
-            thresholds=record["thresholds"],
-            calibration=record["calibration"],
-            fingerprint=record["fingerprint"],
+            **cls._records_from_json(record),
         )
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:

@@ -240,6 +240,28 @@ class _PolicyFile:
             )
         object.__setattr__(self, "fingerprint", json.loads(json.dumps(dict(self.fingerprint), allow_nan=False)))
 
+    def _records_to_json(self) -> dict[str, Any]:
+        """The JSON fields of the checked records (`_check_records`), as both files write them."""
+        return {
+            "thresholds": dict(self.thresholds),
+            "calibration": dict(self.calibration),
+            "provenance": self.provenance,
+            "description": self.description,
+            "fingerprint": None if self.fingerprint is None else dict(self.fingerprint),
+        }
+
+    @classmethod
+    def _records_from_json(cls, record: dict[str, Any]) -> dict[str, Any]:
+        """The constructor keywords of the records in a parsed file (``thresholds`` and ``calibration`` must be JSON
+        objects; the rest is checked by `_check_records`)."""
+        return {
+            "thresholds": _json_object(record["thresholds"], "thresholds", file_name=cls._FILE_NAME),
+            "calibration": _json_object(record["calibration"], "calibration", file_name=cls._FILE_NAME),
+            "provenance": record["provenance"],
+            "description": record["description"],
+            "fingerprint": record["fingerprint"],
+        }
+
     @classmethod
     def from_pretrained(
         cls: type[_Saved],
@@ -539,11 +561,7 @@ class PolicyTable(_PolicyFile):
             "position_bins": list(self.position_bins),
             "reserve": {"by_state": dict(self.reserve_by_state), "pooled": self.reserve_pooled},
             "entries": {key: _entry_to_json(entry) for key, entry in sorted(self.entries.items())},
-            "thresholds": dict(self.thresholds),
-            "calibration": dict(self.calibration),
-            "provenance": self.provenance,
-            "description": self.description,
-            "fingerprint": None if self.fingerprint is None else dict(self.fingerprint),
+            **self._records_to_json(),
         }
 
     @classmethod
@@ -595,11 +613,7 @@ class PolicyTable(_PolicyFile):
             window=record["window"],
             tag_view=record.get("tag_view", _OPTIONAL_JSON_FIELDS["tag_view"]),
             position_bins=_position_bins_from_json(record.get("position_bins", _OPTIONAL_JSON_FIELDS["position_bins"])),
-            provenance=record["provenance"],
-            description=record["description"],
-            thresholds=_json_object(record["thresholds"], "thresholds"),
-            calibration=_json_object(record["calibration"], "calibration"),
-            fingerprint=record["fingerprint"],
+            **cls._records_from_json(record),
         )
 
     # ------------------------------------------------------------------------------------------------ files, Hub
@@ -811,13 +825,15 @@ def _json_text(value: Any, indent: int = 0) -> str:
     return opening + "\n" + ",\n".join(items) + "\n" + " " * indent + closing
 
 
-def _json_object(value: Any, where: str, fields: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """``value`` as a JSON object, with exactly ``fields`` when given."""
+def _json_object(
+    value: Any, where: str, fields: tuple[str, ...] | None = None, file_name: str = TABLE_NAME
+) -> dict[str, Any]:
+    """``value`` as a JSON object, with exactly ``fields`` when given (errors name ``where`` in ``file_name``)."""
     if not isinstance(value, dict):
-        raise ValueError(f"{where} in {TABLE_NAME} must be a JSON object, got {type(value).__name__}")
+        raise ValueError(f"{where} in {file_name} must be a JSON object, got {type(value).__name__}")
     if fields is not None and set(value) != set(fields):
         raise ValueError(
-            f"{where} in {TABLE_NAME} must have exactly the fields {list(fields)}: unknown "
+            f"{where} in {file_name} must have exactly the fields {list(fields)}: unknown "
             f"{sorted(value.keys() - set(fields))}, missing {sorted(set(fields) - value.keys())}"
         )
     return value
