@@ -128,7 +128,8 @@ def call_prompt(tokenizer: PreTrainedTokenizerBase, question, tools: Sequence[Ma
     return tokenizer.apply_chat_template(_chat(question), tools=list(tools), add_generation_prompt=True, tokenize=False)
 
 
-def _parse_calls(text: str) -> list[dict] | None:
+def parse_calls(text: str) -> list[dict] | None:
+    """The calls of a generated reply: the JSON list it holds, ``None`` when it is not one (cut, malformed)."""
     try:
         calls = json.loads(text)
     except json.JSONDecodeError:
@@ -188,7 +189,7 @@ def generate_calls(
     output = generate_structured(
         model, tokenizer, batch, processor, policy, max_new_tokens, prefill_plan=prefill_plan, **generate_kwargs
     )
-    return StructuredGeneration(**vars(output), calls=[_parse_calls(text) for text in output.texts])
+    return StructuredGeneration(**vars(output), calls=[parse_calls(text) for text in output.texts])
 
 
 def left_padded_batch(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], device) -> BatchEncoding:
@@ -209,6 +210,7 @@ def generate_structured(
     policy,
     max_new_tokens: int,
     prefill_plan: torch.Tensor | None = None,
+    cache: StructuredMixedPrecisionCache | None = None,
     **generate_kwargs,
 ) -> StructuredOutput:
     """One ``model.generate`` call under ``processor``'s grammar on a `StructuredMixedPrecisionCache` with
@@ -218,12 +220,17 @@ def generate_structured(
         batch: ``input_ids`` and ``attention_mask`` ``[B, P]``, left-padded (`left_padded_batch`).
         processor: a fresh `StructuralLogitsProcessor` (any grammar family; ``policy`` must be of the same family).
         prefill_plan: optional prompt actions for the cache (``[B, P, groups]``, the policy's layer groups).
+        cache: a cache to continue instead of a new one: built with ``policy`` and ``processor`` and already holding
+            a prefix of ``batch`` (``generate`` runs only the rest; the processor must have seen that prefix).
         generate_kwargs: passed to ``model.generate`` (not ``logits_processor`` / ``past_key_values`` / ``cache``).
     """
     for owned in ("logits_processor", "past_key_values", "cache"):
         if owned in generate_kwargs:
             raise ValueError(f"this call builds {owned} itself; call model.generate directly to pass your own")
-    cache = StructuredMixedPrecisionCache(model, policy, processor=processor, prefill_plan=prefill_plan)
+    if cache is None:
+        cache = StructuredMixedPrecisionCache(model, policy, processor=processor, prefill_plan=prefill_plan)
+    elif prefill_plan is not None or cache.policy is not policy or cache.processor is not processor:
+        raise ValueError("a cache to continue must be built with this policy and processor (and no prefill_plan)")
     generate_kwargs.setdefault("do_sample", False)
     sequences = model.generate(
         **batch,

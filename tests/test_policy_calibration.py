@@ -41,7 +41,8 @@ from hf_structkv.policy.calibration.references import (
     run_case,
     with_position_tags,
 )
-from hf_structkv.policy.calibration.task_sensitivity import intervention_runs
+from hf_structkv.policy.calibration.resume import ReferenceKV, first_changed_forward, resumed_case_run
+from hf_structkv.policy.calibration.task_sensitivity import decode_generator, intervention_runs
 from hf_structkv.quant.int4 import dequantize_int4, quantize_int4
 from hf_structkv.structure.prompt_spans import PROMPT_LABELS
 from hf_structkv.structure.tags import StructuralTag, position_bin_starts, view_tags
@@ -251,6 +252,48 @@ def test_window_shortcut_equals_a_real_intervened_generation(model, tokenizer, c
     assert checked[True] and checked[False]
 
 
+def test_a_resumed_intervention_is_the_fresh_intervened_generation(model, tokenizer, cases):
+    """Every decode intervention that reaches generation, resumed at its first changed forward from the recorded
+    reference K/V, gives the fresh generation's tokens, tags, text and verdict (two windows, both actions)."""
+    costs = GroupCosts.from_config(model.config)
+    entries = cases[0] + bfcl_split(["parallel"], "calibration", limit=1)  # a longer, multi-call reply too
+    compared = 0
+    for window in (WINDOW, 8):
+        references = reference_trajectories(model, tokenizer, entries, 40, window, 4)
+        for entry, reference in zip(entries, references, strict=True):
+            all_high = PolicyTable.all_high(model, window=window, sink_tokens=4)
+            recorded = ReferenceKV.record(model, tokenizer, entry, reference, all_high, 40)
+            assert recorded is not None and recorded.keys[0].shape[-2] >= len(reference.prompt_ids) + 1
+            for key in sorted({key for tags in reference.tags if tags for key in tags}):
+                if not reaches_generation(reference, key, window):
+                    continue
+                forward = first_changed_forward(reference, key, window)
+                for group, action in ((0, R), (2, L)):
+                    policy = BucketIntervention(costs, Bucket(key, group), action, 4, window)
+                    fresh = run_case(model, tokenizer, entry, policy, 40)[0]
+                    assert resumed_case_run(model, tokenizer, entry, policy, 40, recorded, forward) == fresh
+                    compared += 1
+    assert compared >= 20
+
+
+def test_resume_refuses_what_it_cannot_replay(model, tokenizer, cases, references):
+    entry, reference = cases[0][0], references[0]
+    all_high = PolicyTable.all_high(model, window=WINDOW, sink_tokens=4)
+    other = dataclasses.replace(reference, tokens=reference.tokens[:-1] + (reference.tokens[-1] + 1,))
+    assert ReferenceKV.record(model, tokenizer, entry, other, all_high, MAX_NEW) is None  # not reproduced
+    recorded = ReferenceKV.record(model, tokenizer, entry, reference, all_high, MAX_NEW)
+    with pytest.raises(ValueError, match="forward must be in"):
+        recorded.fill(None, 0)
+    with pytest.raises(ValueError, match="does not occur"):
+        first_changed_forward(reference, "pure_scaffold|dispatch_key|stable|no_lookahead", WINDOW)
+    assert first_changed_forward(reference, reference.tags[0][0], WINDOW) == WINDOW + 2
+    generate = decode_generator(model, tokenizer, GroupCosts.from_config(model.config), MAX_NEW, 4, WINDOW)
+    fresh = decode_generator(model, tokenizer, GroupCosts.from_config(model.config), MAX_NEW, 4, WINDOW, resume=False)
+    bucket = Bucket(reference.tags[0][0], 1)
+    assert generate(entry, reference, bucket, R) == fresh(entry, reference, bucket, R)
+    assert generate(entry, other, bucket, R) == fresh(entry, other, bucket, R)  # not the recorded run: generated
+
+
 def test_intervention_controller_lowers_only_occurrences():
     key = "schema_bearing|required|critical|no_lookahead"
     other = "pure_scaffold|scaffold_separator|boundary|no_lookahead"
@@ -376,6 +419,13 @@ def test_two_stores_sharing_a_new_file_keep_both_verdicts_and_one_key_line(tmp_p
     merged = VerdictStore.open(tmp_path, key)
     assert len(merged) == 3 and merged.get(_verdict_reference("b"), BUCKET, R) is False
     assert len(second) == 2  # it read the first store's line when it found the file
+    assert second.get(_verdict_reference("a"), BUCKET, R) is True  # a missing verdict: the file's new lines are read
+    assert len(second) == 3
+    with first.path.open("a", encoding="utf-8") as file:
+        file.write('{"case": "c", "refer')  # another process in the middle of a line
+    assert second.get(_verdict_reference("c"), BUCKET, L) is None and len(second) == 3
+    second.put(_verdict_reference("c"), BUCKET, L, True)  # ends the cut line first: both lines stay readable
+    assert len(VerdictStore.open(tmp_path, key)) == 4
 
 
 def test_intervention_runs_generate_each_needed_case_once_with_a_store(tmp_path):

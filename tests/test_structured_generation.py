@@ -5,10 +5,11 @@ import torch
 from test_mixed_precision_cache import mixed_policy
 from transformers import AutoTokenizer, DynamicCache, LogitsProcessorList
 
+from hf_structkv.cache.mixed_precision import StructuredMixedPrecisionCache
 from hf_structkv.models import ensure_default_snapshot, tiny_model
 from hf_structkv.policy import PolicyTable, illustrative_policy
 from hf_structkv.structure import StructuralLogitsProcessor, view_tags
-from hf_structkv.structured_generation import generate_calls
+from hf_structkv.structured_generation import generate_calls, generate_structured, left_padded_batch, parse_calls
 
 TOOLS = [
     {
@@ -101,6 +102,30 @@ def test_bad_arguments_are_named(model, tokenizer):
         generate_calls(model, tokenizer, [], TOOLS, policy)
     with pytest.raises(ValueError, match="each question must be"):
         generate_calls(model, tokenizer, [[{"content": "no role"}]], TOOLS, policy)
+
+
+def test_parse_calls_takes_a_json_list_only():
+    assert parse_calls('[{"name": "f", "arguments": {"x": 1}}]') == [{"name": "f", "arguments": {"x": 1}}]
+    assert parse_calls('{"name": "f"}') is None and parse_calls('[{"name": "f", "argu') is None
+
+
+def test_generate_structured_continues_a_given_cache_and_checks_it(model, tokenizer):
+    """A cache given to continue is used as it is (here empty: the same generation as a fresh one); one built for
+    another policy or processor, or with a prefill plan beside it, is refused."""
+    policy = PolicyTable.all_high(model.config, window=2)
+    batch = left_padded_batch(tokenizer, [QUESTIONS[0]], model.device)
+    fresh = generate_structured(model, tokenizer, batch, StructuralLogitsProcessor(tokenizer, tools=TOOLS), policy, 8)
+    processor = StructuralLogitsProcessor(tokenizer, tools=TOOLS)
+    cache = StructuredMixedPrecisionCache(model, policy, processor=processor)
+    given = generate_structured(model, tokenizer, batch, processor, policy, 8, cache=cache)
+    assert given.cache is cache and torch.equal(given.sequences, fresh.sequences)
+    other = StructuredMixedPrecisionCache(model, PolicyTable.all_high(model.config), processor=processor)
+    with pytest.raises(ValueError, match="built with this policy and processor"):
+        generate_structured(model, tokenizer, batch, processor, policy, 8, cache=other)
+    with pytest.raises(ValueError, match="no prefill_plan"):
+        generate_structured(
+            model, tokenizer, batch, processor, policy, 8, cache=cache, prefill_plan=torch.ones(1, 1, 3)
+        )
 
 
 def test_chat_messages_keep_their_system_message_after_the_call_instruction():

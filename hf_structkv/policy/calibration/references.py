@@ -29,11 +29,12 @@ from ...eval.bfcl_checker import check_calls
 from ...hub import model_fingerprint
 from ...structure.prompt_spans import label_prompt, token_labels
 from ...structure.tags import StructuralTag, position_tag
-from ...structured_generation import call_prompt, generate_calls
+from ...structured_generation import call_prompt, generate_calls, parse_calls
 from ..table import PolicyTable
 
 __all__ = [
     "CaseRun",
+    "case_run",
     "ReferenceTrajectory",
     "generation_key",
     "key_digest",
@@ -111,17 +112,22 @@ def run_case(
     result = generate_calls(
         model, tokenizer, list(entry.messages), entry.tools, policy, max_new_tokens, prefill_plan=prefill_plan
     )
-    processor = result.processor
-    generated = result.sequences[0, result.prompt_length :].tolist()
+    run = case_run(model, tokenizer, entry, result.sequences, result.prompt_length, result.processor)
+    return run, result.prompt_length, call_prompt(tokenizer, list(entry.messages), entry.tools)
+
+
+def case_run(model, tokenizer, entry: BfclEntry, sequences: torch.Tensor, prompt_length: int, processor) -> CaseRun:
+    """Score one generation of ``entry``: ``sequences`` ``[1, prompt_length + n]`` from ``generate`` under
+    ``processor`` (its `StructuralLogitsProcessor`), cut after the first stop token, tagged and checked."""
+    generated = sequences[0, prompt_length:].tolist()
     stops = processor.adapter.stop_token_ids
     end = next((i + 1 for i, token in enumerate(generated) if token in stops), len(generated))
     if processor.num_tagged(0) < end:  # the last token was never fed back: let the processor tag it
-        processor(result.sequences[:, : result.prompt_length + end], torch.zeros(1, model.config.vocab_size))
+        processor(sequences[:, : prompt_length + end], torch.zeros(1, model.config.vocab_size))
     tags = tuple(None if tags is None else tuple("|".join(tag) for tag in tags) for tags in processor.tags(0)[:end])
-    verdict = check_calls(entry.category, entry.tools, entry.ground_truth, result.calls[0])
-    prompt = call_prompt(tokenizer, list(entry.messages), entry.tools)
-    run = CaseRun(tokens=tuple(generated[:end]), tags=tags, valid=bool(verdict["valid"]), text=result.texts[0])
-    return run, result.prompt_length, prompt
+    text = tokenizer.decode(sequences[0, prompt_length:], skip_special_tokens=True)
+    verdict = check_calls(entry.category, entry.tools, entry.ground_truth, parse_calls(text))
+    return CaseRun(tokens=tuple(generated[:end]), tags=tags, valid=bool(verdict["valid"]), text=text)
 
 
 def _reference(model, tokenizer, entry: BfclEntry, policy: PolicyTable, max_new_tokens: int) -> ReferenceTrajectory:

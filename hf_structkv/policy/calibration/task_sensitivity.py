@@ -1,7 +1,8 @@
 """Runtime-V: task sensitivity ``V(q, a) = R̂_cal(π_{q,a}) − R̂_cal(π_ref)`` by interventions over complete
 autoregressive generation, scored by BFCL's AST checker (PASK §3.4).
 
-Each calibration case is generated under the intervention (batch 1, `run_case`) unless the intervention provably
+Each calibration case is generated under the intervention (batch 1, `run_case`; a decode intervention only from the
+first forward where it can differ from the reference, `resume`, the same generation) unless the intervention provably
 reproduces the reference: a decode intervention whose bucket has no occurrence early enough to leave the recent window
 before the trajectory ends (`reaches_generation`), or a prefill intervention that lowers no prompt token (or a
 reference of one token). Skipped cases count with the reference's verdict (a zero contribution to ``V``).
@@ -20,9 +21,11 @@ from tqdm.auto import tqdm
 
 from ...eval.bfcl import BfclEntry
 from ..costs import Action, GroupCosts
+from ..table import PolicyTable
 from .buckets import Bucket
 from .interventions import BucketIntervention, prefill_intervention_plan, prefill_positions, reaches_generation
 from .references import CaseRun, ReferenceTrajectory, run_case
+from .resume import ReferenceKV, first_changed_forward, resumed_case_run
 from .verdicts import VerdictStore
 
 __all__ = [
@@ -87,25 +90,24 @@ def intervention_runs(
     runs = InterventionRuns()
     total = sum(map(sum, todo)) * len(ACTIONS)
     start = time.perf_counter()
+    runs.verdicts = {(bucket, action): [] for bucket in buckets for action in ACTIONS}
+    runs.generated = {(bucket, action): sum(needed) for bucket, needed in zip(buckets, todo) for action in ACTIONS}
     with tqdm(total=total, desc=f"runtime-V ({stage})", unit="gen", disable=not progress) as bar:
-        for bucket, needed in zip(buckets, todo):
-            for action in ACTIONS:
-                verdicts = []
-                for entry, reference, run in zip(entries, references, needed):
-                    if run:
-                        valid = None if store is None else store.get(reference, bucket, action)
-                        if valid is None:
-                            valid = generate(entry, reference, bucket, action).valid
-                            if store is not None:
-                                store.put(reference, bucket, action, valid)
-                        else:
-                            runs.reused += 1
-                        verdicts.append(valid)
-                        bar.update()
+        for case, (entry, reference) in enumerate(zip(entries, references)):  # case by case: one reference at a time
+            for bucket, needed in zip(buckets, todo):
+                for action in ACTIONS:
+                    if not needed[case]:
+                        runs.verdicts[bucket, action].append(reference.valid)
+                        continue
+                    valid = None if store is None else store.get(reference, bucket, action)
+                    if valid is None:
+                        valid = generate(entry, reference, bucket, action).valid
+                        if store is not None:
+                            store.put(reference, bucket, action, valid)
                     else:
-                        verdicts.append(reference.valid)
-                runs.verdicts[bucket, action] = verdicts
-                runs.generated[bucket, action] = sum(needed)
+                        runs.reused += 1
+                    runs.verdicts[bucket, action].append(valid)
+                    bar.update()
     runs.seconds = time.perf_counter() - start
     return runs
 
@@ -131,13 +133,28 @@ def decode_generator(
     window: int,
     tag_view: str = "full",
     position_bins: tuple[int, ...] = (),
+    resume: bool = True,
 ):
     """``generate`` for `intervention_runs` of decode buckets: the case under `BucketIntervention` (its processor
-    emitting ``tag_view`` with ``position_bins``, the view the bucket keys are tags of)."""
+    emitting ``tag_view`` with ``position_bins``, the view the bucket keys are tags of).
+
+    With ``resume`` each intervention runs only the forwards where it can differ from the reference
+    (`resumed_case_run`, the same generation): the case's reference is generated once more under the all-high policy
+    to record its K/V (`ReferenceKV`; kept for the case in progress), and a case it does not reproduce, or a model
+    with sliding layers, is generated in full."""
+    all_high = PolicyTable.all_high(model, window=window, sink_tokens=sink_tokens)
+    recorded: dict[str, ReferenceKV | None] = {}
 
     def generate(entry: BfclEntry, reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> CaseRun:
         policy = BucketIntervention(costs, bucket, action, sink_tokens, window, tag_view, position_bins)
-        return run_case(model, tokenizer, entry, policy, max_new_tokens)[0]
+        if resume and entry.id not in recorded:
+            recorded.clear()
+            recorded[entry.id] = ReferenceKV.record(model, tokenizer, entry, reference, all_high, max_new_tokens)
+        kv = recorded.get(entry.id)
+        if kv is None or kv.reference.tokens != reference.tokens:
+            return run_case(model, tokenizer, entry, policy, max_new_tokens)[0]
+        forward = first_changed_forward(reference, bucket.key, window)
+        return resumed_case_run(model, tokenizer, entry, policy, max_new_tokens, kv, forward)
 
     return generate
 

@@ -30,9 +30,10 @@ __all__ = ["VerdictStore"]
 class VerdictStore:
     """The verdicts of one generation key (module docstring).
 
-    `get` reads; `put` appends one line to the file and remembers it (the only method that changes state). Several
-    processes may share one file (e.g. one calibration per category into one cache folder): each appends its lines
-    in single writes and reads the others' when it opens the file.
+    `get` reads (the file's new lines too, when a verdict is missing); `put` appends one line to the file and
+    remembers it (the only method that writes). Several processes may share one file (e.g. two calibrations of
+    overlapping splits in one cache folder): each appends its lines in single writes and reads the others' lines when
+    it opens the file and when a verdict it needs is missing, so none generates what another already stored.
 
     Args:
         path: the JSON-lines file (created by the first `put`).
@@ -45,6 +46,7 @@ class VerdictStore:
         self._verdicts: dict[tuple[str, str, str, str], bool] = {}
         self._fresh = True  # the next put (re)writes the key line first
         self._cut = False  # the file ends inside a line (a crash): the next put ends it first
+        self._offset = 0  # bytes of the file read (complete lines only)
         if self.path.is_file():
             self._read()
 
@@ -57,8 +59,12 @@ class VerdictStore:
         return len(self._verdicts)
 
     def get(self, reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> bool | None:
-        """The stored verdict of intervention ``(bucket, action)`` on ``reference``'s case, ``None`` when absent."""
-        return self._verdicts.get(self._line_key(reference, bucket, action))
+        """The stored verdict of intervention ``(bucket, action)`` on ``reference``'s case, ``None`` when absent;
+        a verdict missing here is looked for among the lines other processes appended since the last read."""
+        line_key = self._line_key(reference, bucket, action)
+        if line_key not in self._verdicts and not self._fresh:
+            self._read_new()
+        return self._verdicts.get(line_key)
 
     def put(self, reference: ReferenceTrajectory, bucket: Bucket, action: Action, valid: bool) -> None:
         """Store the verdict ``valid`` of intervention ``(bucket, action)`` on ``reference``'s case (appended and
@@ -73,20 +79,23 @@ class VerdictStore:
         with self.path.open("a", encoding="utf-8") as file:
             file.write(("\n" if self._cut else "") + json.dumps(line) + "\n")  # one write: appends do not interleave
         self._cut = False
+        self._read_new()  # past our own line (and any other process's before it)
         self._verdicts[line_key] = valid
 
     def _start_file(self) -> None:
         """Create the file with its key line; when another process created it meanwhile with the same key, append to
         it instead (and read its verdicts); a file of another key is started anew."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        head = json.dumps({"key": self.key}) + "\n"
         try:
             with self.path.open("x", encoding="utf-8") as file:
-                file.write(json.dumps({"key": self.key}) + "\n")
+                file.write(head)
         except FileExistsError:
             self._read()
             if self._fresh:
-                self.path.write_text(json.dumps({"key": self.key}) + "\n", encoding="utf-8")
-        self._fresh = False
+                self.path.write_text(head, encoding="utf-8")
+        if self._fresh:
+            self._fresh, self._offset = False, len(head.encode("utf-8"))
 
     @staticmethod
     def _line_key(reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> tuple[str, str, str, str]:
@@ -95,16 +104,27 @@ class VerdictStore:
         return reference.case_id, key_digest(list(reference.tokens)), str(bucket), action.name
 
     def _read(self) -> None:
-        text = self.path.read_text(encoding="utf-8")
-        lines = text.splitlines()
+        """Check the key line, then read every complete verdict line (`_read_new`)."""
+        with self.path.open("rb") as file:
+            first = file.readline()
         try:
-            head = json.loads(lines[0]) if lines else None
+            head = json.loads(first) if first.endswith(b"\n") else None
         except json.JSONDecodeError:
             head = None
         if not isinstance(head, dict) or head.get("key") != self.key:
             return  # another key, or no key line: the first put starts the file anew
-        self._fresh, self._cut = False, not text.endswith("\n")
-        for raw in lines[1:]:
+        self._fresh, self._offset = False, len(first)
+        self._read_new()
+
+    def _read_new(self) -> None:
+        """Read the complete lines past what was read (another process's verdicts appended meanwhile)."""
+        with self.path.open("rb") as file:
+            file.seek(self._offset)
+            chunk = file.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        self._cut = len(complete) < len(chunk)  # the file ends inside a line: a crash (or a line being written)
+        for raw in complete.decode("utf-8").splitlines():
             try:
                 line = json.loads(raw)
                 entry = (line["case"], line["reference"], line["bucket"], line["action"])
