@@ -24,6 +24,7 @@ from ...eval.bfcl import BfclEntry
 from ...structure.processor import StructuralLogitsProcessor
 from ...structured_generation import generate_calls, generate_structured
 from ..table import PolicyTable
+from .interventions import occurrences
 from .references import CaseRun, ReferenceTrajectory, case_run
 
 __all__ = ["ReferenceKV", "first_changed_forward", "resumed_case_run"]
@@ -32,10 +33,10 @@ __all__ = ["ReferenceKV", "first_changed_forward", "resumed_case_run"]
 def first_changed_forward(reference: ReferenceTrajectory, key: str, window: int) -> int:
     """``k0``: the first forward of a decode intervention on tag ``key`` that can differ from ``reference`` (the
     commit of the tag's first occurrence ``i0``: ``i0 + window + 2``); raises when ``key`` never occurs."""
-    first = next((i for i, tags in enumerate(reference.tags) if tags is not None and key in tags), None)
-    if first is None:
+    found = occurrences(reference, key)
+    if not found:
         raise ValueError(f"tag {key!r} does not occur on the reference of {reference.case_id}")
-    return first + window + 2
+    return found[0] + window + 2
 
 
 @dataclass(frozen=True)
