@@ -1,11 +1,14 @@
-"""Runtime-V decode interventions, full generation against resumed from the reference (side by side, one case).
+"""Runtime-V interventions, full generation against resumed from the reference (side by side, one case).
 
 For one BFCL calibration case: its all-high reference, the recording of its K/V (`ReferenceKV.record`, one
-generation), then for ``--interventions`` decode buckets that reach generation (spread over their first changed
-forward ``k0``) the intervention ``R`` in the middle layer group generated in full (`run_case`) and resumed at ``k0``
-(`resumed_case_run`), timed one after the other, and checked equal (tokens, tags, text, verdict).
+generation), then ``--interventions`` interventions ``R`` in the middle layer group, each generated in full
+(`run_case`) and resumed (`resumed_case_run`), timed one after the other, and checked equal (tokens, tags, text,
+verdict). ``--stage decode``: decode buckets that reach generation, spread over their first changed forward ``k0``;
+``--stage prefill``: prompt labels the intervention lowers, resumed after the prompt forward (``k0 = 1``).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/runtime_v_resume.py --out benchmarks/results/runtime_v_resume.json
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/runtime_v_resume.py --stage prefill --category parallel_multiple \
+        --out benchmarks/results/runtime_v_resume_prefill.json
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ import transformers
 from hf_structkv.eval.bfcl import CATEGORIES, bfcl_split
 from hf_structkv.policy import Action, GroupCosts, PolicyTable
 from hf_structkv.policy.calibration import Bucket, BucketIntervention, reaches_generation
+from hf_structkv.policy.calibration.interventions import prefill_intervention_plan, prefill_positions
 from hf_structkv.policy.calibration.references import reference_trajectories, run_case
 from hf_structkv.policy.calibration.resume import ReferenceKV, first_changed_forward, resumed_case_run
+from hf_structkv.structure.prompt_spans import PROMPT_LABELS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bfcl_budget import load_model  # noqa: E402
@@ -39,6 +44,7 @@ def spread(items: list, count: int) -> list:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stage", default="decode", choices=["decode", "prefill"])
     parser.add_argument("--category", default="parallel", choices=CATEGORIES)
     parser.add_argument("--case-index", type=int, default=0, help="index in the category's calibration partition")
     parser.add_argument("--interventions", type=int, default=6)
@@ -63,23 +69,29 @@ def main(argv: list[str] | None = None) -> dict:
     record_seconds = time.perf_counter() - start
     if recorded is None:
         raise SystemExit("the recording did not reproduce the reference: nothing to resume")
-    keys = {key for tags in reference.tags if tags for key in tags if reaches_generation(reference, key, window)}
-    by_forward = sorted(keys, key=lambda key: (first_changed_forward(reference, key, window), key))
-    keys = spread(by_forward, args.interventions)
     costs = GroupCosts.from_config(model.config)
+    if args.stage == "decode":
+        keys = {key for tags in reference.tags if tags for key in tags if reaches_generation(reference, key, window)}
+        by_forward = sorted(keys, key=lambda key: (first_changed_forward(reference, key, window), key))
+        chosen = [(key, first_changed_forward(reference, key, window)) for key in by_forward]
+    else:
+        chosen = [(label, 1) for label in PROMPT_LABELS if prefill_positions(reference, label, 4, window)]
     rows = []
-    for key in keys:
-        policy = BucketIntervention(costs, Bucket(key, 1), Action.R, 4, window)
-        forward = first_changed_forward(reference, key, window)
+    for key, forward in spread(chosen, args.interventions):
+        bucket = Bucket(key, 1)
+        if args.stage == "decode":
+            policy, plan = BucketIntervention(costs, bucket, Action.R, 4, window), None
+        else:
+            policy, plan = all_high, prefill_intervention_plan(reference, bucket, Action.R, 4, window)
         start = time.perf_counter()
-        fresh = run_case(model, tokenizer, entry, policy, cap)[0]
+        fresh = run_case(model, tokenizer, entry, policy, cap, prefill_plan=plan)[0]
         fresh_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        resumed = resumed_case_run(model, tokenizer, entry, policy, cap, recorded, forward)
+        resumed = resumed_case_run(model, tokenizer, entry, policy, cap, recorded, forward, prefill_plan=plan)
         resumed_seconds = time.perf_counter() - start
         rows.append(
             {
-                "bucket": f"{key}::middle",
+                "bucket": f"{args.stage}:{key}::middle",
                 "first_changed_forward": forward,
                 "generated_tokens": len(fresh.tokens),
                 "fresh_seconds": fresh_seconds,
@@ -97,6 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     resumed_total = sum(row["resumed_seconds"] for row in rows)
     result = {
         "model": "tiny qwen2" if args.tiny else "embedded Qwen2.5-Coder-0.5B-Instruct",
+        "stage": args.stage,
         "case": entry.id,
         "prompt_tokens": len(reference.prompt_ids),
         "reference_tokens": len(reference.tokens),

@@ -451,16 +451,18 @@ def test_bfcl_accuracy_aligns_the_decode_budget_of_compressing_tables_only():
 
 
 def test_runtime_v_resume_smoke(tmp_path):
-    """The tiny run compares full and resumed interventions and finds them equal."""
+    """The tiny runs compare full and resumed decode and prefill interventions and find them equal."""
     pytest.importorskip("bfcl_eval")
     out = tmp_path / "runtime_v_resume.json"
     command = [sys.executable, str(BENCHMARKS / "runtime_v_resume.py"), "--tiny", "--category", "simple_python"]
     command += ["--max-new-tokens", "24", "--window", "3", "--interventions", "2", "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    subprocess.run(command, check=True, env=env, timeout=600, capture_output=True)
-    result = json.loads(out.read_text())
-    assert result["rows"] and result["all_equal"] and result["record_seconds"] > 0
-    assert all(row["first_changed_forward"] <= row["generated_tokens"] for row in result["rows"])
+    for stage in ("decode", "prefill"):
+        subprocess.run([*command, "--stage", stage], check=True, env=env, timeout=600, capture_output=True)
+        result = json.loads(out.read_text())
+        assert result["stage"] == stage and result["rows"] and result["all_equal"] and result["record_seconds"] > 0
+        assert all(row["first_changed_forward"] <= row["generated_tokens"] for row in result["rows"])
+    assert all(row["first_changed_forward"] == 1 for row in result["rows"])  # prefill: after the prompt forward
 
 
 def test_on_policy_cost_smoke(tmp_path):

@@ -33,6 +33,7 @@ from hf_structkv.policy.calibration import (
 )
 from hf_structkv.policy.calibration.buckets import parse_bucket
 from hf_structkv.policy.calibration.distortion import attention_distortion, capture_reference_states
+from hf_structkv.policy.calibration.interventions import prefill_intervention_plan, prefill_positions
 from hf_structkv.policy.calibration.references import (
     ReferenceTrajectory,
     generation_key,
@@ -42,7 +43,7 @@ from hf_structkv.policy.calibration.references import (
     with_position_tags,
 )
 from hf_structkv.policy.calibration.resume import ReferenceKV, first_changed_forward, resumed_case_run
-from hf_structkv.policy.calibration.task_sensitivity import decode_generator, intervention_runs
+from hf_structkv.policy.calibration.task_sensitivity import decode_generator, intervention_runs, prefill_generator
 from hf_structkv.quant.int4 import dequantize_int4, quantize_int4
 from hf_structkv.structure.prompt_spans import PROMPT_LABELS
 from hf_structkv.structure.tags import StructuralTag, position_bin_starts, view_tags
@@ -274,6 +275,30 @@ def test_a_resumed_intervention_is_the_fresh_intervened_generation(model, tokeni
                     assert resumed_case_run(model, tokenizer, entry, policy, 40, recorded, forward) == fresh
                     compared += 1
     assert compared >= 20
+
+
+def test_a_resumed_prefill_intervention_is_the_fresh_generation(model, tokenizer, cases):
+    """Every prefill intervention (label x group x action that lowers a prompt token), resumed after the shared prompt
+    forward, gives the fresh generation; so does prefill_generator with and without resume."""
+    compared = 0
+    for window in (WINDOW, 8):
+        references = reference_trajectories(model, tokenizer, cases[0], MAX_NEW, window, 4)
+        all_high = PolicyTable.all_high(model, window=window, sink_tokens=4)
+        for entry, reference in zip(cases[0], references, strict=True):
+            recorded = ReferenceKV.record(model, tokenizer, entry, reference, all_high, MAX_NEW)
+            for label in PROMPT_LABELS:
+                if not prefill_positions(reference, label, 4, window):
+                    continue
+                for group, action in ((0, R), (1, L), (2, R)):
+                    plan = prefill_intervention_plan(reference, Bucket(label, group), action, 4, window)
+                    fresh = run_case(model, tokenizer, entry, all_high, MAX_NEW, prefill_plan=plan)[0]
+                    resumed = resumed_case_run(model, tokenizer, entry, all_high, MAX_NEW, recorded, 1, plan)
+                    assert resumed == fresh
+                    compared += 1
+    assert compared >= 12
+    bucket = Bucket(next(label for label in PROMPT_LABELS if prefill_positions(reference, label, 4, 8)), 1)
+    generators = [prefill_generator(model, tokenizer, all_high, MAX_NEW, resume=flag) for flag in (True, False)]
+    assert generators[0](entry, reference, bucket, R) == generators[1](entry, reference, bucket, R)
 
 
 def test_resume_refuses_what_it_cannot_replay(model, tokenizer, cases, references):

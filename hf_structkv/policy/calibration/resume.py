@@ -1,5 +1,5 @@
-"""Decode interventions resumed from their reference: the forwards an intervention shares with the reference are not
-run again.
+"""Interventions resumed from their reference: the forwards an intervention shares with the reference are not run
+again.
 
 A decode intervention on bucket ``q`` lowers nothing before forward ``k0 = i0 + window + 2``, the first forward that
 commits ``q``'s first occurrence ``i0`` (`interventions` module docstring): forwards ``0 .. k0 - 1`` repeat the
@@ -8,7 +8,9 @@ reference exactly, on the same cache contents, so they produce the reference's t
 (one forward per generated token, as in the intervention). `resumed_case_run` rebuilds the intervention's cache as
 it stands before forward ``k0`` by replaying the layers' own updates (prompt, then one token at a time: the same
 commits, the same stores), advances a fresh processor over the same tokens, and lets ``generate`` continue from
-token ``k0 - 1``: the continuation is the intervened generation itself, from forward ``k0`` on.
+token ``k0 - 1``: the continuation is the intervened generation itself, from forward ``k0`` on. A prefill
+intervention changes the prompt plan, which the cache first applies when the prompt leaves the recent window in
+forward 1: it shares the prompt forward (``k0 = 1``).
 
 Models with sliding-window layers are not resumed (a sliding layer does not keep the old tokens to replay).
 """
@@ -27,7 +29,7 @@ from ..table import PolicyTable
 from .interventions import occurrences
 from .references import CaseRun, ReferenceTrajectory, case_run
 
-__all__ = ["ReferenceKV", "first_changed_forward", "resumed_case_run"]
+__all__ = ["RecordedReferences", "ReferenceKV", "first_changed_forward", "resumed_case_run"]
 
 
 def first_changed_forward(reference: ReferenceTrajectory, key: str, window: int) -> int:
@@ -87,11 +89,40 @@ class ReferenceKV:
                 layer.update(keys[..., start:stop, :], values[..., start:stop, :], kwargs={})
 
 
+class RecordedReferences:
+    """`ReferenceKV` of the case in progress, recorded on first use (`intervention_runs` goes case by case, so one
+    recording per case is kept); ``None`` for a case whose recording does not reproduce its reference.
+
+    Args:
+        all_high: the all-high reference policy (window and sinks of the calibrated table).
+    """
+
+    def __init__(self, model, tokenizer, all_high: PolicyTable, max_new_tokens: int):
+        self.model, self.tokenizer, self.all_high, self.max_new_tokens = model, tokenizer, all_high, max_new_tokens
+        self._case: tuple[str, ReferenceKV | None] | None = None
+
+    def get(self, entry: BfclEntry, reference: ReferenceTrajectory) -> ReferenceKV | None:
+        """The recording of ``entry`` if it reproduces ``reference`` (recorded now when ``entry`` is a new case)."""
+        if self._case is None or self._case[0] != entry.id:
+            args = (self.model, self.tokenizer, entry, reference, self.all_high, self.max_new_tokens)
+            self._case = entry.id, ReferenceKV.record(*args)
+        recorded = self._case[1]
+        return recorded if recorded is not None and recorded.reference.tokens == reference.tokens else None
+
+
 def resumed_case_run(
-    model, tokenizer, entry: BfclEntry, policy, max_new_tokens: int, recorded: ReferenceKV, forward: int
+    model,
+    tokenizer,
+    entry: BfclEntry,
+    policy,
+    max_new_tokens: int,
+    recorded: ReferenceKV,
+    forward: int,
+    prefill_plan: torch.Tensor | None = None,
 ) -> CaseRun:
-    """The generation of ``entry`` under ``policy`` (a decode intervention that lowers nothing before forward
-    ``forward``), run from forward ``forward`` on (module docstring); equal to `run_case`'s."""
+    """The generation of ``entry`` under ``policy`` and ``prefill_plan``, which lower nothing before forward
+    ``forward`` (a decode intervention: its first changed forward; a prefill plan: 1, the prompt's first commit),
+    run from forward ``forward`` on (module docstring); equal to `run_case`'s."""
     reference = recorded.reference
     prompt = torch.tensor([reference.prompt_ids], device=model.device)
     shared = torch.tensor([reference.tokens[:forward]], device=model.device)
@@ -106,7 +137,7 @@ def resumed_case_run(
     blank = torch.zeros(1, model.config.vocab_size, device=model.device)
     for j in range(forward):  # the calls of forwards 0 .. forward - 1: tokens 0 .. forward - 2 advanced and tagged
         processor(torch.cat([prompt, shared[:, :j]], dim=1), blank)
-    cache = StructuredMixedPrecisionCache(model, policy, processor=processor)
+    cache = StructuredMixedPrecisionCache(model, policy, processor=processor, prefill_plan=prefill_plan)
     recorded.fill(cache, forward)
     batch = {"input_ids": torch.cat([prompt, shared], dim=1)}
     batch["attention_mask"] = torch.ones_like(batch["input_ids"])

@@ -1,8 +1,8 @@
 """Runtime-V: task sensitivity ``V(q, a) = R̂_cal(π_{q,a}) − R̂_cal(π_ref)`` by interventions over complete
 autoregressive generation, scored by BFCL's AST checker (PASK §3.4).
 
-Each calibration case is generated under the intervention (batch 1, `run_case`; a decode intervention only from the
-first forward where it can differ from the reference, `resume`, the same generation) unless the intervention provably
+Each calibration case is generated under the intervention (batch 1, `run_case`; only from the first forward where it
+can differ from the reference, `resume`: the same generation) unless the intervention provably
 reproduces the reference: a decode intervention whose bucket has no occurrence early enough to leave the recent window
 before the trajectory ends (`reaches_generation`), or a prefill intervention that lowers no prompt token (or a
 reference of one token). Skipped cases count with the reference's verdict (a zero contribution to ``V``).
@@ -25,7 +25,7 @@ from ..table import PolicyTable
 from .buckets import Bucket
 from .interventions import BucketIntervention, prefill_intervention_plan, prefill_positions, reaches_generation
 from .references import CaseRun, ReferenceTrajectory, run_case
-from .resume import ReferenceKV, first_changed_forward, resumed_case_run
+from .resume import RecordedReferences, first_changed_forward, resumed_case_run
 from .verdicts import VerdictStore
 
 __all__ = [
@@ -140,18 +140,16 @@ def decode_generator(
 
     With ``resume`` each intervention runs only the forwards where it can differ from the reference
     (`resumed_case_run`, the same generation): the case's reference is generated once more under the all-high policy
-    to record its K/V (`ReferenceKV`; kept for the case in progress), and a case it does not reproduce, or a model
-    with sliding layers, is generated in full."""
-    all_high = PolicyTable.all_high(model, window=window, sink_tokens=sink_tokens)
-    recorded: dict[str, ReferenceKV | None] = {}
+    to record its K/V (`RecordedReferences`), and a case it does not reproduce, or a model with sliding layers, is
+    generated in full."""
+    recorded = RecordedReferences(
+        model, tokenizer, PolicyTable.all_high(model, window=window, sink_tokens=sink_tokens), max_new_tokens
+    )
 
     def generate(entry: BfclEntry, reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> CaseRun:
         policy = BucketIntervention(costs, bucket, action, sink_tokens, window, tag_view, position_bins)
-        if resume and entry.id not in recorded:
-            recorded.clear()
-            recorded[entry.id] = ReferenceKV.record(model, tokenizer, entry, reference, all_high, max_new_tokens)
-        kv = recorded.get(entry.id)
-        if kv is None or kv.reference.tokens != reference.tokens:
+        kv = recorded.get(entry, reference) if resume else None
+        if kv is None:
             return run_case(model, tokenizer, entry, policy, max_new_tokens)[0]
         forward = first_changed_forward(reference, bucket.key, window)
         return resumed_case_run(model, tokenizer, entry, policy, max_new_tokens, kv, forward)
@@ -159,14 +157,18 @@ def decode_generator(
     return generate
 
 
-def prefill_generator(model, tokenizer, reference_policy, max_new_tokens: int):
+def prefill_generator(model, tokenizer, reference_policy, max_new_tokens: int, resume: bool = True):
     """``generate`` for `intervention_runs` of prefill buckets: decode all-high (``reference_policy``), the prompt
-    under `prefill_intervention_plan`."""
+    under `prefill_intervention_plan`; with ``resume`` from forward 1 (the prompt forward is the reference's)."""
+    recorded = RecordedReferences(model, tokenizer, reference_policy, max_new_tokens)
 
     def generate(entry: BfclEntry, reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> CaseRun:
         plan = prefill_intervention_plan(
             reference, bucket, action, reference_policy.sink_tokens, reference_policy.window
         )
-        return run_case(model, tokenizer, entry, reference_policy, max_new_tokens, prefill_plan=plan)[0]
+        kv = recorded.get(entry, reference) if resume else None
+        if kv is None:
+            return run_case(model, tokenizer, entry, reference_policy, max_new_tokens, prefill_plan=plan)[0]
+        return resumed_case_run(model, tokenizer, entry, reference_policy, max_new_tokens, kv, 1, prefill_plan=plan)
 
     return generate
