@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import KW_ONLY, asdict, dataclass, replace
@@ -212,9 +213,10 @@ def _read_reference(path: Path | None, key: dict[str, Any]) -> ReferenceTrajecto
 
 
 def _write_json(path: Path, record: dict[str, Any]) -> None:
-    """Write ``record`` to ``path`` through a temporary file, so a reader never sees half of it."""
+    """Write ``record`` to ``path`` through a temporary file of this process (processes sharing a cache folder may
+    write the same case at once), so a reader never sees half of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record), encoding="utf-8")
     tmp.replace(path)
 
