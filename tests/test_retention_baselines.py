@@ -13,8 +13,10 @@ from hf_structkv.attention.mixed_reference import (
     DensePartition,
     Int4Partition,
     attention_mass,
+    attention_probabilities,
     head_output_projections,
     projected_value_norms,
+    summed_mass,
 )
 from hf_structkv.cache.attention_mass import AttentionMass, TokenStatistics
 from hf_structkv.cache.mixed_precision import StructuredMixedPrecisionCache
@@ -100,6 +102,9 @@ def test_attention_mass_equals_dense_softmax_reference():
     for g, w in zip(got, dense_mass(query, parts, 0.35), strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     rows_seeing = torch.cat([p.visible for p in parts], dim=-1).any(-1).sum()  # each (row, head) sums to 1
+    per_row = sum(p.sum(dim=-1) for p in attention_probabilities(query, parts, scaling=0.35))  # [B, H_kv, g, q]
+    seeing = torch.cat([p.visible for p in parts], dim=-1).any(-1)[:, None, None].expand_as(per_row)
+    torch.testing.assert_close(per_row, seeing.float())
     assert float(sum(g.sum() for g in got)) == pytest.approx(float(rows_seeing) * query.shape[1], rel=1e-5)
 
 
@@ -121,6 +126,11 @@ def test_value_weighted_mass_equals_a_per_head_brute_force():
     projections = head_output_projections(module, n_q_heads, dim)
     norms = [projected_value_norms(part, projections) for part in parts]
     got = attention_mass(query, parts, 0.35, value_norms=norms)
+    probabilities = attention_probabilities(query, parts, 0.35)  # computed once, summed both ways
+    for g, w in zip(summed_mass(probabilities, norms), got, strict=True):
+        torch.testing.assert_close(g, w)
+    for g, w in zip(summed_mass(probabilities), attention_mass(query, parts, 0.35), strict=True):
+        torch.testing.assert_close(g, w)
     values = torch.cat([part.float_keys_values()[1] for part in parts], dim=2)  # [B, H_kv, n, D]
     keys = torch.cat([part.float_keys_values()[0] for part in parts], dim=2)
     visible = torch.cat([part.visible for part in parts], dim=-1)

@@ -123,25 +123,21 @@ def mixed_precision_attention(
     return out.reshape(batch, n_q_heads, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
 
 
-def attention_mass(
+def attention_probabilities(
     query: torch.Tensor,
     partitions: list[DensePartition | Int4Partition],
     scaling: float,
     softcap: float | None = None,
-    value_norms: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """Attention probability mass each entry receives, summed over query heads and query rows: the statistic of
-    attention-based retention baselines (H2O, SnapKV, MiKV). The softmax runs over the union of the partitions, as in
-    `mixed_precision_attention` (same logits, FP32), so a row's masses sum to 1 per query head.
+    """Attention probabilities of every query head for every entry. The softmax runs over the union of the
+    partitions, as in `mixed_precision_attention` (same logits, FP32), so a row's probabilities sum to 1 per query
+    head; a row that sees no key gets zeros.
 
     Args:
         query, partitions, scaling, softcap: as `mixed_precision_attention`.
-        value_norms: optional, one FP32 ``[B, H_kv, g, n]`` per partition (`projected_value_norms`): each query
-            head's probability of an entry is multiplied by it before the sum (CriticalKV's output-perturbation
-            score ``sum_h a_hj * ||v_j W_o^h||_1``).
 
     Returns:
-        One FP32 tensor ``[B, n]`` per partition (its entries in order); a row that sees no key adds nothing.
+        One FP32 tensor ``[B, H_kv, g, q, n]`` per partition (``g`` query heads per KV head).
     """
     grouped = _grouped_query(query, partitions)
     scores = [_scores(grouped, part, scaling, softcap)[0] for part in partitions]  # each [B, H_kv, g, q, n]
@@ -151,12 +147,44 @@ def attention_mass(
     weights = [torch.exp(s - shift.unsqueeze(-1)) for s in scores]
     total = sum(w.sum(dim=-1) for w in weights)
     inverse = torch.where(total > 0, 1 / total.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(total))
-    probs = [w * inverse.unsqueeze(-1) for w in weights]
+    return [w * inverse.unsqueeze(-1) for w in weights]
+
+
+def summed_mass(probabilities: list[torch.Tensor], value_norms: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The mass each entry receives, summed over query heads and query rows.
+
+    Args:
+        probabilities: `attention_probabilities`' output, one ``[B, H_kv, g, q, n]`` per partition.
+        value_norms: optional, one FP32 ``[B, H_kv, g, n]`` per partition (`projected_value_norms`): each query
+            head's probability of an entry is multiplied by it before the sum (CriticalKV's output-perturbation
+            score ``sum_h a_hj * ||v_j W_o^h||_1``).
+
+    Returns:
+        One FP32 tensor ``[B, n]`` per partition.
+    """
     if value_norms is not None:
-        if len(value_norms) != len(partitions):
-            raise ValueError(f"value_norms needs one tensor per partition ({len(partitions)}), got {len(value_norms)}")
-        probs = [p * norms.unsqueeze(-2) for p, norms in zip(probs, value_norms, strict=True)]
-    return [p.sum(dim=(1, 2, 3)) for p in probs]
+        if len(value_norms) != len(probabilities):
+            raise ValueError(
+                f"value_norms needs one tensor per partition ({len(probabilities)}), got {len(value_norms)}"
+            )
+        probabilities = [p * norms.unsqueeze(-2) for p, norms in zip(probabilities, value_norms, strict=True)]
+    return [p.sum(dim=(1, 2, 3)) for p in probabilities]
+
+
+def attention_mass(
+    query: torch.Tensor,
+    partitions: list[DensePartition | Int4Partition],
+    scaling: float,
+    softcap: float | None = None,
+    value_norms: list[torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """Attention probability mass each entry receives, summed over query heads and query rows: the statistic of
+    attention-based retention baselines (H2O, SnapKV, MiKV); `summed_mass` of `attention_probabilities`.
+
+    Returns:
+        One FP32 tensor ``[B, n]`` per partition (its entries in order); a row that sees no key adds nothing.
+    """
+    return summed_mass(attention_probabilities(query, partitions, scaling, softcap), value_norms)
 
 
 def head_output_projections(module: torch.nn.Module, num_query_heads: int, value_dim: int) -> torch.Tensor:

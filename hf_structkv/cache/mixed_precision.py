@@ -28,9 +28,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from ..attention.mixed_reference import (
     DensePartition,
     Int4Partition,
-    attention_mass,
+    attention_probabilities,
     head_output_projections,
     projected_value_norms,
+    summed_mass,
 )
 from ..policy.costs import Action, GroupCosts
 from ..quant.int4 import quantize_int4
@@ -228,12 +229,13 @@ class MixedPrecisionLayer(CacheLayerMixin):
         positions = [self.high.view()[1]] if self.high.num_entries() else []
         positions += [self.low.view()[1]] if self.low.num_entries() else []
         positions.append(torch.arange(self.first_recent, seen, device=query.device).expand(query.shape[0], -1))
+        probabilities = attention_probabilities(query[:, :, rows], counted, scaling, softcap)
         weighted = None
         if stats.value_weighted:
             projections = head_output_projections(module, query.shape[1], recent.values.shape[-1]).to(query.device)
             norms = [projected_value_norms(part, projections) for part in partitions]
-            weighted = _slot_mass(attention_mass(query[:, :, rows], counted, scaling, softcap, norms), positions, seen)
-        mass = _slot_mass(attention_mass(query[:, :, rows], counted, scaling, softcap), positions, seen)
+            weighted = _slot_mass(summed_mass(probabilities, norms), positions, seen)
+        mass = _slot_mass(summed_mass(probabilities), positions, seen)
         stats.add(self.group, mass, weighted)
 
     def crop(self, max_length: int) -> None:
