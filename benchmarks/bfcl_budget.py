@@ -17,6 +17,8 @@ mixed-precision cache, the same ledger (B.3) and the same held-out cases (PASK T
     python benchmarks/bfcl_budget.py --out benchmarks/results/bfcl_budget.json --plot docs/img/bfcl_budget.png
     python benchmarks/bfcl_budget.py --full ...          # the paper's sizes: every test case, 8 categories
     python benchmarks/bfcl_budget.py --tiny ...          # smoke test: random tiny model, byte tokenizer
+    python benchmarks/bfcl_budget.py --cases 8 --first-case 8 --out more.json    # the next 8 cases per category
+    python benchmarks/bfcl_budget.py --merge first.json more.json --out all.json   # one table over both runs
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from hf_structkv.eval.bfcl import CATEGORIES, bfcl_split, evaluate_bfcl
+from hf_structkv.eval.bfcl import CATEGORIES, bfcl_split, evaluate_bfcl, summarise
 from hf_structkv.models import load_default_model, tiny_byte_tokenizer, tiny_model
 from hf_structkv.policy import (
     H2O,
@@ -108,20 +110,98 @@ def development_lengths(records: list[dict], costs: GroupCosts) -> list[tuple[in
     return lengths
 
 
-def summarise_budget(evaluation) -> dict:
-    """`summarise` plus the workload-weighted measured total B (Σ payload / Σ Full-KV payload) and, Table 17 style,
-    the same ratio over the prompt tokens (``measured_B_P``) and over the generated tokens (``measured_B_D``)."""
-    records = evaluation.records
+def summarise_budget(records: list[dict]) -> dict:
+    """`summarise` of `evaluate_bfcl`'s per-case records plus the workload-weighted measured total B (Σ payload / Σ
+    Full-KV payload) and, Table 17 style, the same ratio over the prompt tokens (``measured_B_P``) and over the
+    generated tokens (``measured_B_D``)."""
 
     def pooled(payload: str, full: str) -> float:
         total = sum(r[full] for r in records)
         return sum(r[payload] for r in records) / total if total else 1.0
 
     return {
-        **evaluation.summary,
+        **summarise(records),
         "measured_B": pooled("scheduled_payload_bytes", "full_payload_bytes"),
         "measured_B_P": pooled("prefill_payload_bytes", "prefill_full_bytes"),
         "measured_B_D": pooled("decode_payload_bytes", "decode_full_bytes"),
+    }
+
+
+def method_record(row: dict, records: list[dict], seconds: float) -> dict:
+    """One output record: ``row`` (method, label, target_B, knobs, provenance), the budget summary of the per-case
+    ``records`` and the records themselves."""
+    summary = summarise_budget(records)
+    return {
+        **{key: row[key] for key in ("method", "label", "target_B")},
+        "measured_B": summary["measured_B"],
+        "measured_B_P": summary["measured_B_P"],
+        "measured_B_D": summary["measured_B_D"],
+        "mean_case_B": summary["mean_budget_ratio"],
+        "accuracy": summary["accuracy"],
+        "per_category": summary["per_category"],
+        "cases": summary["cases"],
+        "nbytes": summary["nbytes"],
+        "full_nbytes": summary["full_nbytes"],
+        "seconds": seconds,
+        "knobs": row["knobs"],
+        "provenance": row["provenance"],
+        "records": records,
+    }
+
+
+SHARED_SETTINGS = ("seed", "window", "baseline_knobs", "max_new_tokens", "torch", "transformers")
+
+
+def merge_runs(payloads: list[dict]) -> dict:
+    """One result from runs over disjoint cases (``--first-case``) or categories, with the same settings.
+
+    Records join by (label, target B): their cases concatenate and the summary is recomputed over the union. Every
+    joined row must cover the same cases as the others, so the merged table still compares methods case for case,
+    and a method's knobs must agree between runs (baselines' knobs come from the development lengths of the run's
+    categories: run the baselines over the same categories in every run).
+
+    Raises:
+        ValueError: fewer than two runs, settings that differ, a case twice in a row, rows over different cases, or
+            one method with different knobs.
+    """
+    if len(payloads) < 2:
+        raise ValueError(f"--merge needs at least two result files, got {len(payloads)}")
+    model = payloads[0]["model"]
+    for key in ("model", *SHARED_SETTINGS):
+        values = {json.dumps(p.get(key), sort_keys=True) for p in payloads}
+        if len(values) > 1:
+            raise ValueError(f"the runs differ in {key!r} ({sorted(values)}): merge only runs with the same settings")
+    joined: dict[tuple[str, float], dict] = {}
+    for payload in payloads:
+        for record in payload["records"]:
+            key = (record["label"], record["target_B"])
+            row = joined.setdefault(key, {**record, "records": [], "seconds": 0.0})
+            if json.dumps(row["knobs"], sort_keys=True) != json.dumps(record["knobs"], sort_keys=True):
+                raise ValueError(
+                    f"{record['label']} at B={record['target_B']} has different knobs in two runs ({row['knobs']} vs "
+                    f"{record['knobs']}): run it over the same categories in every run"
+                )
+            row["records"] += record["records"]
+            row["seconds"] += record["seconds"]
+    case_sets = {}
+    for (label, target), row in joined.items():
+        ids = [case["id"] for case in row["records"]]
+        if len(ids) != len(set(ids)):
+            raise ValueError(f"{label} at B={target} answers a case twice: the runs must cover disjoint cases")
+        case_sets[(label, target)] = frozenset(ids)
+    if len(set(case_sets.values())) > 1:
+        sizes = {f"{label}@{target}": len(ids) for (label, target), ids in case_sets.items()}
+        raise ValueError(f"the merged rows cover different cases ({sizes}): every method must answer every case")
+    categories = list(dict.fromkeys(c for p in payloads for c in p["categories"]))
+    return {
+        "model": model,
+        "categories": categories,
+        **{key: payloads[0].get(key) for key in SHARED_SETTINGS},
+        "merged_from": [
+            {key: p.get(key) for key in ("categories", "first_case", "cases_per_category", "dev_lengths", "threads")}
+            for p in payloads
+        ],
+        "records": [method_record(row, row["records"], row["seconds"]) for row in joined.values()],
     }
 
 
@@ -154,6 +234,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--categories", nargs="+", default=list(CATEGORIES[:4]), choices=CATEGORIES)
     parser.add_argument("--cases", type=int, default=1, help="test cases per category (the split's seeded sample)")
+    parser.add_argument(
+        "--first-case",
+        type=int,
+        default=0,
+        help="skip this many test cases per category: runs with --first-case 0 --cases N, then --first-case N cover "
+        "disjoint cases, joined by --merge",
+    )
     parser.add_argument("--dev-cases", type=int, default=1, help="development cases per category for the knobs")
     parser.add_argument("--budgets", nargs="+", type=float, default=list(BUDGETS))
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
@@ -173,7 +260,33 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="random tiny model and byte tokenizer (smoke test)")
     parser.add_argument("--out", default="benchmarks/results/bfcl_budget.json")
     parser.add_argument("--plot", default=None)
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="run nothing: join the result files of runs over disjoint cases or categories (same settings) into "
+        "--out, the table and --plot",
+    )
     args = parser.parse_args(argv)
+    if args.merge:
+        payload = merge_runs([json.loads(Path(path).read_text()) for path in args.merge])
+        print(f"merged {len(args.merge)} runs: {payload['records'][0]['cases']} cases per method x budget")
+    else:
+        payload = run_methods(parser, args)
+    records, categories = payload["records"], payload["categories"]
+    print_table([{"policy": f"{r['label']} @{r['target_B']}", "summary": _row_summary(r)} for r in records], categories)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(payload, indent=2))
+    print(f"wrote {args.out}")
+    if args.plot:
+        plot(records, args.plot)
+        print(f"wrote {args.plot}")
+    return payload
+
+
+def run_methods(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """Every method of ``args`` on the test cases: the result payload (settings and one record per method x B)."""
     if any(not 0 < b <= 1 for b in args.budgets):
         parser.error(f"--budgets must lie in (0, 1], got {args.budgets}")
     ablations = []
@@ -194,40 +307,24 @@ def main(argv: list[str] | None = None) -> dict:
     dev_entries = bfcl_split(categories, "development", seed=args.seed, limit=args.dev_cases)
     dev = evaluate_bfcl(model, tokenizer, dev_entries, PolicyTable.all_high(model), **run)
     lengths = development_lengths(dev.records, costs)
-    test_entries = bfcl_split(categories, "test", seed=args.seed, limit=limit)
+    test_entries = bfcl_split(categories, "test", seed=args.seed, limit=limit, start=args.first_case)
 
     def evaluate(method: str, label: str, target: float, policy, prefill=None, provenance=None) -> dict:
         start = time.perf_counter()
         evaluation = evaluate_bfcl(model, tokenizer, test_entries, policy, prefill_policy=prefill, **run)
-        summary = summarise_budget(evaluation)
         if isinstance(policy, PolicyTable):
             knobs = {"B_D": policy.budget, "B_P": None if prefill is None else prefill.budget}
         else:
             knobs = knobs_of(policy)
         if method in BASELINES:
             knobs["expected_B_on_development"] = policy.expected_budget(lengths)
+        row = {"method": method, "label": label, "target_B": target, "knobs": knobs, "provenance": provenance}
+        record = method_record(row, evaluation.records, seconds=time.perf_counter() - start)
         print(
-            f"{label} at B={target}: accuracy {summary['accuracy']:.1%}, measured B {summary['measured_B']:.3f} "
-            f"(B_P {summary['measured_B_P']:.3f}, B_D {summary['measured_B_D']:.3f})"
+            f"{label} at B={target}: accuracy {record['accuracy']:.1%}, measured B {record['measured_B']:.3f} "
+            f"(B_P {record['measured_B_P']:.3f}, B_D {record['measured_B_D']:.3f})"
         )
-        return {
-            "method": method,
-            "label": label,
-            "target_B": target,
-            "measured_B": summary["measured_B"],
-            "measured_B_P": summary["measured_B_P"],
-            "measured_B_D": summary["measured_B_D"],
-            "mean_case_B": summary["mean_budget_ratio"],
-            "accuracy": summary["accuracy"],
-            "per_category": summary["per_category"],
-            "cases": summary["cases"],
-            "nbytes": summary["nbytes"],
-            "full_nbytes": summary["full_nbytes"],
-            "seconds": time.perf_counter() - start,
-            "knobs": knobs,
-            "provenance": provenance,
-            "records": evaluation.records,
-        }
+        return record
 
     records = []
     if "full_kv" in args.methods:
@@ -247,12 +344,12 @@ def main(argv: list[str] | None = None) -> dict:
         f"BFCL v4 test split (seed {args.seed}), {len(test_entries)} cases, knobs from {len(dev_entries)} development "
         f"cases, {args.threads} thread(s)"
     )
-    print_table([{"policy": f"{r['label']} @{r['target_B']}", "summary": _row_summary(r)} for r in records], categories)
-    payload = {
+    return {
         "model": type(model).__name__ + (" (tiny, random)" if args.tiny else f" {model.config.name_or_path}"),
         "categories": categories,
         "seed": args.seed,
         "cases_per_category": limit,
+        "first_case": args.first_case,
         "dev_cases_per_category": args.dev_cases,
         "dev_lengths": lengths,
         "dev_full_kv_accuracy": dev.summary["accuracy"],
@@ -264,13 +361,6 @@ def main(argv: list[str] | None = None) -> dict:
         "transformers": transformers.__version__,
         "records": records,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(payload, indent=2))
-    print(f"wrote {args.out}")
-    if args.plot:
-        plot(records, args.plot)
-        print(f"wrote {args.plot}")
-    return payload
 
 
 def _row_summary(record: dict) -> dict:

@@ -437,6 +437,80 @@ def test_bfcl_budget_serves_the_shipped_calibrated_pair_at_the_target_budgets():
     assert served.entries == table.entries and served_prefill.entries == prefill.entries
 
 
+def _budget_case(case_id: str, valid: bool, payload: float) -> dict:
+    """A per-case record as `evaluate_bfcl` writes it (the fields `merge_runs` and the summaries read)."""
+    return {
+        "id": case_id,
+        "category": case_id.rsplit("_", 1)[0],
+        "valid": valid,
+        "budget_ratio": payload / 100,
+        "nbytes": 10,
+        "full_nbytes": 20,
+        "seconds": 1.0,
+        "scheduled_payload_bytes": payload,
+        "full_payload_bytes": 100.0,
+        "prefill_payload_bytes": payload / 2,
+        "prefill_full_bytes": 50.0,
+        "decode_payload_bytes": payload / 2,
+        "decode_full_bytes": 50.0,
+    }
+
+
+def _budget_run(script, first: int, payloads: dict[str, float], categories=("simple_python",)) -> dict:
+    rows = []
+    for label, payload in payloads.items():
+        cases = [_budget_case(f"{c}_{i}", i % 2 == 0, payload) for c in categories for i in (first, first + 1)]
+        row = {"method": label, "label": label, "target_B": 0.33, "knobs": {"k": 1}, "provenance": None}
+        rows.append(script.method_record(row, cases, seconds=2.0 * len(cases)))
+    settings = dict(seed=0, window=32, baseline_knobs={}, max_new_tokens=160, torch="t", transformers="x")
+    return {
+        "model": "m",
+        "categories": list(categories),
+        "first_case": first,
+        "cases_per_category": 2,
+        **settings,
+        "records": rows,
+    }
+
+
+def test_bfcl_budget_merge_joins_disjoint_runs_case_for_case(tmp_path):
+    script = load_script(BENCHMARKS / "bfcl_budget.py")
+    first, second = _budget_run(script, 0, {"a": 30.0, "b": 50.0}), _budget_run(script, 2, {"a": 40.0, "b": 50.0})
+    merged = script.merge_runs([first, second])
+    assert [r["label"] for r in merged["records"]] == ["a", "b"]
+    a = merged["records"][0]
+    assert a["cases"] == 4 and a["accuracy"] == 0.5 and a["seconds"] == 8.0  # cases 0 and 2 valid, 1 and 3 not
+    assert a["measured_B"] == pytest.approx((30 * 2 + 40 * 2) / 400)  # pooled over the union, not a mean of runs
+    assert [c["id"] for c in a["records"]] == [f"simple_python_{i}" for i in range(4)]
+    assert [m["first_case"] for m in merged["merged_from"]] == [0, 2]
+    other = _budget_run(script, 0, {"a": 30.0, "b": 50.0}, categories=("multiple",))  # other categories join too
+    assert script.merge_runs([first, other])["categories"] == ["simple_python", "multiple"]
+    # the command line: --merge reads the files and writes the joined result
+    paths = [tmp_path / "first.json", tmp_path / "second.json"]
+    for path, payload in zip(paths, (first, second), strict=True):
+        path.write_text(json.dumps(payload))
+    out = tmp_path / "merged.json"
+    assert script.main(["--merge", *map(str, paths), "--out", str(out)])["records"][0]["cases"] == 4
+    assert json.loads(out.read_text())["records"][1]["label"] == "b"
+
+
+def test_bfcl_budget_merge_refuses_what_would_not_compare():
+    script = load_script(BENCHMARKS / "bfcl_budget.py")
+    first = _budget_run(script, 0, {"a": 30.0, "b": 50.0})
+    with pytest.raises(ValueError, match="at least two"):
+        script.merge_runs([first])
+    with pytest.raises(ValueError, match="answers a case twice"):
+        script.merge_runs([first, _budget_run(script, 1, {"a": 30.0, "b": 50.0})])
+    with pytest.raises(ValueError, match="different cases"):
+        script.merge_runs([first, _budget_run(script, 2, {"a": 30.0})])
+    with pytest.raises(ValueError, match="differ in 'max_new_tokens'"):
+        script.merge_runs([first, {**_budget_run(script, 2, {"a": 30.0, "b": 50.0}), "max_new_tokens": 96}])
+    changed = _budget_run(script, 2, {"a": 30.0, "b": 50.0})
+    changed["records"][0]["knobs"] = {"k": 2}
+    with pytest.raises(ValueError, match="different knobs"):
+        script.merge_runs([first, changed])
+
+
 # --------------------------------------------------------------------------------- benchmarks/bfcl_accuracy.py
 def test_bfcl_accuracy_aligns_the_decode_budget_of_compressing_tables_only():
     pytest.importorskip("bfcl_eval")

@@ -161,8 +161,14 @@ def test_bfcl_split_takes_the_partition_head_per_category():
     chosen = bfcl_split(["multiple", "parallel"], "development", seed=0, limit=3)
     assert [e.category for e in chosen] == ["multiple"] * 3 + ["parallel"] * 3
     assert list(chosen[:3]) == list(split_bfcl(load_bfcl("multiple"))["development"][:3])
+    later = bfcl_split(["multiple", "parallel"], "development", seed=0, limit=2, start=3)
+    assert list(later[:2]) == list(split_bfcl(load_bfcl("multiple"))["development"][3:5])
+    assert [e.category for e in later] == ["multiple"] * 2 + ["parallel"] * 2
+    assert not {e.id for e in later} & {e.id for e in chosen}  # disjoint from the first three
     with pytest.raises(ValueError, match="split must be one of"):
         bfcl_split(["multiple"], "dev")
+    with pytest.raises(ValueError, match="start must be"):
+        bfcl_split(["multiple"], "test", start=-1)
     with pytest.raises(ValueError, match="limit must be"):
         bfcl_split(["multiple"], "test", limit=0)
     with pytest.raises(ValueError, match="categories must be"):

@@ -166,17 +166,21 @@ def split_bfcl(entries: Iterable[BfclEntry], seed: int = 0) -> dict[str, tuple[B
     return {name: tuple(part) for name, part in parts.items()}
 
 
-def bfcl_split(categories: Sequence[str], split: str, seed: int = 0, limit: int | None = None) -> tuple[BfclEntry, ...]:
+def bfcl_split(
+    categories: Sequence[str], split: str, seed: int = 0, limit: int | None = None, start: int = 0
+) -> tuple[BfclEntry, ...]:
     """The ``split`` partition of each category in ``categories`` (`split_bfcl`), at most ``limit`` entries of each
-    (its seeded sample: the partition's first ``limit``)."""
+    from its ``start``-th on (its seeded sample: the partition's entries ``start .. start + limit - 1``; runs with
+    ``start`` 0, ``limit``, then ``start`` = ``limit`` cover disjoint cases)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
     check_int("limit", limit, 1, counts="cases per category", none_ok=True)
+    check_int("start", start, 0, counts="cases skipped per category")
     if isinstance(categories, str) or not categories:
         raise ValueError(f"categories must be a non-empty list of names from {list(CATEGORIES)}, got {categories!r}")
     chosen: list[BfclEntry] = []
     for category in categories:
-        chosen.extend(split_bfcl(load_bfcl(category), seed)[split][:limit])
+        chosen.extend(split_bfcl(load_bfcl(category), seed)[split][start : None if limit is None else start + limit])
     return tuple(chosen)
 
 
