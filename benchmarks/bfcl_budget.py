@@ -149,7 +149,7 @@ def method_record(row: dict, records: list[dict], seconds: float) -> dict:
     }
 
 
-SHARED_SETTINGS = ("seed", "window", "baseline_knobs", "max_new_tokens", "torch", "transformers")
+SHARED_SETTINGS = ("seed", "window", "max_new_tokens", "torch", "transformers")
 
 
 def merge_runs(payloads: list[dict]) -> dict:
@@ -171,6 +171,11 @@ def merge_runs(payloads: list[dict]) -> dict:
         values = {json.dumps(p.get(key), sort_keys=True) for p in payloads}
         if len(values) > 1:
             raise ValueError(f"the runs differ in {key!r} ({sorted(values)}): merge only runs with the same settings")
+    baseline_knobs: dict[str, dict] = {}  # the script's table of each run (it grew with the methods)
+    for payload in payloads:
+        for method, knobs in payload.get("baseline_knobs", {}).items():
+            if baseline_knobs.setdefault(method, knobs) != knobs:
+                raise ValueError(f"the runs ran {method} with different knobs ({baseline_knobs[method]} vs {knobs})")
     joined: dict[tuple[str, float], dict] = {}
     for payload in payloads:
         for record in payload["records"]:
@@ -197,6 +202,7 @@ def merge_runs(payloads: list[dict]) -> dict:
         "model": model,
         "categories": categories,
         **{key: payloads[0].get(key) for key in SHARED_SETTINGS},
+        "baseline_knobs": baseline_knobs,
         "merged_from": [
             {key: p.get(key) for key in ("categories", "first_case", "cases_per_category", "dev_lengths", "threads")}
             for p in payloads
@@ -268,9 +274,27 @@ def main(argv: list[str] | None = None) -> dict:
         help="run nothing: join the result files of runs over disjoint cases or categories (same settings) into "
         "--out, the table and --plot",
     )
+    parser.add_argument(
+        "--drop",
+        action="append",
+        default=[],
+        metavar="FILE:LABEL",
+        help="with --merge: leave out the rows labelled LABEL of the result file FILE (e.g. a superseded PASK row)",
+    )
     args = parser.parse_args(argv)
+    if args.drop and not args.merge:
+        parser.error("--drop only applies with --merge")
     if args.merge:
-        payload = merge_runs([json.loads(Path(path).read_text()) for path in args.merge])
+        payloads = {path: json.loads(Path(path).read_text()) for path in args.merge}
+        for item in args.drop:
+            path, sep, label = item.rpartition(":")
+            if not sep or path not in payloads or label not in {r["label"] for r in payloads[path]["records"]}:
+                parser.error(f"--drop takes FILE:LABEL with a --merge file and one of its row labels, got {item!r}")
+            payloads[path] = {
+                **payloads[path],
+                "records": [r for r in payloads[path]["records"] if r["label"] != label],
+            }
+        payload = merge_runs(list(payloads.values()))
         print(f"merged {len(args.merge)} runs: {payload['records'][0]['cases']} cases per method x budget")
     else:
         payload = run_methods(parser, args)

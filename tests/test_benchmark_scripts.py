@@ -462,7 +462,7 @@ def _budget_run(script, first: int, payloads: dict[str, float], categories=("sim
         cases = [_budget_case(f"{c}_{i}", i % 2 == 0, payload) for c in categories for i in (first, first + 1)]
         row = {"method": label, "label": label, "target_B": 0.33, "knobs": {"k": 1}, "provenance": None}
         rows.append(script.method_record(row, cases, seconds=2.0 * len(cases)))
-    settings = dict(seed=0, window=32, baseline_knobs={}, max_new_tokens=160, torch="t", transformers="x")
+    settings = dict(seed=0, window=32, max_new_tokens=160, torch="t", transformers="x")
     return {
         "model": "m",
         "categories": list(categories),
@@ -492,6 +492,17 @@ def test_bfcl_budget_merge_joins_disjoint_runs_case_for_case(tmp_path):
     out = tmp_path / "merged.json"
     assert script.main(["--merge", *map(str, paths), "--out", str(out)])["records"][0]["cases"] == 4
     assert json.loads(out.read_text())["records"][1]["label"] == "b"
+    # --drop leaves a row of one file out: "b" of the first run is superseded by a "b" over all four cases
+    whole = _budget_run(script, 0, {"b": 70.0})
+    whole["records"][0]["records"] += _budget_run(script, 2, {"b": 70.0})["records"][0]["records"]
+    (tmp_path / "whole.json").write_text(json.dumps(whole))
+    merged = script.main(
+        ["--merge", *map(str, paths), str(tmp_path / "whole.json"), "--out", str(out)]
+        + ["--drop", f"{paths[0]}:b", "--drop", f"{paths[1]}:b"]
+    )
+    assert [(r["label"], r["cases"], r["measured_B"]) for r in merged["records"]] == [("a", 4, 0.35), ("b", 4, 0.7)]
+    with pytest.raises(SystemExit):
+        script.main(["--merge", *map(str, paths), "--drop", f"{paths[0]}:c", "--out", str(out)])
 
 
 def test_bfcl_budget_merge_refuses_what_would_not_compare():
@@ -505,6 +516,13 @@ def test_bfcl_budget_merge_refuses_what_would_not_compare():
         script.merge_runs([first, _budget_run(script, 2, {"a": 30.0})])
     with pytest.raises(ValueError, match="differ in 'max_new_tokens'"):
         script.merge_runs([first, {**_budget_run(script, 2, {"a": 30.0, "b": 50.0}), "max_new_tokens": 96}])
+    with pytest.raises(ValueError, match="ran h2o with different knobs"):
+        script.merge_runs(
+            [
+                {**first, "baseline_knobs": {"h2o": {"sink_tokens": 4}}},
+                {**_budget_run(script, 2, {"a": 30.0, "b": 50.0}), "baseline_knobs": {"h2o": {"sink_tokens": 8}}},
+            ]
+        )
     changed = _budget_run(script, 2, {"a": 30.0, "b": 50.0})
     changed["records"][0]["knobs"] = {"k": 2}
     with pytest.raises(ValueError, match="different knobs"):
