@@ -96,9 +96,32 @@ def load_pask(path: str | None, model, tiny: bool = False) -> tuple[PolicyTable,
     return table, prefill, label
 
 
-def pask_at(table: PolicyTable, prefill: PrefillPolicy, target: float) -> tuple[PolicyTable, PrefillPolicy]:
-    """The same tables with ``B_D = B_P = target``."""
-    return dataclasses.replace(table, budget=target), dataclasses.replace(prefill, budget=target)
+STAGE_SPLITS = ("equal", "calibrated_decode")
+
+
+def pask_at(
+    table: PolicyTable,
+    prefill: PrefillPolicy,
+    target: float,
+    split: str = "equal",
+    lengths: list[tuple[int, int]] | None = None,
+) -> tuple[PolicyTable, PrefillPolicy]:
+    """The same tables served at total budget ``target``.
+
+    ``split="equal"``: ``B_D = B_P = target``. ``split="calibrated_decode"``: the decode table keeps the ``B_D``
+    Algorithm 1 selected and the prefill budget takes the rest of the target on the development ``lengths``
+    (``(prompt_tokens, decoded_tokens)`` per case, the baselines' knob arithmetic): ``B_P = (target (ΣP + ΣD) -
+    B_D ΣD) / ΣP``, clipped to [0, 1].
+    """
+    if split == "equal":
+        return dataclasses.replace(table, budget=target), dataclasses.replace(prefill, budget=target)
+    if split != "calibrated_decode":
+        raise ValueError(f"split must be one of {STAGE_SPLITS}, got {split!r}")
+    if not lengths:
+        raise ValueError("split='calibrated_decode' needs the development lengths")
+    prompt, decoded = sum(p for p, _ in lengths), sum(d for _, d in lengths)
+    prefill_budget = (target * (prompt + decoded) - table.budget * decoded) / prompt
+    return table, dataclasses.replace(prefill, budget=min(1.0, max(0.0, prefill_budget)))
 
 
 def development_lengths(records: list[dict], costs: GroupCosts) -> list[tuple[int, int]]:
@@ -257,6 +280,13 @@ def main(argv: list[str] | None = None) -> dict:
         "illustrative pair)",
     )
     parser.add_argument(
+        "--pask-stage-split",
+        choices=STAGE_SPLITS,
+        default="equal",
+        help="how PASK's rows split the target between the stages: equal (B_D = B_P = target) or calibrated_decode "
+        "(the table's calibrated B_D, the prefill budget the rest of the target on the development lengths)",
+    )
+    parser.add_argument(
         "--ablation-policy", action="append", default=[], metavar="NAME=PATH", help="extra PASK rows (Fig. 5)"
     )
     parser.add_argument("--max-new-tokens", type=int, default=160)
@@ -362,7 +392,10 @@ def run_methods(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
         for name, path in pask_rows:
             table, prefill, provenance = load_pask(path, model, args.tiny)
             label = name if provenance == "calibrated" else f"{name} ({provenance})"
-            records.append(evaluate("pask", label, target, *pask_at(table, prefill, target), provenance=provenance))
+            if args.pask_stage_split != "equal":
+                label = f"{label} [{args.pask_stage_split}]"
+            served = pask_at(table, prefill, target, args.pask_stage_split, lengths)
+            records.append(evaluate("pask", label, target, *served, provenance=provenance))
 
     print(
         f"BFCL v4 test split (seed {args.seed}), {len(test_entries)} cases, knobs from {len(dev_entries)} development "

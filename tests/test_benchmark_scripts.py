@@ -435,6 +435,17 @@ def test_bfcl_budget_serves_the_shipped_calibrated_pair_at_the_target_budgets():
     served, served_prefill = script.pask_at(table, prefill, 0.33)
     assert served.budget == served_prefill.budget == 0.33
     assert served.entries == table.entries and served_prefill.entries == prefill.entries
+    # calibrated_decode: B_D stays the calibrated one, B_P makes the development total equal the target
+    lengths = [(300, 40), (700, 60)]
+    served, served_prefill = script.pask_at(table, prefill, 0.33, "calibrated_decode", lengths)
+    assert served is table and served_prefill.entries == prefill.entries
+    total = (1000 * served_prefill.budget + 100 * table.budget) / 1100
+    assert total == pytest.approx(0.33) and 0 <= served_prefill.budget <= 1
+    assert script.pask_at(table, prefill, 0.01, "calibrated_decode", lengths)[1].budget == 0.0  # clipped
+    with pytest.raises(ValueError, match="development lengths"):
+        script.pask_at(table, prefill, 0.33, "calibrated_decode")
+    with pytest.raises(ValueError, match="split must be one of"):
+        script.pask_at(table, prefill, 0.33, "halves")
 
 
 def _budget_case(case_id: str, valid: bool, payload: float) -> dict:
