@@ -172,7 +172,7 @@ def method_record(row: dict, records: list[dict], seconds: float) -> dict:
     }
 
 
-SHARED_SETTINGS = ("seed", "window", "max_new_tokens", "torch", "transformers")
+SHARED_SETTINGS = ("model", "seed", "window", "max_new_tokens", "torch", "transformers")
 
 
 def merge_runs(payloads: list[dict]) -> dict:
@@ -189,8 +189,7 @@ def merge_runs(payloads: list[dict]) -> dict:
     """
     if len(payloads) < 2:
         raise ValueError(f"--merge needs at least two result files, got {len(payloads)}")
-    model = payloads[0]["model"]
-    for key in ("model", *SHARED_SETTINGS):
+    for key in SHARED_SETTINGS:
         values = {json.dumps(p.get(key), sort_keys=True) for p in payloads}
         if len(values) > 1:
             raise ValueError(f"the runs differ in {key!r} ({sorted(values)}): merge only runs with the same settings")
@@ -204,7 +203,7 @@ def merge_runs(payloads: list[dict]) -> dict:
         for record in payload["records"]:
             key = (record["label"], record["target_B"])
             row = joined.setdefault(key, {**record, "records": [], "seconds": 0.0})
-            if json.dumps(row["knobs"], sort_keys=True) != json.dumps(record["knobs"], sort_keys=True):
+            if row["knobs"] != record["knobs"]:
                 raise ValueError(
                     f"{record['label']} at B={record['target_B']} has different knobs in two runs ({row['knobs']} vs "
                     f"{record['knobs']}): run it over the same categories in every run"
@@ -222,9 +221,8 @@ def merge_runs(payloads: list[dict]) -> dict:
         raise ValueError(f"the merged rows cover different cases ({sizes}): every method must answer every case")
     categories = list(dict.fromkeys(c for p in payloads for c in p["categories"]))
     return {
-        "model": model,
-        "categories": categories,
         **{key: payloads[0].get(key) for key in SHARED_SETTINGS},
+        "categories": categories,
         "baseline_knobs": baseline_knobs,
         "merged_from": [
             {key: p.get(key) for key in ("categories", "first_case", "cases_per_category", "dev_lengths", "threads")}
