@@ -43,6 +43,7 @@ from hf_structkv.policy.calibration.references import (
     with_position_tags,
 )
 from hf_structkv.policy.calibration.resume import ReferenceKV, first_changed_forward, resumed_case_run
+from hf_structkv.policy.calibration.selection import evaluate_controller
 from hf_structkv.policy.calibration.task_sensitivity import decode_generator, intervention_runs, prefill_generator
 from hf_structkv.quant.int4 import dequantize_int4, quantize_int4
 from hf_structkv.structure.prompt_spans import PROMPT_LABELS
@@ -569,6 +570,19 @@ def test_reference_states_reproduce_the_model_attention(model, references):
 
 # ---------------------------------------------------------------------------------------------- end to end
 SETTINGS = CalibrationSettings(max_new_tokens=MAX_NEW, window=WINDOW, max_dev_candidates=2)
+
+
+def test_evaluate_controller_scores_the_all_high_policy_as_its_references_with_full_ratios(
+    model, tokenizer, cases, tmp_path, capsys
+):
+    development = cases[1]
+    refs = reference_trajectories(model, tokenizer, development, MAX_NEW, WINDOW, 4, cache_dir=tmp_path)
+    all_high = PolicyTable.all_high(model, window=WINDOW, sink_tokens=4)
+    result = evaluate_controller(model, tokenizer, development, all_high, MAX_NEW, progress=True)
+    assert result.valid == tuple(r.valid for r in refs)
+    assert result.error_rate == sum(not r.valid for r in refs) / len(refs)
+    assert result.decode_ratio == pytest.approx(1.0) and result.prefill_ratio == pytest.approx(1.0)
+    assert "development" in capsys.readouterr().err  # the progress bar over the cases
 
 
 @pytest.fixture(scope="module")

@@ -145,7 +145,7 @@ class _Stage:
     mean_counts: dict[Bucket, float]
     generate: Callable
     build: Callable  # (actions, floors, priorities, tau) -> candidate
-    evaluate: Callable[[Any], DevResult]
+    evaluate: Callable[[Any, bool], DevResult]  # (candidate, progress bar) -> development result
     cost: Callable[[DevResult], float]
     nominal: Callable[[Any], float]
     alpha: float
@@ -275,7 +275,9 @@ def _decode_stage(model, tokenizer, calibration, development, refs, costs, setti
             model, tokenizer, costs, settings.max_new_tokens, settings.sink_tokens, settings.window, **view
         ),
         build=build,
-        evaluate=lambda table: evaluate_controller(model, tokenizer, development, table, settings.max_new_tokens),
+        evaluate=lambda table, progress: evaluate_controller(
+            model, tokenizer, development, table, settings.max_new_tokens, progress=progress
+        ),
         cost=lambda result: result.decode_ratio,
         nominal=lambda table: table.budget,
         alpha=settings.alpha_decode,
@@ -303,9 +305,9 @@ def _prefill_stage(model, tokenizer, development, refs, reference, costs, settin
             thresholds={"tau_low": tau[0], "tau_high": tau[1]},
         )
 
-    def evaluate(policy):
+    def evaluate(policy, progress):
         return evaluate_controller(
-            model, tokenizer, development, reference, settings.max_new_tokens, prefill_policy=policy
+            model, tokenizer, development, reference, settings.max_new_tokens, prefill_policy=policy, progress=progress
         )
 
     return _Stage(
@@ -357,7 +359,7 @@ def _run_stage(stage: _Stage, calibration, refs, reference_error, settings, mode
             candidate = candidates[index]
             identity = json.dumps(candidate.to_json_dict()["entries"]) + repr(stage.nominal(candidate))
             if identity not in evaluated:
-                result = stage.evaluate(candidate)
+                result = stage.evaluate(candidate, progress)
                 evaluated[identity] = (candidate, result, {"tau": list(tau), "index": index})
                 log(
                     f"{stage.name} tau={tau} candidate {index}/{len(candidates) - 1}: nominal budget "

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tqdm.auto import tqdm
+
 from ...eval.bfcl import BfclEntry
 from ...eval.bfcl_checker import check_calls
 from ...structured_generation import generate_calls
@@ -54,11 +56,18 @@ class DevResult:
 
 
 def evaluate_controller(
-    model, tokenizer, entries: Sequence[BfclEntry], policy, max_new_tokens: int, prefill_policy=None
+    model,
+    tokenizer,
+    entries: Sequence[BfclEntry],
+    policy,
+    max_new_tokens: int,
+    prefill_policy=None,
+    progress: bool = False,
 ) -> DevResult:
-    """Generate each case (batch 1) under ``policy`` (and ``prefill_policy``), score it, pool the measured costs."""
+    """Generate each case (batch 1) under ``policy`` (and ``prefill_policy``), score it, pool the measured costs
+    (``progress``: a bar over the cases)."""
     valid, decode_bits, decode_tokens, prompt_bits, prompt_tokens = [], 0.0, 0, 0.0, 0
-    for entry in entries:
+    for entry in tqdm(entries, desc="development", unit="case", disable=not progress, leave=False):
         result = generate_calls(
             model, tokenizer, list(entry.messages), entry.tools, policy, max_new_tokens, prefill_policy=prefill_policy
         )
