@@ -573,10 +573,10 @@ SETTINGS = CalibrationSettings(max_new_tokens=MAX_NEW, window=WINDOW, max_dev_ca
 
 
 def test_evaluate_controller_scores_the_all_high_policy_as_its_references_with_full_ratios(
-    model, tokenizer, cases, tmp_path, capsys
+    model, tokenizer, cases, capsys
 ):
     development = cases[1]
-    refs = reference_trajectories(model, tokenizer, development, MAX_NEW, WINDOW, 4, cache_dir=tmp_path)
+    refs = reference_trajectories(model, tokenizer, development, MAX_NEW, WINDOW, 4)
     all_high = PolicyTable.all_high(model, window=WINDOW, sink_tokens=4)
     result = evaluate_controller(model, tokenizer, development, all_high, MAX_NEW, progress=True)
     assert result.valid == tuple(r.valid for r in refs)
