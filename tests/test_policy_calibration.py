@@ -17,8 +17,11 @@ from hf_structkv.policy.calibration import (
     Bucket,
     BucketIntervention,
     CalibrationSettings,
+    DevCase,
+    DevelopmentStore,
     VerdictStore,
     calibrate,
+    candidate_digest,
     dev_candidate_indices,
     envelope,
     greedy_path,
@@ -45,6 +48,7 @@ from hf_structkv.policy.calibration.references import (
 from hf_structkv.policy.calibration.resume import ReferenceKV, first_changed_forward, resumed_case_run
 from hf_structkv.policy.calibration.selection import evaluate_controller
 from hf_structkv.policy.calibration.task_sensitivity import decode_generator, intervention_runs, prefill_generator
+from hf_structkv.policy.prefill import illustrative_prefill_policy
 from hf_structkv.quant.int4 import dequantize_int4, quantize_int4
 from hf_structkv.structure.prompt_spans import PROMPT_LABELS
 from hf_structkv.structure.tags import StructuralTag, position_bin_starts, view_tags
@@ -454,6 +458,43 @@ def test_two_stores_sharing_a_new_file_keep_both_verdicts_and_one_key_line(tmp_p
     assert len(VerdictStore.open(tmp_path, key)) == 4
 
 
+def test_development_store_round_trips_cases_by_case_and_candidate_and_skips_malformed_lines(tmp_path):
+    key = {"model": "m", "stage": "decode"}
+    store = DevelopmentStore.open(tmp_path, key)
+    case = DevCase(valid=True, prompt_bits=12.5, prompt_tokens=3, decode_bits=4.0, decode_tokens=2, full_bits=8.0)
+    assert store.get("a", "c1") is None and not store.path.exists()
+    assert store.path.name.startswith("development-")
+    store.put("a", "c1", case)
+    store.put("a", "c2", dataclasses.replace(case, valid=False))
+    with store.path.open("a", encoding="utf-8") as file:  # well-formed JSON, malformed records: skipped on reading
+        file.write(
+            json.dumps({"case": "b", "candidate": "c1", **dataclasses.asdict(case), "prompt_tokens": 1.5}) + "\n"
+        )
+        file.write(json.dumps({"case": "b", "candidate": "c2", "valid": "yes"}) + "\n")
+        file.write('{"case": "b", "cand')  # a crash in the middle of a line
+    again = DevelopmentStore.open(tmp_path, key)
+    assert len(again) == 2 and again.get("a", "c1") == case and again.get("a", "c2").valid is False
+    assert again.get("b", "c1") is None and again.get("a", "c3") is None
+    assert len(DevelopmentStore.open(tmp_path, {"model": "m", "stage": "prefill"})) == 0
+    with pytest.raises(TypeError, match="case must be a DevCase"):
+        store.put("a", "c1", dataclasses.asdict(case))
+    with pytest.raises(ValueError, match="integer token counts"):
+        store.put("a", "c1", dataclasses.replace(case, prompt_tokens=2.5))
+    with pytest.raises(ValueError, match="identity must be 2 strings"):
+        store.put_record(("a",), {})
+
+
+def test_candidate_digest_names_what_serving_reads_and_ignores_card_fields(model):
+    table = PolicyTable.all_high(model, window=WINDOW, sink_tokens=4)
+    carded = dataclasses.replace(table, description="another card", thresholds={"tau_low": 0.1}, provenance="reference")
+    assert candidate_digest(carded) == candidate_digest(table)
+    assert candidate_digest(dataclasses.replace(table, window=WINDOW + 1)) != candidate_digest(table)
+    assert candidate_digest(dataclasses.replace(table, budget=0.5)) != candidate_digest(table)
+    prefill = illustrative_prefill_policy()
+    assert candidate_digest(table, prefill) != candidate_digest(table)
+    assert candidate_digest(table, dataclasses.replace(prefill, budget=0.5)) != candidate_digest(table, prefill)
+
+
 def test_intervention_runs_generate_each_needed_case_once_with_a_store(tmp_path):
     refs = [_verdict_reference("a", tuple(range(12))), _verdict_reference("b", tuple(range(12)))]
     refs = [dataclasses.replace(r, tags=((BUCKET.key,),) * 11 + (None,)) for r in refs]
@@ -585,6 +626,24 @@ def test_evaluate_controller_scores_the_all_high_policy_as_its_references_with_f
     assert "development" in capsys.readouterr().err  # the progress bar over the cases
 
 
+def test_evaluate_controller_with_a_store_generates_each_case_once(model, tokenizer, cases, tmp_path):
+    """The second evaluation reads every case back: it gives the same result without touching the model."""
+    development = cases[1]
+    all_high = PolicyTable.all_high(model, window=WINDOW, sink_tokens=4)
+    first = evaluate_controller(
+        model, tokenizer, development, all_high, MAX_NEW, store=DevelopmentStore.open(tmp_path, {"m": 1})
+    )
+    assert first.reused == 0
+    second = evaluate_controller(
+        None, None, development, all_high, MAX_NEW, store=DevelopmentStore.open(tmp_path, {"m": 1})
+    )
+    assert second == dataclasses.replace(first, reused=len(development))
+    plain = evaluate_controller(model, tokenizer, development[:1], all_high, MAX_NEW)
+    assert plain.valid == first.valid[:1] and plain.reused == 0
+    with pytest.raises(ValueError, match="at least one BfclEntry"):
+        evaluate_controller(model, tokenizer, [], all_high, MAX_NEW)
+
+
 @pytest.fixture(scope="module")
 def calibration_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
@@ -646,6 +705,13 @@ def test_a_second_calibration_reads_its_runtime_v_verdicts_back(model, tokenizer
     assert generations > 0 and again.report["decode"]["runtime_v_generations"] == generations
     assert again.report["decode"]["runtime_v_reused"] == generations
     assert again.report["prefill"]["runtime_v_reused"] == calibrated.report["prefill"]["runtime_v_generations"]
+    for stage in ("decode", "prefill"):  # every development case of every evaluated candidate read back too
+        rows, first_rows = (
+            [dict(r) for r in result.report[stage]["development"]] for result in (again, calibrated)
+        )  # copies: the fixture's report is shared
+        assert [r.pop("cases_from_cache") for r in first_rows] == [0] * len(first_rows)
+        assert [r.pop("cases_from_cache") for r in rows] == [len(cases[1])] * len(rows)
+        assert rows == first_rows
     assert again.table.entries == calibrated.table.entries and again.table.budget == calibrated.table.budget
     assert again.prefill_policy.entries == calibrated.prefill_policy.entries
 

@@ -4,11 +4,13 @@ distortion on a model's own reference trajectories to a frozen `PolicyTable` and
 Modules, one job each: `buckets` (what an intervention acts on), `references` (cached all-high trajectories),
 `interventions` (single-bucket policies and the exact window shortcut), `task_sensitivity` (Runtime-V), `floors`
 (envelope, eq. 5-6), `distortion` (Runtime-D, eq. 7), `path` (priorities eq. 8, greedy nested path), `reserve`
-(eqs. 10, 16), `candidates` (tables and nominal budgets), `selection` (eq. 9), `verdicts` (Runtime-V verdicts on
-disk: a stopped calibration resumes), `runner` (`calibrate`), `cli` (``hf-structkv calibrate``).
+(eqs. 10, 16), `candidates` (tables and nominal budgets), `selection` (eq. 9), `jsonl_store` (the on-disk record
+files), `verdicts` (Runtime-V verdicts on disk) and `development_store` (development cases on disk: a stopped
+calibration resumes), `runner` (`calibrate`), `cli` (``hf-structkv calibrate``).
 """
 
 from .buckets import Bucket
+from .development_store import DevCase, DevelopmentStore, candidate_digest
 from .floors import DEFAULT_THRESHOLDS, envelope, protection_floor, protection_floors
 from .interventions import BucketIntervention, prefill_intervention_plan, reaches_generation
 from .path import greedy_path, upgrade_priorities
@@ -24,9 +26,12 @@ __all__ = [
     "BucketIntervention",
     "CalibrationResult",
     "CalibrationSettings",
+    "DevCase",
+    "DevelopmentStore",
     "ReferenceTrajectory",
     "VerdictStore",
     "calibrate",
+    "candidate_digest",
     "dev_candidate_indices",
     "envelope",
     "greedy_path",

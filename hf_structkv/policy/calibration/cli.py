@@ -79,7 +79,8 @@ def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="split and torch seed")
     parser.add_argument(
         "--cache-dir",
-        help="cache of reference trajectories and Runtime-V verdicts: a stopped run started again resumes from it "
+        help="cache of reference trajectories, Runtime-V verdicts and development cases: a stopped run started "
+        "again resumes from it "
         "(default ~/.cache/hf_structkv/calibration)",
     )
     parser.add_argument("--threads", type=int, help="torch CPU threads")

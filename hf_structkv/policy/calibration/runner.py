@@ -30,6 +30,7 @@ from ..prefill import PrefillPolicy
 from ..table import DEFAULT_SINK_TOKENS, DEFAULT_WINDOW, PolicyEntry, PolicyTable
 from .buckets import Bucket, bucket_order
 from .candidates import all_high_candidate, decode_candidate, prefill_candidate
+from .development_store import DevelopmentStore
 from .distortion import attention_distortion, capture_reference_states
 from .floors import DEFAULT_THRESHOLDS, check_thresholds, envelope, protection_floors
 from .interventions import occurrences, prefill_positions
@@ -145,7 +146,7 @@ class _Stage:
     mean_counts: dict[Bucket, float]
     generate: Callable
     build: Callable  # (actions, floors, priorities, tau) -> candidate
-    evaluate: Callable[[Any, bool], DevResult]  # (candidate, progress bar) -> development result
+    evaluate: Callable[[Any, bool, DevelopmentStore | None], DevResult]  # (candidate, progress bar, store) -> result
     cost: Callable[[DevResult], float]
     nominal: Callable[[Any], float]
     alpha: float
@@ -165,8 +166,9 @@ def calibrate(
     """Run Algorithm 1 on ``calibration`` (fits) and ``development`` (selection) cases.
 
     Args:
-        cache_dir: where reference trajectories and Runtime-V verdicts are cached (``None``: not cached); a stopped
-            run started again with the same model and settings resumes from what it had generated.
+        cache_dir: where reference trajectories, Runtime-V verdicts and the development cases of evaluated candidates
+            are cached (``None``: not cached); a stopped run started again with the same model and settings resumes
+            from what it had generated.
         log: receives progress lines (the time estimate after the reference pass).
         data: a description of the data recorded in the card (benchmark, categories, split seed).
 
@@ -231,9 +233,17 @@ def calibrate(
         "position_bins": view["position_bins"],
     }
     for stage in stages:
-        store = None if cache_dir is None else VerdictStore.open(cache_dir, {**store_key, "stage": stage.name})
+        stage_key = {**store_key, "stage": stage.name}
+        stores = (
+            (None, None)
+            if cache_dir is None
+            else (
+                VerdictStore.open(cache_dir, stage_key),
+                DevelopmentStore.open(cache_dir, stage_key),
+            )
+        )
         selected[stage.name], report[stage.name] = _run_stage(
-            stage, calibration, refs, reference_error, settings, model, costs, progress, log, store
+            stage, calibration, refs, reference_error, settings, model, costs, progress, log, *stores
         )
     report["seconds"] = round(time.perf_counter() - start, 1)
     table = prefill = None
@@ -275,8 +285,8 @@ def _decode_stage(model, tokenizer, calibration, development, refs, costs, setti
             model, tokenizer, costs, settings.max_new_tokens, settings.sink_tokens, settings.window, **view
         ),
         build=build,
-        evaluate=lambda table, progress: evaluate_controller(
-            model, tokenizer, development, table, settings.max_new_tokens, progress=progress
+        evaluate=lambda table, progress, store: evaluate_controller(
+            model, tokenizer, development, table, settings.max_new_tokens, progress=progress, store=store
         ),
         cost=lambda result: result.decode_ratio,
         nominal=lambda table: table.budget,
@@ -305,9 +315,16 @@ def _prefill_stage(model, tokenizer, development, refs, reference, costs, settin
             thresholds={"tau_low": tau[0], "tau_high": tau[1]},
         )
 
-    def evaluate(policy, progress):
+    def evaluate(policy, progress, store):
         return evaluate_controller(
-            model, tokenizer, development, reference, settings.max_new_tokens, prefill_policy=policy, progress=progress
+            model,
+            tokenizer,
+            development,
+            reference,
+            settings.max_new_tokens,
+            prefill_policy=policy,
+            progress=progress,
+            store=store,
         )
 
     return _Stage(
@@ -323,9 +340,11 @@ def _prefill_stage(model, tokenizer, development, refs, reference, costs, settin
     )
 
 
-def _run_stage(stage: _Stage, calibration, refs, reference_error, settings, model, costs, progress, log, store):
+def _run_stage(
+    stage: _Stage, calibration, refs, reference_error, settings, model, costs, progress, log, store, dev_store
+):
     """Runtime-V (verdicts read from / written to ``store`` when given), Runtime-D, priorities, one greedy path per
-    τ, development selection of one stage."""
+    τ, development selection of one stage (development cases read from / written to ``dev_store`` when given)."""
     runs = intervention_runs(
         calibration,
         refs,
@@ -359,12 +378,13 @@ def _run_stage(stage: _Stage, calibration, refs, reference_error, settings, mode
             candidate = candidates[index]
             identity = json.dumps(candidate.to_json_dict()["entries"]) + repr(stage.nominal(candidate))
             if identity not in evaluated:
-                result = stage.evaluate(candidate, progress)
+                result = stage.evaluate(candidate, progress, dev_store)
                 evaluated[identity] = (candidate, result, {"tau": list(tau), "index": index})
                 log(
                     f"{stage.name} tau={tau} candidate {index}/{len(candidates) - 1}: nominal budget "
                     f"{stage.nominal(candidate):.3f}, dev accuracy {1 - result.error_rate:.3f} "
                     f"(all-high {1 - reference_error:.3f}), measured {stage.cost(result):.3f}"
+                    + (f" ({result.reused} of {len(result.valid)} cases from the cache)" if result.reused else "")
                 )
             result = evaluated[identity][1]
             evaluated_here.append(index)
@@ -406,6 +426,7 @@ def _run_stage(stage: _Stage, calibration, refs, reference_error, settings, mode
                 "nominal_budget": stage.nominal(candidate),
                 "accuracy": 1 - result.error_rate,
                 "measured_ratio": stage.cost(result),
+                "cases_from_cache": result.reused,
             }
             for candidate, result, where in rows
         ],

@@ -19,6 +19,7 @@ from ...eval.bfcl import BfclEntry
 from ...eval.bfcl_checker import check_calls
 from ...structured_generation import generate_calls
 from ...validation import check_int
+from .development_store import DevCase, DevelopmentStore, candidate_digest
 
 __all__ = ["DevResult", "dev_candidate_indices", "evaluate_controller", "select_cheapest"]
 
@@ -47,12 +48,14 @@ class DevResult:
         decode_ratio: scheduled decode payload over Full KV, pooled over the cases' non-stop generated tokens.
         prefill_ratio: scheduled prompt payload over Full KV, pooled over the cases' prompt tokens.
         valid: the checker's verdict per case.
+        reused: how many of the cases were read from a `DevelopmentStore` instead of generated.
     """
 
     error_rate: float
     decode_ratio: float
     prefill_ratio: float
     valid: tuple[bool, ...]
+    reused: int = 0
 
 
 def evaluate_controller(
@@ -63,26 +66,51 @@ def evaluate_controller(
     max_new_tokens: int,
     prefill_policy=None,
     progress: bool = False,
+    store: DevelopmentStore | None = None,
 ) -> DevResult:
     """Generate each case (batch 1) under ``policy`` (and ``prefill_policy``), score it, pool the measured costs
-    (``progress``: a bar over the cases)."""
-    valid, decode_bits, decode_tokens, prompt_bits, prompt_tokens = [], 0.0, 0, 0.0, 0
+    (``progress``: a bar over the cases). With ``store``, a case already stored under this candidate
+    (`candidate_digest`) is read instead of generated, and each generated case is appended to it."""
+    if not entries:
+        raise ValueError("entries must hold at least one BfclEntry (the development cases)")
+    candidate = None if store is None else candidate_digest(policy, prefill_policy)
+    cases, reused = [], 0
     for entry in tqdm(entries, desc="development", unit="case", disable=not progress, leave=False):
-        result = generate_calls(
-            model, tokenizer, list(entry.messages), entry.tools, policy, max_new_tokens, prefill_policy=prefill_policy
-        )
-        valid.append(bool(check_calls(entry.category, entry.tools, entry.ground_truth, result.calls[0])["valid"]))
-        schedule = result.cache.schedule
-        prompt, decode, prompt_length = schedule.scheduled_bits_by_stage(result.cache.get_seq_length())
-        prompt_bits, prompt_tokens = prompt_bits + prompt, prompt_tokens + prompt_length
-        decode_bits += decode
-        decode_tokens += sum(decision is not None for decision in schedule.decided[0])
-    full = result.cache.costs.full
+        case = None if store is None else store.get(entry.id, candidate)
+        if case is None:
+            case = _generate_case(model, tokenizer, entry, policy, max_new_tokens, prefill_policy)
+            if store is not None:
+                store.put(entry.id, candidate, case)
+        else:
+            reused += 1
+        cases.append(case)
+    decode_bits, decode_tokens = sum(c.decode_bits for c in cases), sum(c.decode_tokens for c in cases)
+    prompt_bits, prompt_tokens = sum(c.prompt_bits for c in cases), sum(c.prompt_tokens for c in cases)
+    full = cases[-1].full_bits
     return DevResult(
-        error_rate=sum(not v for v in valid) / len(valid),
+        error_rate=sum(not c.valid for c in cases) / len(cases),
         decode_ratio=decode_bits / (decode_tokens * full) if decode_tokens else 1.0,
         prefill_ratio=prompt_bits / (prompt_tokens * full) if prompt_tokens else 1.0,
-        valid=tuple(valid),
+        valid=tuple(c.valid for c in cases),
+        reused=reused,
+    )
+
+
+def _generate_case(model, tokenizer, entry: BfclEntry, policy, max_new_tokens: int, prefill_policy) -> DevCase:
+    """One development case generated under the candidate, scored and measured."""
+    result = generate_calls(
+        model, tokenizer, list(entry.messages), entry.tools, policy, max_new_tokens, prefill_policy=prefill_policy
+    )
+    valid = bool(check_calls(entry.category, entry.tools, entry.ground_truth, result.calls[0])["valid"])
+    schedule = result.cache.schedule
+    prompt, decode, prompt_length = schedule.scheduled_bits_by_stage(result.cache.get_seq_length())
+    return DevCase(
+        valid=valid,
+        prompt_bits=float(prompt),
+        prompt_tokens=int(prompt_length),
+        decode_bits=float(decode),
+        decode_tokens=sum(decision is not None for decision in schedule.decided[0]),
+        full_bits=float(result.cache.costs.full),
     )
 
 
