@@ -700,8 +700,11 @@ def test_a_second_calibration_reads_its_runtime_v_verdicts_back(model, tokenizer
     """Same model, cases, settings and cache folder: Runtime-V reads each verdict instead of generating it, and the
     table is the same."""
     assert calibrated.report["decode"]["runtime_v_reused"] == 0
-    again = calibrate(model, tokenizer, *cases, SETTINGS, cache_dir=calibration_cache, log=lambda _: None)
+    lines = []
+    again = calibrate(model, tokenizer, *cases, SETTINGS, cache_dir=calibration_cache, log=lines.append)
     generations = calibrated.report["decode"]["runtime_v_generations"]
+    both = generations + calibrated.report["prefill"]["runtime_v_generations"]
+    assert f"ahead: 0 Runtime-V generations ({both} more read from the cache)" in lines[0]  # the time estimate
     assert generations > 0 and again.report["decode"]["runtime_v_generations"] == generations
     assert again.report["decode"]["runtime_v_reused"] == generations
     assert again.report["prefill"]["runtime_v_reused"] == calibrated.report["prefill"]["runtime_v_generations"]
