@@ -19,6 +19,11 @@ mixed-precision cache, the same ledger (B.3) and the same held-out cases (PASK T
     python benchmarks/bfcl_budget.py --tiny ...          # smoke test: random tiny model, byte tokenizer
     python benchmarks/bfcl_budget.py --cases 8 --first-case 8 --out more.json    # the next 8 cases per category
     python benchmarks/bfcl_budget.py --merge first.json more.json --out all.json   # one table over both runs
+    python benchmarks/bfcl_budget.py --compare all.json:full_kv other.json:pask    # paired, case for case
+
+``--compare`` runs nothing: the rows named (``FILE:LABEL``, or ``FILE:LABEL@B`` where a file has the label at several
+targets) are compared case for case with the first one: cases lost and gained, replies with the same text, and the
+exact McNemar p-value of the difference (`hf_structkv.eval.paired`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import torch
 import transformers
 
 from hf_structkv.eval.bfcl import CATEGORIES, bfcl_split, evaluate_bfcl, summarise
+from hf_structkv.eval.paired import paired_comparison
 from hf_structkv.models import load_default_model, tiny_byte_tokenizer, tiny_model
 from hf_structkv.policy import (
     H2O,
@@ -292,7 +298,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--full", action="store_true", help="paper sizes: all 8 categories, every test case")
     parser.add_argument("--tiny", action="store_true", help="random tiny model and byte tokenizer (smoke test)")
-    parser.add_argument("--out", default="benchmarks/results/bfcl_budget.json")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="result JSON (default benchmarks/results/bfcl_budget.json; with --compare: written only when given)",
+    )
     parser.add_argument("--plot", default=None)
     parser.add_argument(
         "--merge",
@@ -309,9 +319,22 @@ def main(argv: list[str] | None = None) -> dict:
         metavar="FILE:LABEL",
         help="with --merge: leave out the rows labelled LABEL of the result file FILE (e.g. a superseded PASK row)",
     )
+    parser.add_argument(
+        "--compare",
+        nargs="+",
+        default=None,
+        metavar="FILE:LABEL[@B]",
+        help="run nothing: compare these rows of result files case for case with the first (lost / gained cases, "
+        "same replies, exact McNemar p-value)",
+    )
     args = parser.parse_args(argv)
     if args.drop and not args.merge:
         parser.error("--drop only applies with --merge")
+    if args.compare:
+        if args.merge or len(args.compare) < 2:
+            parser.error("--compare takes at least two FILE:LABEL rows and no --merge")
+        return compare_rows(parser, args.compare, args.out)
+    args.out = args.out or "benchmarks/results/bfcl_budget.json"
     if args.merge:
         payloads = {path: json.loads(Path(path).read_text()) for path in args.merge}
         for item in args.drop:
@@ -416,6 +439,70 @@ def run_methods(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
         "transformers": transformers.__version__,
         "records": records,
     }
+
+
+def find_row(path: str, payload: dict, spec: str) -> dict:
+    """The record of ``payload`` (the result file ``path``) named by ``spec``: ``LABEL`` or ``LABEL@B``.
+
+    Raises:
+        ValueError: no such row, or a label at several targets without ``@B``.
+    """
+    label, _, target = spec.partition("@")
+    rows = [r for r in payload["records"] if r["label"] == label and (not target or r["target_B"] == float(target))]
+    if len(rows) != 1:
+        have = sorted({f"{r['label']}@{r['target_B']}" for r in payload["records"]})
+        problem = "no row" if not rows else "several rows (add @B)"
+        raise ValueError(f"{path} has {problem} for {spec!r}; its rows: {have}")
+    return rows[0]
+
+
+def compare_rows(parser: argparse.ArgumentParser, specs: list[str], out: str | None) -> dict:
+    """``--compare``: every row against the first, case for case (module docstring); printed, and written to ``out``
+    when given."""
+    rows = []
+    for spec in specs:
+        path, sep, name = spec.rpartition(":")
+        if not sep or not Path(path).is_file():
+            parser.error(f"--compare takes FILE:LABEL[@B] with an existing result file, got {spec!r}")
+        try:
+            rows.append((spec, find_row(path, json.loads(Path(path).read_text()), name)))
+        except ValueError as error:
+            parser.error(str(error))
+    (reference_spec, reference), others = rows[0], rows[1:]
+    cases = {case["id"]: case for case in reference["records"]}
+    comparisons = []
+    print(f"reference {reference_spec}: {sum(c['valid'] for c in cases.values())}/{len(cases)} cases")
+    width = max(len(spec) for spec, _ in others)
+    print(f"{'row':<{width}} {'correct':>8} {'B':>6} {'lost':>5} {'gained':>7} {'same text':>10} {'McNemar p':>10}")
+    for spec, row in others:
+        theirs = {case["id"]: case for case in row["records"]}
+        try:
+            paired = paired_comparison(
+                {i: c["valid"] for i, c in cases.items()}, {i: c["valid"] for i, c in theirs.items()}
+            )
+        except ValueError as error:
+            parser.error(f"{spec}: {error}")
+        same = sum(theirs[i]["text"] == case["text"] for i, case in cases.items())
+        comparisons.append(
+            {
+                "row": spec,
+                "measured_B": row["measured_B"],
+                "same_text": same,
+                **dataclasses.asdict(paired),
+                "lost": list(paired.lost),
+                "gained": list(paired.gained),
+            }
+        )
+        print(
+            f"{spec:<{width}} {paired.other_correct:>4}/{paired.cases:<3} {row['measured_B']:>6.3f} "
+            f"{len(paired.lost):>5} {len(paired.gained):>7} {same:>10} {paired.p_value:>10.3f}"
+        )
+    result = {"reference": reference_spec, "comparisons": comparisons}
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2))
+        print(f"wrote {out}")
+    return result
 
 
 def _row_summary(record: dict) -> dict:

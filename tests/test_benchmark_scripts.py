@@ -449,11 +449,12 @@ def test_bfcl_budget_serves_the_shipped_calibrated_pair_at_the_target_budgets():
 
 
 def _budget_case(case_id: str, valid: bool, payload: float) -> dict:
-    """A per-case record as `evaluate_bfcl` writes it (the fields `merge_runs` and the summaries read)."""
+    """A per-case record as `evaluate_bfcl` writes it (the fields `merge_runs`, `--compare` and the summaries read)."""
     return {
         "id": case_id,
         "category": case_id.rsplit("_", 1)[0],
         "valid": valid,
+        "text": f"reply to {case_id}",
         "budget_ratio": payload / 100,
         "nbytes": 10,
         "full_nbytes": 20,
@@ -514,6 +515,40 @@ def test_bfcl_budget_merge_joins_disjoint_runs_case_for_case(tmp_path):
     assert [(r["label"], r["cases"], r["measured_B"]) for r in merged["records"]] == [("a", 4, 0.35), ("b", 4, 0.7)]
     with pytest.raises(SystemExit):
         script.main(["--merge", *map(str, paths), "--drop", f"{paths[0]}:c", "--out", str(out)])
+
+
+def test_bfcl_budget_compare_pairs_rows_case_for_case(tmp_path, capsys):
+    script = load_script(BENCHMARKS / "bfcl_budget.py")
+    first = _budget_run(script, 0, {"a": 30.0, "b": 50.0})  # cases 0 solved, 1 not, in both rows
+    second = _budget_run(script, 0, {"c": 40.0})
+    second["records"][0]["records"][0]["valid"] = False  # c loses case 0 ...
+    second["records"][0]["records"][1]["valid"] = True  # ... and gains case 1
+    second["records"][0]["records"][1]["text"] = "another reply"
+    paths = [tmp_path / "first.json", tmp_path / "second.json"]
+    for path, payload in zip(paths, (first, second), strict=True):
+        path.write_text(json.dumps(payload))
+    out = tmp_path / "compare.json"
+    result = script.main(["--compare", f"{paths[0]}:a", f"{paths[0]}:b@0.33", f"{paths[1]}:c", "--out", str(out)])
+    b, c = result["comparisons"]
+    assert (b["lost"], b["gained"], b["same_text"], b["p_value"]) == ([], [], 2, 1.0)
+    assert (c["lost"], c["gained"], c["same_text"]) == (["simple_python_0"], ["simple_python_1"], 1)
+    assert json.loads(out.read_text()) == result and "McNemar p" in capsys.readouterr().out
+    assert not (tmp_path / "benchmarks").exists()
+    for argv in (
+        [f"{paths[0]}:a"],  # one row: nothing to compare
+        [f"{paths[0]}:a", f"{paths[0]}:z"],  # no such label
+        [f"{paths[0]}:a", f"{paths[0]}:a@0.5"],  # no such target
+        [f"{paths[0]}:a", str(tmp_path / "missing.json") + ":a"],
+        [f"{paths[0]}:a", f"{_write(tmp_path, _budget_run(script, 2, {'a': 30.0}))}:a"],  # other cases
+    ):
+        with pytest.raises(SystemExit):
+            script.main(["--compare", *argv])
+
+
+def _write(tmp_path, payload: dict):
+    path = tmp_path / "other_cases.json"
+    path.write_text(json.dumps(payload))
+    return path
 
 
 def test_bfcl_budget_merge_refuses_what_would_not_compare():
