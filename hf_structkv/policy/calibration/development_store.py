@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ...validation import is_int
 from .jsonl_store import JsonLinesStore
 from .references import key_digest
 
@@ -69,7 +70,7 @@ class DevelopmentStore(JsonLinesStore):
         return (
             isinstance(fields.get("valid"), bool)
             and all(isinstance(fields.get(n), (int, float)) and not isinstance(fields.get(n), bool) for n in numbers)
-            and all(isinstance(fields.get(n), int) and not isinstance(fields.get(n), bool) for n in counts)
+            and all(is_int(fields.get(n)) for n in counts)
         )
 
     def get(self, case_id: str, candidate: str) -> DevCase | None:

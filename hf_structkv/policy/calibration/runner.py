@@ -30,7 +30,7 @@ from ..prefill import PrefillPolicy
 from ..table import DEFAULT_SINK_TOKENS, DEFAULT_WINDOW, PolicyEntry, PolicyTable
 from .buckets import Bucket, bucket_order
 from .candidates import all_high_candidate, decode_candidate, prefill_candidate
-from .development_store import DevelopmentStore
+from .development_store import DevelopmentStore, candidate_digest
 from .distortion import attention_distortion, capture_reference_states
 from .floors import DEFAULT_THRESHOLDS, check_thresholds, envelope, protection_floors
 from .interventions import occurrences, prefill_positions
@@ -39,6 +39,7 @@ from .references import generation_key, reference_trajectories, with_position_ta
 from .reserve import DEFAULT_RESERVE_HORIZON, DEFAULT_RESERVE_QUANTILE
 from .selection import DevResult, dev_candidate_indices, evaluate_controller, select_cheapest
 from .task_sensitivity import (
+    ACTIONS,
     decode_generator,
     intervention_runs,
     needs_generation,
@@ -376,7 +377,7 @@ def _run_stage(
         evaluated_here = []
         for index in dev_candidate_indices(len(candidates), settings.max_dev_candidates):
             candidate = candidates[index]
-            identity = json.dumps(candidate.to_json_dict()["entries"]) + repr(stage.nominal(candidate))
+            identity = candidate_digest(candidate)
             if identity not in evaluated:
                 result = stage.evaluate(candidate, progress, dev_store)
                 evaluated[identity] = (candidate, result, {"tau": list(tau), "index": index})
@@ -525,7 +526,7 @@ def _log_estimate(log, settings, refs, dev_refs, stages, stores) -> None:
         for bucket in stage.buckets:
             for r in refs:
                 if needs_generation(r, bucket, stage.name, settings.sink_tokens, settings.window):
-                    for action in (Action.L, Action.R):
+                    for action in ACTIONS:
                         if verdicts is not None and verdicts.get(r, bucket, action) is not None:
                             cached += 1
                         else:
