@@ -63,6 +63,7 @@ import transformers
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_structkv import CompactedCache
+from hf_structkv.cli import load_model as load_named_model
 from hf_structkv.compaction import (
     HEAD_METHODS,
     METHODS,
@@ -74,7 +75,7 @@ from hf_structkv.compaction import (
 )
 from hf_structkv.eval.squad import SquadQuestion, contains_answer, normalize_answer, squad_document, squad_titles
 from hf_structkv.generation import generation_inputs
-from hf_structkv.models import load_default_model, tiny_byte_tokenizer, tiny_model
+from hf_structkv.models import tiny_byte_tokenizer, tiny_model
 from hf_structkv.prompts import document_chat_prompt, question_text
 
 TASKS = ("squad", "hotpotqa", "needle")
@@ -531,12 +532,18 @@ def plot_pareto(summary: list[dict], path: Path, title: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------- main
-def load_model(tiny: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The embedded model, or (``tiny``) a random tiny Qwen2 model with the byte tokenizer of compaction_loss.py."""
+def load_model(name: str, tiny: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``--model`` (the embedded model, or a local transformers model folder, in float32), or (``tiny``) a random tiny
+    Qwen2 model with the byte tokenizer of compaction_loss.py."""
     if not tiny:
-        return load_default_model()
+        return load_named_model(name, torch.float32)
 
     return tiny_model("qwen2", vocab_size=300, max_position_embeddings=8192), tiny_byte_tokenizer()
+
+
+def model_label(name: str) -> str:
+    """How the report names ``--model``."""
+    return "embedded Qwen2.5-Coder-0.5B" if name == "default" else name
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -579,6 +586,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=8, help="questions answered per generate call")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--model",
+        default="default",
+        help="'default' (the embedded Qwen2.5-Coder-0.5B) or a local transformers model folder (use --budgets "
+        "uniform or a HeadBudgets folder computed for that model: the shipped allocation is the embedded model's)",
+    )
     parser.add_argument("--tiny", action="store_true", help="random tiny model, byte tokenizer (smoke test)")
     parser.add_argument("--out", default="benchmarks/results/compaction_qa.json")
     parser.add_argument("--plot", default=None, help="write the Pareto plot (PNG) here")
@@ -613,7 +626,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    model, tokenizer = load_model(args.tiny)
+    model, tokenizer = load_model(args.model, args.tiny)
 
     def count_tokens(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False).input_ids)
@@ -678,7 +691,7 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarize(runs)
     verdicts = target_verdicts(summary)
     print_report(summary, verdicts, args.tasks)
-    model_name = type(model).__name__ + (" (tiny, random)" if args.tiny else " (embedded Qwen2.5-Coder-0.5B)")
+    model_name = type(model).__name__ + (" (tiny, random)" if args.tiny else f" ({model_label(args.model)})")
     settings = {key: value for key, value in vars(args).items() if key not in ("out", "plot", "variants")}
     payload = {
         "settings": settings,

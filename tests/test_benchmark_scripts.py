@@ -296,6 +296,20 @@ def test_compaction_qa_every_layer_whole_answers_as_the_full_cache(qa, tmp_path)
     assert whole["heldout_relative_loss"] == pytest.approx(0.0, abs=1e-6)
 
 
+def test_compaction_qa_loads_a_model_folder(qa, tmp_path):
+    from hf_structkv.models import tiny_byte_tokenizer, tiny_model
+
+    model, tokenizer = tiny_model("qwen2", vocab_size=300), tiny_byte_tokenizer()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded, loaded_tokenizer = qa.load_model(str(tmp_path), tiny=False)
+    assert loaded.dtype == torch.float32 and not loaded.training
+    assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    assert loaded_tokenizer("a b").input_ids == tokenizer("a b").input_ids
+    assert qa.parse_args([]).model == "default" and qa.model_label("default") == "embedded Qwen2.5-Coder-0.5B"
+    assert qa.model_label(str(tmp_path)) == str(tmp_path)
+
+
 def test_compaction_qa_smoke(tmp_path):
     pytest.importorskip("long_context_eval")
     pytest.importorskip("matplotlib")
