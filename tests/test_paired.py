@@ -25,9 +25,11 @@ def test_mcnemar_exact_closed_values_and_bad_counts():
     assert mcnemar_exact(0, 0) == 1.0 and mcnemar_exact(4, 4) == 1.0
     assert mcnemar_exact(7, 4) == pytest.approx(2 * (1 + 11 + 55 + 165 + 330) / 2**11)  # 0.549
     assert mcnemar_exact(0, 6) == pytest.approx(2 / 2**6) and mcnemar_exact(6, 0) == mcnemar_exact(0, 6)
-    for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="lost must be a non-negative int"):
-            mcnemar_exact(bad, 2)
+    with pytest.raises(ValueError, match=r"lost must be an integer >= 0 \(cases\), got -1"):
+        mcnemar_exact(-1, 2)
+    for bad in (1.5, True):
+        with pytest.raises(TypeError, match="gained must be an integer >= 0"):
+            mcnemar_exact(2, bad)
 
 
 def test_paired_comparison_counts_lost_and_gained_cases_in_order():

@@ -13,6 +13,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ..validation import check_int
+
 __all__ = ["PairedComparison", "mcnemar_exact", "paired_comparison"]
 
 
@@ -21,11 +23,11 @@ def mcnemar_exact(lost: int, gained: int) -> float:
     there are none.
 
     Raises:
-        ValueError: a negative or non-integer count.
+        TypeError: a count is not an integer (a ``bool`` included).
+        ValueError: a negative count.
     """
-    for name, value in (("lost", lost), ("gained", gained)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a non-negative int (a number of cases), got {value!r}")
+    lost = check_int("lost", lost, counts="cases")
+    gained = check_int("gained", gained, counts="cases")
     n = lost + gained
     if n == 0:
         return 1.0
