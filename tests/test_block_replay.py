@@ -89,3 +89,27 @@ def test_a_model_whose_blocks_cannot_be_replayed_is_tried_once_then_falls_back(m
     for mine, theirs in zip(got.layers, want.layers, strict=True):
         for a, b in zip(mine.context_tensors(), theirs.context_tensors(), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(("arch", "chunk_tokens"), [("llama", 1), ("qwen2", 4), ("gemma3", 6)])
+def test_replay_in_pieces_equals_the_replay_of_one_forward(arch, chunk_tokens):
+    model, ids = tiny_model(arch), context_ids(30)
+    cache = compact(model, WordTokenizer(), ids, ratio=4, method="kv_surgeon", on_policy=False, progress=False)
+    talk = conversation()  # 4 prompt + 9 answer tokens
+    whole = BlockReplay.build(model, talk, cache)
+    pieces = BlockReplay.build(model, talk, cache, chunk_tokens=chunk_tokens)
+    assert pieces is not None
+    for layer in global_layers(model):
+        torch.testing.assert_close(pieces.queries(layer, cache), whole.queries(layer, cache), rtol=1e-5, atol=1e-5)
+    assert cache.get_seq_length() == 30
+
+
+def test_on_policy_compaction_with_calibration_in_pieces_equals_one_forward_each():
+    model, ids = tiny_model("qwen3"), context_ids(40)
+    kwargs = dict(ratio=4, method="kv_surgeon", progress=False)
+    for on_policy in (True, False):
+        whole = compact(model, WordTokenizer(), ids, on_policy=on_policy, prefill_chunk_tokens=None, **kwargs)
+        pieces = compact(model, WordTokenizer(), ids, on_policy=on_policy, prefill_chunk_tokens=16, **kwargs)
+        for mine, theirs in zip(pieces.layers, whole.layers, strict=True):
+            for a, b in zip(mine.context_tensors(), theirs.context_tensors(), strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

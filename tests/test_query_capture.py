@@ -10,10 +10,14 @@ from hf_structkv.compaction import compact, prefill_context
 from hf_structkv.compaction.queries import (
     _ACTIVE,
     Conversation,
+    Piece,
+    answer_pieces,
     branch_cache,
     cap_queries,
     capture_queries,
     conversation_queries,
+    join_pieces,
+    piece_spans,
     repeat_pass_queries,
     repetition_conversation,
     subsample_queries,
@@ -323,3 +327,53 @@ def test_cap_queries_subsamples_every_head_with_one_draw():
     for h in range(2):
         assert torch.equal(capped[3][h], subsample_queries(queries[3][h], cap=7, seed=5))
     assert cap_queries(queries, cap=None) is queries
+
+
+# ---------------------------------------------------------------------------------------------------- pieces
+def test_piece_spans_cover_the_sequence_in_order():
+    assert piece_spans(7, 3) == [(0, 3), (3, 6), (6, 7)]
+    assert piece_spans(6, 3) == [(0, 3), (3, 6)]
+    assert piece_spans(2, 5) == [(0, 2)]
+
+
+def test_answer_pieces_select_the_answer_positions_of_each_piece():
+    pieces = answer_pieces(10, 4, 3)  # tokens 0-2 | 3-5 | 6-8 | 9, answer from 4
+    assert [(p.start, p.end) for p in pieces] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert [p.count for p in pieces] == [0, 2, 3, 1]
+    tokens = torch.arange(10)
+    picked = torch.cat([tokens[p.start : p.end][p.positions] for p in pieces])
+    assert torch.equal(picked, tokens[4:])
+    assert answer_pieces(10, 4, None) == [Piece(0, 10, 4)]
+    for bad, error in [(0, ValueError), (1.5, TypeError)]:
+        with pytest.raises(error, match=r"chunk_tokens must be an integer >= 1 \(tokens per forward\) or None"):
+            answer_pieces(10, 4, bad)
+
+
+def test_join_pieces_keeps_the_layout_of_one_capture():
+    n_kv, group, length, dim = 2, 3, 9, 4
+    raw = torch.randn(n_kv * group, length, dim)  # [H_q, n, D], what one forward's attention sees
+
+    def grouped(positions) -> torch.Tensor:  # capture_queries' layout of the selected positions
+        selected = raw[:, positions]
+        return selected.reshape(n_kv, group * selected.shape[1], dim)
+
+    pieces = answer_pieces(length, 2, 4)
+    parts = [{5: grouped(torch.arange(p.start, p.end)[p.positions])} for p in pieces]
+    assert torch.equal(join_pieces(parts, pieces)[5], grouped(torch.arange(2, length)))
+
+
+@pytest.mark.parametrize(("arch", "chunk_tokens"), [("llama", 1), ("qwen3", 3), ("gemma3", 5), ("mistral", 14)])
+def test_conversation_queries_in_pieces_equal_one_forward(arch, chunk_tokens):
+    model = tiny_model(arch)
+    context = token_ids(11)
+    first = Conversation("a", torch.tensor([11, 12]), torch.tensor([40, 41, 42, 43]))
+    second = Conversation("b", torch.tensor([14, 15, 16]), torch.tensor([50, 51]))
+    for cache in (None, prefill_context(model, context)):
+        for layers in (None, global_layers(model)[-1:]):
+            whole = conversation_queries(model, context, [first, second], cache, layers)
+            pieces = conversation_queries(model, context, [first, second], cache, layers, chunk_tokens=chunk_tokens)
+            assert whole.keys() == pieces.keys()
+            for layer in whole:
+                torch.testing.assert_close(pieces[layer], whole[layer], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="chunk_tokens must be"):
+        conversation_queries(model, context, [first], chunk_tokens=0)

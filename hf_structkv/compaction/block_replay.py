@@ -3,10 +3,10 @@
 On-policy calibration fits layer ``l`` to the queries it receives when the layers before it are already compacted.
 Re-running the model for every layer costs about ``L / 2`` forwards per conversation even when each forward stops
 after layer ``l``. But the input of block ``l`` depends only on the blocks before it, and they do not change once
-compacted: `BlockReplay` keeps a conversation's hidden states between blocks. One recorded forward gives every
-block's call arguments (forward pre-hooks); `BlockReplay.queries(l, cache)` then runs the blocks not yet run on the
-kept hidden states (each with the cache as it is now, so with its compacted layers) and block ``l`` up to its
-attention, where the queries are recorded. Every block runs about twice in all: roughly two and a half forwards per
+compacted: `BlockReplay` keeps a conversation's hidden states between blocks. One recorded forward (or one per
+piece of a long conversation) gives every block's call arguments (forward pre-hooks); `BlockReplay.queries(l, cache)`
+then runs the blocks not yet run on the kept hidden states (each with the cache as it is now, so with its compacted
+layers) and block ``l`` up to its attention, where the queries are recorded. Every block runs about twice in all: roughly two and a half forwards per
 conversation instead of ``L / 2``.
 
 The replay calls the model's own blocks with the arguments the model's own forward gave them, with only the cache
@@ -22,7 +22,7 @@ import torch
 from transformers import Cache, PreTrainedModel
 
 from ..attention.modules import attention_modules
-from .queries import Conversation, branch_cache, recording
+from .queries import Conversation, Piece, answer_pieces, branch_cache, join_pieces, recording
 
 __all__ = ["BlockReplay", "decoder_blocks"]
 
@@ -64,19 +64,23 @@ class _Call:
 class BlockReplay:
     """One conversation after a context, replayed block by block for on-policy query capture.
 
-    State: the hidden states entering block `next_block` (``[1, n, d]``, ``n`` = prompt + answer tokens). Only
+    The conversation runs in pieces (`answer_pieces`; one piece unless ``chunk_tokens`` is given), each block call
+    recorded per piece. State: per piece, the hidden states entering block `next_block` (``[1, n_i, d]``). Only
     `queries` changes it (it runs the blocks before the requested layer); layers must be asked in increasing order.
     """
 
-    def __init__(self, model, blocks, calls: list[_Call], hidden: torch.Tensor, positions: slice):
+    def __init__(self, model, blocks, calls: list[list[_Call]], hidden: list[torch.Tensor], pieces: list[Piece]):
         self._model, self._blocks, self._calls = model, blocks, calls
-        self._hidden, self._positions = hidden, positions
+        self._hidden, self._pieces = hidden, pieces
         self.next_block = 0
 
     @classmethod
-    def build(cls, model: PreTrainedModel, conversation: Conversation, context_cache) -> BlockReplay | None:
+    def build(
+        cls, model: PreTrainedModel, conversation: Conversation, context_cache, chunk_tokens: int | None = None
+    ) -> BlockReplay | None:
         """Record one forward of ``conversation`` after ``context_cache`` (a cache holding exactly the context; a
-        copy is continued, the given cache is left as it is).
+        copy is continued, the given cache is left as it is), or one forward per piece of at most ``chunk_tokens``
+        tokens (bounded attention memory for long conversations).
 
         Returns:
             the replay, positioned before block 0; ``None`` when the model has no recognisable decoder-block list, a
@@ -87,6 +91,7 @@ class BlockReplay:
         if blocks is None or len(blocks) < 2:
             return None
         turn = torch.cat([conversation.prompt_ids, conversation.answer_ids])[None].to(model.device)
+        pieces = answer_pieces(turn.shape[1], conversation.prompt_ids.numel(), chunk_tokens)
         cache = branch_cache(context_cache)
         seen: list[tuple[tuple, dict]] = []
         hooks = [
@@ -95,29 +100,35 @@ class BlockReplay:
         ]
         try:
             with torch.no_grad():
-                model(turn, cache=cache, use_cache=True, logits_to_keep=1)
+                for piece in pieces:
+                    model(turn[:, piece.start : piece.end], cache=cache, use_cache=True, logits_to_keep=1)
         finally:
             for hook in hooks:
                 hook.remove()
-        if len(seen) != len(blocks):
+        if len(seen) != len(blocks) * len(pieces):
             return None
         try:
             calls = [_Call(args, kwargs, cache) for args, kwargs in seen]
         except ValueError:
             return None
-        inputs = [args[0] if args else kwargs["hidden_states"] for args, kwargs in seen[:2]]
+        inputs = [args[0] if args else kwargs["hidden_states"] for args, kwargs in seen]
+        n = len(blocks)
+        calls_per_piece = [calls[i * n : (i + 1) * n] for i in range(len(pieces))]
+        first_inputs = [inputs[i * n] for i in range(len(pieces))]
+        branch = branch_cache(context_cache)
         with torch.no_grad():
-            replayed = calls[0](blocks[0], inputs[0], branch_cache(context_cache))
-        if replayed.shape != inputs[1].shape or not torch.equal(replayed, inputs[1]):
-            return None
-        positions = slice(conversation.prompt_ids.numel(), None)
-        return cls(model, blocks, calls, inputs[0].detach(), positions)
+            for i, piece_calls in enumerate(calls_per_piece):
+                replayed = piece_calls[0](blocks[0], first_inputs[i], branch)
+                if replayed.shape != inputs[i * n + 1].shape or not torch.equal(replayed, inputs[i * n + 1]):
+                    return None
+        return cls(model, blocks, calls_per_piece, [hidden.detach() for hidden in first_inputs], pieces)
 
     def queries(self, layer_idx: int, context_cache) -> torch.Tensor:
         """Queries of the answer tokens at global layer ``layer_idx`` with the context served by ``context_cache``.
 
-        First runs blocks ``next_block .. layer_idx - 1`` on the kept hidden states (each with a fresh copy of
-        ``context_cache``, so with the layers it has compacted), then block ``layer_idx`` up to its attention.
+        First runs blocks ``next_block .. layer_idx - 1`` on the kept hidden states (each block with a fresh copy of
+        ``context_cache``, so with the layers it has compacted, continued piece after piece), then block
+        ``layer_idx`` up to its attention.
 
         Returns:
             ``[H_kv, g * A, D]`` as `capture_queries` records them (``A`` answer tokens).
@@ -132,8 +143,13 @@ class BlockReplay:
             )
         with torch.no_grad():
             for index in range(self.next_block, layer_idx):
-                self._hidden = self._calls[index](self._blocks[index], self._hidden, branch_cache(context_cache))
+                branch = branch_cache(context_cache)
+                for i, piece_calls in enumerate(self._calls):
+                    self._hidden[i] = piece_calls[index](self._blocks[index], self._hidden[i], branch)
         self.next_block = layer_idx
-        with recording(self._model, self._positions, layers=[layer_idx]) as recorder:
-            self._calls[layer_idx](self._blocks[layer_idx], self._hidden, branch_cache(context_cache))
-        return recorder.queries[layer_idx]
+        branch, parts = branch_cache(context_cache), []
+        for i, piece in enumerate(self._pieces):
+            with recording(self._model, piece.positions, layers=[layer_idx]) as recorder:
+                self._calls[i][layer_idx](self._blocks[layer_idx], self._hidden[i], branch)
+            parts.append(recorder.queries)
+        return join_pieces(parts, self._pieces)[layer_idx]

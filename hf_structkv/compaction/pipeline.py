@@ -164,12 +164,17 @@ def _calibration_conversations(
     return conversations
 
 
-def _block_replays(model, conversations: list[list[Conversation]], context_cache) -> list[list[BlockReplay]] | None:
+def _block_replays(
+    model, conversations: list[list[Conversation]], context_cache, chunk_tokens: int | None
+) -> list[list[BlockReplay]] | None:
     """Per chunk, a `BlockReplay` of each of its conversations with an answer (on-policy capture in about two and a
-    half forwards per conversation); ``None`` when the model's blocks cannot be replayed (then a forward per layer)."""
+    half forwards per conversation, each run in pieces of ``chunk_tokens``); ``None`` when the model's blocks cannot
+    be replayed (then a forward per layer)."""
     replays = []
     for chunk in conversations:
-        chunk_replays = [BlockReplay.build(model, c, context_cache) for c in chunk if c.answer_ids.numel() > 0]
+        chunk_replays = [
+            BlockReplay.build(model, c, context_cache, chunk_tokens) for c in chunk if c.answer_ids.numel() > 0
+        ]
         if not chunk_replays or any(replay is None for replay in chunk_replays):
             return None
         replays.append(chunk_replays)
@@ -258,8 +263,10 @@ def compact(
         heldout_fraction: share of each chunk's captured queries held out to measure the relative loss.
         self_study: lengths and sampling of the self-study conversations (default ``SelfStudy()``: CPU-sized;
             ``SelfStudy.paper()``: the seed's).
-        prefill_chunk_tokens: read the context in pieces of this many tokens (bounds activation memory; it does not
-            change the cache); see `prefill_context`.
+        prefill_chunk_tokens: read the context, and run each calibration conversation after it, in pieces of this
+            many tokens (bounds activation and attention-score memory: a piece's scores take ``piece x keys`` per
+            head; the cache and the queries are those of one forward, up to rounding); see `prefill_context` and
+            `conversation_queries`. ``None``: one forward each.
         **hparams: the method's hyper-parameters (e.g. ``sink_tokens=4`` for StreamingLLM, ``pool_factor`` for
             KV-Surgeon); refitting methods get ``refit_guard=DEFAULT_REFIT_GUARD`` unless given (``0``: the paper's
             unconditional refit). They are recorded in the metadata.
@@ -295,7 +302,7 @@ def compact(
             model, tokenizer, context_ids, spans, queries, self_study, seed, selection.build(cache), progress
         )
         if on_policy:
-            replays = _block_replays(model, conversations, selection.build(cache))
+            replays = _block_replays(model, conversations, selection.build(cache), prefill_chunk_tokens)
     global_layers = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
     for layer_idx in tqdm(global_layers, desc=f"compact ({method})", disable=not progress):
         if rule.needs_queries and (captured is None or on_policy):
@@ -308,7 +315,8 @@ def compact(
             else:
                 layers = [layer_idx] if on_policy else None
                 captured = [
-                    conversation_queries(model, context_ids, chunk, context_cache, layers) for chunk in conversations
+                    conversation_queries(model, context_ids, chunk, context_cache, layers, prefill_chunk_tokens)
+                    for chunk in conversations
                 ]
         layer, scaling = cache.layers[layer_idx], scalings.get(layer_idx)
         per_chunk = []

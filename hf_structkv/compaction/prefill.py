@@ -7,6 +7,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
 from ..validation import check_int
+from .queries import piece_spans
 
 
 def prefill_context(
@@ -27,7 +28,7 @@ def prefill_context(
     ids = context_ids.to(model.device)
     step = ids.shape[1] if step is None else step
     with torch.no_grad(), tqdm(total=ids.shape[1], desc="prefill", unit="tok", disable=not progress) as bar:
-        for start in range(0, ids.shape[1], step):
-            model(ids[:, start : start + step], cache=cache, use_cache=True, logits_to_keep=1)
-            bar.update(min(step, ids.shape[1] - start))
+        for start, end in piece_spans(ids.shape[1], step):
+            model(ids[:, start:end], cache=cache, use_cache=True, logits_to_keep=1)
+            bar.update(end - start)
     return cache

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -34,6 +34,10 @@ __all__ = [
     "cap_queries",
     "capture_queries",
     "conversation_queries",
+    "Piece",
+    "answer_pieces",
+    "join_pieces",
+    "piece_spans",
     "repeat_pass_queries",
     "repetition_conversation",
     "recording",
@@ -80,7 +84,9 @@ def recording_attention(
     attention_mask: torch.Tensor | None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention registered as ``RECORD_NAME``: records the query of a global layer, then runs the delegate.
+    """Attention registered as ``RECORD_NAME``: records the query of a global layer, then runs the delegate; once
+    the recorder's ``layers`` are all recorded it raises `_CaptureComplete` after the delegate (the cache layer just
+    updated has then been served, so a compacted cache can be continued by a next forward).
 
     Args:
         query: ``[1, H_q, q, D]``, post-RoPE (and post q-norm where the model has one); key / value:
@@ -98,9 +104,10 @@ def recording_attention(
             raise ValueError(f"capture_queries records a single sequence, got a batch of {query.shape[0]}")
         selected = query[0][:, recorder.positions].detach()
         recorder.queries[module.layer_idx] = _group_by_kv_head(selected, key.shape[1])
-        if recorder.layers is not None and recorder.layers.issubset(recorder.queries):
-            raise _CaptureComplete
-    return recorder.delegate(module, query, key, value, attention_mask, **kwargs)
+    output = recorder.delegate(module, query, key, value, attention_mask, **kwargs)
+    if recorder.layers is not None and recorder.layers.issubset(recorder.queries):
+        raise _CaptureComplete  # after the delegate, so the cache layer it updated was also served
+    return output
 
 
 def _register_recording(previous: str) -> Callable:
@@ -194,6 +201,60 @@ def recording(model: PreTrainedModel, positions: Positions = None, layers=None) 
         raise ValueError(f"layers {missing} are not global attention layers of this model; nothing was recorded there")
 
 
+def piece_spans(length: int, step: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of the consecutive pieces of at most ``step`` tokens that cover ``length`` tokens."""
+    return [(start, min(start + step, length)) for start in range(0, length, step)]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Tokens ``[start, end)`` of a sequence whose queries from ``answer_start`` on are wanted."""
+
+    start: int
+    end: int
+    answer_start: int
+
+    @property
+    def positions(self) -> slice:
+        """The wanted positions within the piece (empty when the piece ends before the answer)."""
+        return slice(max(self.answer_start - self.start, 0), None)
+
+    @property
+    def count(self) -> int:
+        """How many wanted positions the piece holds."""
+        return max(self.end - max(self.answer_start, self.start), 0)
+
+
+def answer_pieces(length: int, answer_start: int, chunk_tokens: int | None) -> list[Piece]:
+    """The pieces of at most ``chunk_tokens`` tokens (``None``: one piece) that cover a ``length``-token sequence."""
+    step = check_int("chunk_tokens", chunk_tokens, 1, counts="tokens per forward", none_ok=True)
+    return [Piece(start, end, answer_start) for start, end in piece_spans(length, step or length)]
+
+
+def join_pieces(parts: Sequence[dict[int, torch.Tensor]], pieces: Sequence[Piece]) -> dict[int, torch.Tensor]:
+    """Captures of consecutive pieces of one sequence as the capture of one forward over them all.
+
+    Args:
+        parts: per piece, ``{layer: [H_kv, g * P_i, D]}`` as `capture_queries` returns it for the piece's
+            ``positions`` (``P_i`` = its ``count``, possibly 0).
+        pieces: the pieces, in order.
+
+    Returns:
+        ``{layer: [H_kv, g * sum(P_i), D]}``, query head ``j`` of a KV head in rows ``j * P .. (j + 1) * P - 1`` with
+        its positions in sequence order (plain concatenation would interleave the query heads piece by piece).
+    """
+    total = sum(piece.count for piece in pieces)
+    joined = {}
+    for layer in parts[0]:
+        n_kv_heads, _, dim = parts[0][layer].shape
+        group = sum(part[layer].shape[1] for part in parts) // max(total, 1)
+        per_head = [
+            part[layer].reshape(n_kv_heads, group, piece.count, dim) for part, piece in zip(parts, pieces, strict=True)
+        ]
+        joined[layer] = torch.cat(per_head, dim=2).reshape(n_kv_heads, group * total, dim)
+    return joined
+
+
 def subsample_queries(queries: torch.Tensor, cap: int = DEFAULT_CAP, seed: int = 0) -> torch.Tensor:
     """Seeded random subsample without replacement, kept in the original order: ``[N, D] -> [min(N, cap), D]``."""
     check_int("cap", cap, 1, counts="queries per head")
@@ -269,8 +330,10 @@ def conversation_queries(
     conversations: Sequence[Conversation],
     context_cache=None,
     layers=None,
+    chunk_tokens: int | None = None,
 ) -> dict[int, torch.Tensor]:
-    """Queries of the answer tokens of each conversation after the context, teacher-forced, one forward each.
+    """Queries of the answer tokens of each conversation after the context, teacher-forced, one forward each (or a
+    forward per piece of ``chunk_tokens``).
 
     Args:
         context_ids: ``[1, T]``.
@@ -279,6 +342,10 @@ def conversation_queries(
             compacted, for on-policy calibration); each conversation then continues a `branch_cache` copy of it
             and the given cache is left as it is. ``None`` runs the context in every conversation's forward.
         layers: only these global layers, each forward stopped after the last of them (`capture_queries`).
+        chunk_tokens: run each conversation's sequence (with the context when ``context_cache`` is ``None``) in
+            consecutive pieces of at most this many tokens, each continuing the cache of the pieces before it: the
+            attention scores then take ``chunk_tokens x keys`` instead of ``sequence x keys`` per head, and the
+            queries are those of one forward (up to rounding). ``None``: one forward per conversation.
 
     Returns:
         ``{layer_idx: [H_kv, g * A, D]}`` for each global layer (of ``layers``), ``A`` = total answer tokens: the
@@ -299,8 +366,11 @@ def conversation_queries(
             sequence, cache, prefix = torch.cat([context_ids, turn], dim=1), None, context_ids.shape[1]
         else:
             sequence, cache, prefix = turn, branch_cache(context_cache), 0
-        answer = slice(prefix + conversation.prompt_ids.numel(), None)
-        captures.append(capture_queries(model, sequence, positions=answer, cache=cache, layers=layers))
+        pieces = answer_pieces(sequence.shape[1], prefix + conversation.prompt_ids.numel(), chunk_tokens)
+        if len(pieces) > 1 and cache is None:
+            cache = DynamicCache(config=model.config)
+        parts = [capture_queries(model, sequence[:, p.start : p.end], p.positions, cache, layers) for p in pieces]
+        captures.append(join_pieces(parts, pieces))
     if not captures:
         raise ValueError("no conversation has answer tokens, so there are no calibration queries")
     return {layer: torch.cat([capture[layer] for capture in captures], dim=1) for layer in captures[0]}
