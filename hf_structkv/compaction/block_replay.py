@@ -6,8 +6,8 @@ after layer ``l``. But the input of block ``l`` depends only on the blocks befor
 compacted: `BlockReplay` keeps a conversation's hidden states between blocks. One recorded forward (or one per
 piece of a long conversation) gives every block's call arguments (forward pre-hooks); `BlockReplay.queries(l, cache)`
 then runs the blocks not yet run on the kept hidden states (each with the cache as it is now, so with its compacted
-layers) and block ``l`` up to its attention, where the queries are recorded. Every block runs about twice in all: roughly two and a half forwards per
-conversation instead of ``L / 2``.
+layers) and block ``l`` up to its attention, where the queries are recorded. Every block runs about twice in all:
+roughly two and a half forwards per conversation instead of ``L / 2``.
 
 The replay calls the model's own blocks with the arguments the model's own forward gave them, with only the cache
 swapped (a fresh copy of the context cache for each call). It relies on the forward handing each block's output to
