@@ -16,7 +16,7 @@ from hf_structkv.compaction import (
     prefill_context,
 )
 from hf_structkv.compaction.chunks import chunk_spans
-from hf_structkv.compaction.pipeline import _Selection, _split_queries
+from hf_structkv.compaction.pipeline import _split_queries
 from hf_structkv.compaction.queries import repetition_conversation
 from hf_structkv.models import tiny_model
 
@@ -139,9 +139,8 @@ def chunked():
     ids = torch.cat(documents, 1)
     cache = compact(model, tokenizer, documents, ratio=6, chunk_tokens=60, on_policy=False)
     full = prefill_context(model, ids)
-    context_cache = _Selection.keep_everything(full).build(full)
-    queries = [
-        conversation_queries(model, ids, [repetition_conversation(tokenizer, ids[:, s : s + 60])], context_cache)
+    queries = [  # off-policy queries continue the plain full cache
+        conversation_queries(model, ids, [repetition_conversation(tokenizer, ids[:, s : s + 60])], full)
         for s in (0, 60, 120)
     ]
     return model, tokenizer, ids, cache, full, queries

@@ -306,7 +306,9 @@ def compact(
     global_layers = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
     for layer_idx in tqdm(global_layers, desc=f"compact ({method})", disable=not progress):
         if rule.needs_queries and (captured is None or on_policy):
-            context_cache = selection.build(cache)
+            # off-policy, nothing is compacted yet: the plain cache serves the same context through SDPA (the
+            # reference attention over an all-kept CompactedCache gives the same queries several times slower)
+            context_cache = selection.build(cache) if on_policy else cache
             if replays is not None:
                 captured = [
                     {layer_idx: torch.cat([replay.queries(layer_idx, context_cache) for replay in chunk], dim=1)}
