@@ -8,7 +8,9 @@ attention implementation is restored afterwards, also when the forward raises.
 A calibration `Conversation` is a prompt and an answer that follow the context; its queries are those of the answer
 tokens, teacher-forced (`conversation_queries`). `repeat_pass_queries` is the "-fast" tier: the one conversation
 "repeat the text verbatim" whose answer is the context itself (the second copy in ``context + instruction +
-context``), capped per KV head. The self-study tier adds generated conversations (`self_study.py`).
+context``), capped per KV head. The self-study tier adds generated conversations (`self_study.py`). A long
+conversation can run in pieces that continue one cache (`answer_pieces`, `join_pieces`): the attention scores of a
+piece take ``piece x keys`` per head instead of ``sequence x keys``, with the queries of one forward.
 """
 
 from __future__ import annotations
