@@ -1,10 +1,12 @@
-"""The torch reference of compacted attention and the registered mask function against brute force."""
+"""The torch paths of compacted attention (the reference and the fused SDPA one) and the registered mask function
+against brute force."""
 
 import pytest
 import torch
 from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
 
 from hf_structkv.attention.compacted_reference import compacted_attention
+from hf_structkv.attention.compacted_sdpa import fused_compacted_attention
 from hf_structkv.attention.masks import structkv_mask
 
 
@@ -41,6 +43,9 @@ def dense_reference(problem, visible, scaling, softcap=None):
     return out.transpose(1, 2)
 
 
+TORCH_PATHS = pytest.mark.parametrize("attention", [compacted_attention, fused_compacted_attention])
+
+
 def random_problem(lengths, n_q=6, q_len=3, n_app=5, batch=2, d=8, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     n_kv = len(lengths)
@@ -65,47 +70,51 @@ def causal_visible(batch, q_len, n_app):
 
 @pytest.mark.parametrize("lengths", [(4, 7), (1, 9, 3), (0, 5), (6,)])
 @pytest.mark.parametrize("use_none_mask", [True, False])
-def test_matches_dense_softmax(lengths, use_none_mask):
+@TORCH_PATHS
+def test_matches_dense_softmax(attention, lengths, use_none_mask):
     n_q = 2 * len(lengths)
     p = random_problem(lengths, n_q=n_q)
     visible = causal_visible(2, 3, 5)
     if not use_none_mask:
         visible[1, 0, :, :2] = False  # padding of row 1
-    got = compacted_attention(**p, appended_mask=None if use_none_mask else visible, scaling=0.3)
+    got = attention(**p, appended_mask=None if use_none_mask else visible, scaling=0.3)
     expected = dense_reference(p, visible, 0.3)
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_additive_mask_and_softcap():
+@TORCH_PATHS
+def test_additive_mask_and_softcap(attention):
     p = random_problem((3, 4))
     visible = causal_visible(2, 3, 5)
     additive = torch.where(visible, 0.0, float("-inf"))
-    got = compacted_attention(**p, appended_mask=additive, scaling=0.5, softcap=2.0)
+    got = attention(**p, appended_mask=additive, scaling=0.5, softcap=2.0)
     expected = dense_reference(p, visible, 0.5, softcap=2.0)
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_inputs_keep_fp32_statistics(dtype):
+@TORCH_PATHS
+def test_low_precision_inputs_keep_fp32_statistics(attention, dtype):
     p = random_problem((5, 2), dtype=dtype)
     visible = causal_visible(2, 3, 5)
-    got = compacted_attention(**p, appended_mask=visible, scaling=0.35)
+    got = attention(**p, appended_mask=visible, scaling=0.35)
     assert got.dtype == dtype
     expected = dense_reference(p, visible, 0.35)
     # Only the final cast to the input dtype loses precision.
     torch.testing.assert_close(got.double(), expected.to(dtype).double(), atol=1e-2, rtol=1e-2)
 
 
-def test_bad_shapes_are_named():
+@TORCH_PATHS
+def test_bad_shapes_are_named(attention):
     p = random_problem((3, 4), n_q=5)
     with pytest.raises(ValueError, match="5 query heads cannot be grouped over 2 KV heads"):
-        compacted_attention(**p, appended_mask=None, scaling=1.0)
+        attention(**p, appended_mask=None, scaling=1.0)
     p = random_problem((3, 4))
     with pytest.raises(ValueError, match="attention mask covers 4 keys but 5 tokens are appended"):
-        compacted_attention(**p, appended_mask=torch.ones(2, 1, 3, 4, dtype=torch.bool), scaling=1.0)
+        attention(**p, appended_mask=torch.ones(2, 1, 3, 4, dtype=torch.bool), scaling=1.0)
     p["appended_keys"] = p["appended_keys"][:, :1]
     with pytest.raises(ValueError, match="appended keys have 1 KV heads, the prefix has 2"):
-        compacted_attention(**p, appended_mask=None, scaling=1.0)
+        attention(**p, appended_mask=None, scaling=1.0)
 
 
 def test_mask_equals_sdpa_mask_without_padding_or_window():
@@ -147,3 +156,31 @@ def test_sliding_window_over_padding_counts_positions():
                 expected = bool(padding[b, k]) and 0 <= distance < window
                 assert bool(mask[b, 0, qi, k]) == expected, (b, qi, k)
     assert mask[0, 0, 0].sum() == window  # four real tokens, pads skipped
+
+
+@pytest.mark.parametrize(
+    ("lengths", "n_q", "q_len", "batch"), [((5, 9), 14, 1, 3), ((17,), 7, 6, 2), ((1, 2, 3, 4), 8, 4, 1)]
+)
+def test_fused_path_equals_the_reference_with_left_padding(lengths, n_q, q_len, batch):
+    p = random_problem(lengths, n_q=n_q, q_len=q_len, n_app=q_len + 4, batch=batch, seed=3)
+    p["prefix_bias"] = p["prefix_bias"] * 3  # multipliers in [e^-3, e^3] and beyond
+    visible = causal_visible(batch, q_len, q_len + 4)
+    visible[0, 0, :, :3] = False  # row 0 left-padded by 3
+    want = compacted_attention(**p, appended_mask=visible, scaling=0.25)
+    got = fused_compacted_attention(**p, appended_mask=visible, scaling=0.25)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_path_runs_sdpa_and_leaves_only_softcap_and_empty_heads_to_the_reference(monkeypatch):
+    import hf_structkv.attention.compacted_sdpa as fused
+
+    calls = []
+    monkeypatch.setattr(fused, "compacted_attention", lambda *args: calls.append(args) or "reference")
+    visible = causal_visible(2, 3, 5)
+    out = fused_compacted_attention(**random_problem((3, 4)), appended_mask=visible, scaling=0.5)
+    assert isinstance(out, torch.Tensor) and out.shape == (2, 3, 6, 8) and not calls
+    assert fused_compacted_attention(**random_problem((3, 4)), appended_mask=visible, scaling=0.5, softcap=2.0) == (
+        "reference"
+    )
+    assert fused_compacted_attention(**random_problem((0, 4)), appended_mask=visible, scaling=0.5) == "reference"
+    assert len(calls) == 2

@@ -20,7 +20,7 @@ from hf_structkv.attention.backend import (  # noqa: E402
     compacted_attention_for,
     mixed_precision_attention_for,
 )
-from hf_structkv.attention.compacted_reference import compacted_attention  # noqa: E402
+from hf_structkv.attention.compacted_sdpa import fused_compacted_attention  # noqa: E402
 from hf_structkv.attention.mixed_reference import mixed_precision_attention  # noqa: E402
 from hf_structkv.models import tiny_model  # noqa: E402
 
@@ -36,7 +36,7 @@ requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not impor
 def test_auto_serves_cpu_tensors_with_torch(monkeypatch):
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     assert choose_backend(torch.zeros(1)) == "torch"
-    assert compacted_attention_for(torch.zeros(1)) is compacted_attention
+    assert compacted_attention_for(torch.zeros(1)) is fused_compacted_attention
     assert mixed_precision_attention_for(torch.zeros(1)) is mixed_precision_attention
 
 

@@ -2,7 +2,10 @@
 
 ``HF_STRUCTKV_ATTENTION_BACKEND`` = ``auto`` (default: Triton for CUDA tensors when triton imports, torch otherwise),
 ``torch`` or ``triton`` (CPU tensors then need the Triton interpreter: ``TRITON_INTERPRET=1`` set before triton is
-first imported). triton_ops is imported only when it is used, never at ``import hf_structkv``.
+first imported). triton_ops is imported only when it is used, never at ``import hf_structkv``. With ``torch``,
+compacted attention runs through SDPA (`fused_compacted_attention`, the reference where SDPA has no form for it) and
+mixed-precision attention through its reference; the references (`compacted_attention`,
+`mixed_precision_attention`) define what every path computes.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from .compacted_reference import compacted_attention
+from .compacted_sdpa import fused_compacted_attention
 from .mixed_reference import mixed_precision_attention
 
 BACKEND_ENV = "HF_STRUCTKV_ATTENTION_BACKEND"
@@ -63,10 +66,10 @@ def choose_backend(tensor: torch.Tensor) -> str:
 
 def compacted_attention_for(tensor: torch.Tensor) -> Callable[..., torch.Tensor]:
     """The compacted attention function for ``tensor`` (``choose_backend``): the Triton kernel wrapper
-    ``triton_ops.biased_attention.triton_compacted_attention`` or the torch reference ``compacted_attention``;
-    both take the same arguments."""
+    ``triton_ops.biased_attention.triton_compacted_attention`` or torch's ``fused_compacted_attention``; both take
+    the reference ``compacted_attention``'s arguments."""
     if choose_backend(tensor) == "torch":
-        return compacted_attention
+        return fused_compacted_attention
     from triton_ops.biased_attention import triton_compacted_attention
 
     return triton_compacted_attention

@@ -33,6 +33,20 @@ def appended_scores_mask(mask: torch.Tensor | None, q_len: int, n_appended: int,
     return mask.to(torch.float32)
 
 
+def kv_grouping(query: torch.Tensor, prefix_offsets: list[int], appended_keys: torch.Tensor) -> tuple[int, int]:
+    """``(H_kv, g)``: the number of KV heads (from the ``H_kv + 1`` offsets) and query heads per KV head.
+
+    Raises:
+        ValueError: ``H_q`` is not a multiple of ``H_kv``, or the appended keys have another number of KV heads.
+    """
+    n_q_heads, n_kv_heads = query.shape[1], len(prefix_offsets) - 1
+    if n_kv_heads < 1 or n_q_heads % n_kv_heads:
+        raise ValueError(f"{n_q_heads} query heads cannot be grouped over {n_kv_heads} KV heads")
+    if appended_keys.shape[1] != n_kv_heads:
+        raise ValueError(f"appended keys have {appended_keys.shape[1]} KV heads, the prefix has {n_kv_heads}")
+    return n_kv_heads, n_q_heads // n_kv_heads
+
+
 def compacted_attention(
     query: torch.Tensor,
     prefix_keys: torch.Tensor,
@@ -65,13 +79,8 @@ def compacted_attention(
     Returns:
         ``[B, q, H_q, D_v]`` attention output in ``query.dtype`` (the layout transformers' attention functions return).
     """
-    batch, n_q_heads, q_len, _ = query.shape
-    n_kv_heads = len(prefix_offsets) - 1
-    if n_kv_heads < 1 or n_q_heads % n_kv_heads:
-        raise ValueError(f"{n_q_heads} query heads cannot be grouped over {n_kv_heads} KV heads")
-    if appended_keys.shape[1] != n_kv_heads:
-        raise ValueError(f"appended keys have {appended_keys.shape[1]} KV heads, the prefix has {n_kv_heads}")
-    group = n_q_heads // n_kv_heads
+    q_len = query.shape[-2]
+    n_kv_heads, group = kv_grouping(query, prefix_offsets, appended_keys)
     n_appended = appended_keys.shape[-2]
     add_mask = appended_scores_mask(appended_mask, q_len, n_appended, query.device)
 

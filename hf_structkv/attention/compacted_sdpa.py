@@ -1,0 +1,76 @@
+"""Compacted attention through torch's fused ``scaled_dot_product_attention``: the reference's computation without
+its score tensors.
+
+Per KV head the compacted prefix and the appended tokens are one key set, the prefix biases and the appended mask
+one additive FP32 mask, and SDPA (FP32 inputs, so FP32 softmax and accumulation) computes the softmax over their
+union in one fused call; the result equals `compacted_attention`'s partition merge (eq. 15) up to rounding. Its
+fused kernel works block by block instead of materialising ``[B, g, q, N]`` scores, exponentials and statistics per
+partition: faster and smaller on long contexts, such as the uncompacted context served during on-policy
+calibration (measured in docs/BENCHMARKS.md). Soft-capping (tanh before the bias) has no SDPA form, and a
+head with an empty prefix can leave a padded row without any visible key (SDPA's softmax is then NaN where the
+reference gives zeros): both go to the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .compacted_reference import appended_scores_mask, compacted_attention, kv_grouping
+
+
+def fused_compacted_attention(
+    query: torch.Tensor,
+    prefix_keys: torch.Tensor,
+    prefix_values: torch.Tensor,
+    prefix_bias: torch.Tensor,
+    prefix_offsets: list[int],
+    appended_keys: torch.Tensor,
+    appended_values: torch.Tensor,
+    appended_mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """`compacted_attention` (same arguments, shapes and result) with one fused SDPA call per KV head.
+
+    Args:
+        query: ``[B, H_q, q, D]``; prefix_keys / prefix_values: ``[N, D]`` / ``[N, D_v]`` with ``prefix_bias [N]``
+            and ``H_kv + 1`` ``prefix_offsets``; appended_keys / appended_values: ``[B, H_kv, n, D]`` /
+            ``[B, H_kv, n, D_v]``; appended_mask: ``None``, boolean or additive ``[B|1, 1, q, n]``.
+
+    Returns:
+        ``[B, q, H_q, D_v]`` in ``query.dtype``.
+    """
+    n_kv_heads, group = kv_grouping(query, prefix_offsets, appended_keys)
+    empty_head = any(end == start for start, end in zip(prefix_offsets, prefix_offsets[1:]))
+    if softcap or empty_head:
+        return compacted_attention(
+            query,
+            prefix_keys,
+            prefix_values,
+            prefix_bias,
+            prefix_offsets,
+            appended_keys,
+            appended_values,
+            appended_mask,
+            scaling,
+            softcap,
+        )
+    batch, _, q_len, _ = query.shape
+    add_mask = appended_scores_mask(appended_mask, q_len, appended_keys.shape[-2], query.device)
+    mask_batch = add_mask.shape[0]
+    outputs = []
+    for h in range(n_kv_heads):
+        start, end = prefix_offsets[h], prefix_offsets[h + 1]
+        keys = torch.cat([prefix_keys[start:end].expand(batch, 1, -1, -1), appended_keys[:, h : h + 1]], dim=2)
+        values = torch.cat([prefix_values[start:end].expand(batch, 1, -1, -1), appended_values[:, h : h + 1]], dim=2)
+        bias = prefix_bias[start:end].to(torch.float32).expand(mask_batch, 1, q_len, -1)
+        outputs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                query[:, h * group : (h + 1) * group].to(torch.float32),
+                keys.to(torch.float32).expand(-1, group, -1, -1),
+                values.to(torch.float32).expand(-1, group, -1, -1),
+                attn_mask=torch.cat([bias, add_mask.expand(mask_batch, 1, q_len, -1)], dim=-1),
+                scale=scaling,
+            )
+        )  # [B, g, q, D_v]
+    return torch.cat(outputs, dim=1).transpose(1, 2).contiguous().to(query.dtype)
