@@ -20,6 +20,7 @@ from hf_structkv.attention.backend import (  # noqa: E402
     compacted_attention_for,
     mixed_precision_attention_for,
 )
+from hf_structkv.attention.compacted_reference import compacted_attention  # noqa: E402
 from hf_structkv.attention.compacted_sdpa import fused_compacted_attention  # noqa: E402
 from hf_structkv.attention.mixed_reference import mixed_precision_attention  # noqa: E402
 from hf_structkv.models import tiny_model  # noqa: E402
@@ -43,6 +44,13 @@ def test_auto_serves_cpu_tensors_with_torch(monkeypatch):
 def test_torch_can_be_forced(monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "torch")
     assert choose_backend(torch.zeros(1)) == "torch"
+
+
+def test_the_references_can_be_forced(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "Reference")
+    assert choose_backend(torch.zeros(1)) == "reference"
+    assert compacted_attention_for(torch.zeros(1)) is compacted_attention
+    assert mixed_precision_attention_for(torch.zeros(1)) is mixed_precision_attention
 
 
 @requires_triton
@@ -112,6 +120,40 @@ def compacted_llama_cache(model):
     return CompactedCache.from_selection(dense, indices, biases)
 
 
+QUESTION_LEN = 5
+
+
+def question_after_context() -> torch.Tensor:
+    """``[1, CONTEXT_LEN + QUESTION_LEN]``: placeholder context ids (served by the cache), then a seeded question."""
+    question = torch.randint(3, 256, (1, QUESTION_LEN), generator=torch.Generator().manual_seed(1))
+    return torch.cat([torch.zeros(1, CONTEXT_LEN, dtype=torch.long), question], 1)
+
+
+def generate(monkeypatch, model, cache, ids: torch.Tensor, backend_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy 4 tokens from a copy of ``cache`` under ``backend_name``: ``(new tokens [1, 4], logits [4, 1, V])``."""
+    monkeypatch.setenv(BACKEND_ENV, backend_name)
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache.copy(),
+            max_new_tokens=4,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[:, ids.shape[1] :], torch.stack(out.logits)
+
+
+def test_generation_with_the_fused_torch_path_equals_the_reference(monkeypatch):
+    model = hf_structkv.enable(tiny_model("llama"))
+    cache, ids = compacted_llama_cache(model), question_after_context()
+    reference_tokens, reference_logits = generate(monkeypatch, model, cache, ids, "reference")
+    fused_tokens, fused_logits = generate(monkeypatch, model, cache, ids, "torch")
+    assert torch.equal(fused_tokens, reference_tokens)
+    torch.testing.assert_close(fused_logits, reference_logits, atol=1e-4, rtol=0)
+
+
 @requires_triton
 def test_generation_with_triton_equals_torch(monkeypatch):
     from triton_ops import biased_attention
@@ -124,28 +166,11 @@ def test_generation_with_triton_equals_torch(monkeypatch):
 
     monkeypatch.setattr(biased_attention, "triton_compacted_attention", counted_kernel)
     model = hf_structkv.enable(tiny_model("llama"))
-    cache = compacted_llama_cache(model)
-    question = torch.randint(3, 256, (1, 5), generator=torch.Generator().manual_seed(1))
-    ids = torch.cat([torch.zeros(1, CONTEXT_LEN, dtype=torch.long), question], 1)
-
-    def generate(backend_name):
-        monkeypatch.setenv(BACKEND_ENV, backend_name)
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                past_key_values=cache.copy(),
-                max_new_tokens=4,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        return out.sequences[:, ids.shape[1] :], torch.stack(out.logits)
-
-    torch_tokens, torch_logits = generate("torch")
+    cache, ids = compacted_llama_cache(model), question_after_context()
+    torch_tokens, torch_logits = generate(monkeypatch, model, cache, ids, "torch")
     assert not kernel_calls
-    triton_tokens, triton_logits = generate("triton")
+    triton_tokens, triton_logits = generate(monkeypatch, model, cache, ids, "triton")
     assert len(kernel_calls) == 4 * model.config.num_hidden_layers  # prefill of the question + 3 decode steps
-    assert kernel_calls[0][2] == question.shape[1] and kernel_calls[-1][2] == 1
+    assert kernel_calls[0][2] == QUESTION_LEN and kernel_calls[-1][2] == 1
     assert torch.equal(triton_tokens, torch_tokens)
     torch.testing.assert_close(triton_logits, torch_logits, atol=1e-4, rtol=0)

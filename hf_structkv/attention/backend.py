@@ -1,11 +1,11 @@
 """Which implementation serves attention over a compacted or mixed-precision cache: Triton kernels or torch references.
 
 ``HF_STRUCTKV_ATTENTION_BACKEND`` = ``auto`` (default: Triton for CUDA tensors when triton imports, torch otherwise),
-``torch`` or ``triton`` (CPU tensors then need the Triton interpreter: ``TRITON_INTERPRET=1`` set before triton is
-first imported). triton_ops is imported only when it is used, never at ``import hf_structkv``. With ``torch``,
-compacted attention runs through SDPA (`fused_compacted_attention`, the reference where SDPA has no form for it) and
-mixed-precision attention through its reference; the references (`compacted_attention`,
-`mixed_precision_attention`) define what every path computes.
+``torch``, ``reference`` or ``triton`` (CPU tensors then need the Triton interpreter: ``TRITON_INTERPRET=1`` set
+before triton is first imported). triton_ops is imported only when it is used, never at ``import hf_structkv``. With
+``torch``, compacted attention runs through SDPA (`fused_compacted_attention`, the reference where SDPA has no form
+for it) and mixed-precision attention through its reference; ``reference`` runs both references
+(`compacted_attention`, `mixed_precision_attention`), which define what every path computes.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from collections.abc import Callable
 
 import torch
 
+from .compacted_reference import compacted_attention
 from .compacted_sdpa import fused_compacted_attention
 from .mixed_reference import mixed_precision_attention
 
 BACKEND_ENV = "HF_STRUCTKV_ATTENTION_BACKEND"
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "reference", "triton")
 
 
 @functools.cache
@@ -33,7 +34,8 @@ def _triton_imports() -> bool:
 
 
 def choose_backend(tensor: torch.Tensor) -> str:
-    """``"triton"`` or ``"torch"`` for attention over ``tensor``'s device, following ``HF_STRUCTKV_ATTENTION_BACKEND``.
+    """``"triton"``, ``"torch"`` or ``"reference"`` for attention over ``tensor``'s device, following
+    ``HF_STRUCTKV_ATTENTION_BACKEND`` (``auto``: triton for CUDA tensors when triton imports, else torch).
 
     Raises:
         ValueError: the variable holds another name, or ``triton`` is forced for CPU tensors without
@@ -45,8 +47,8 @@ def choose_backend(tensor: torch.Tensor) -> str:
     setting = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
     if setting not in BACKENDS:
         raise ValueError(f"{BACKEND_ENV}={setting!r} is not one of {', '.join(BACKENDS)}")
-    if setting == "torch":
-        return "torch"
+    if setting in ("torch", "reference"):
+        return setting
     if setting == "auto":
         return "triton" if tensor.is_cuda and _triton_imports() else "torch"
     if not _triton_imports():
@@ -66,9 +68,12 @@ def choose_backend(tensor: torch.Tensor) -> str:
 
 def compacted_attention_for(tensor: torch.Tensor) -> Callable[..., torch.Tensor]:
     """The compacted attention function for ``tensor`` (``choose_backend``): the Triton kernel wrapper
-    ``triton_ops.biased_attention.triton_compacted_attention`` or torch's ``fused_compacted_attention``; both take
-    the reference ``compacted_attention``'s arguments."""
-    if choose_backend(tensor) == "torch":
+    ``triton_ops.biased_attention.triton_compacted_attention``, torch's ``fused_compacted_attention`` or the reference
+    ``compacted_attention``; all take the same arguments."""
+    chosen = choose_backend(tensor)
+    if chosen == "reference":
+        return compacted_attention
+    if chosen == "torch":
         return fused_compacted_attention
     from triton_ops.biased_attention import triton_compacted_attention
 
@@ -78,8 +83,8 @@ def compacted_attention_for(tensor: torch.Tensor) -> Callable[..., torch.Tensor]
 def mixed_precision_attention_for(tensor: torch.Tensor) -> Callable[..., torch.Tensor]:
     """The mixed-precision attention function for ``tensor`` (``choose_backend``): the Triton kernel wrapper
     ``triton_ops.mixed_attention.triton_mixed_precision_attention`` or the torch reference
-    ``mixed_precision_attention``; both take the same arguments."""
-    if choose_backend(tensor) == "torch":
+    ``mixed_precision_attention`` (for ``torch`` and ``reference``); both take the same arguments."""
+    if choose_backend(tensor) in ("torch", "reference"):
         return mixed_precision_attention
     from triton_ops.mixed_attention import triton_mixed_precision_attention
 

@@ -220,7 +220,7 @@ class MixedPrecisionLayer(CacheLayerMixin):
             return
         from ..attention.backend import BACKEND_ENV, choose_backend
 
-        if choose_backend(query) != "torch":
+        if choose_backend(query) not in ("torch", "reference"):
             raise ValueError(
                 "attention statistics (H2O / SnapKV / MiKV / CriticalKV baselines) are computed by the torch reference "
                 f"only: set {BACKEND_ENV}=torch, or use a policy without attention statistics"
