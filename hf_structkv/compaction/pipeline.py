@@ -306,8 +306,8 @@ def compact(
     global_layers = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
     for layer_idx in tqdm(global_layers, desc=f"compact ({method})", disable=not progress):
         if rule.needs_queries and (captured is None or on_policy):
-            # off-policy, nothing is compacted yet: the plain cache serves the same context through SDPA (the
-            # reference attention over an all-kept CompactedCache gives the same queries several times slower)
+            # off-policy, nothing is compacted yet: the plain prefilled cache serves the same context through stock
+            # SDPA (an all-kept CompactedCache would copy every kept key beside the appended ones at each call)
             context_cache = selection.build(cache) if on_policy else cache
             if replays is not None:
                 captured = [
