@@ -175,12 +175,19 @@ def test_fused_path_runs_sdpa_and_leaves_only_softcap_and_empty_heads_to_the_ref
     import hf_structkv.attention.compacted_sdpa as fused
 
     calls = []
-    monkeypatch.setattr(fused, "compacted_attention", lambda *args: calls.append(args) or "reference")
+
+    def reference(*args):
+        calls.append(args)
+        return compacted_attention(*args)
+
+    monkeypatch.setattr(fused, "compacted_attention", reference)
     visible = causal_visible(2, 3, 5)
     out = fused_compacted_attention(**random_problem((3, 4)), appended_mask=visible, scaling=0.5)
-    assert isinstance(out, torch.Tensor) and out.shape == (2, 3, 6, 8) and not calls
-    assert fused_compacted_attention(**random_problem((3, 4)), appended_mask=visible, scaling=0.5, softcap=2.0) == (
-        "reference"
-    )
-    assert fused_compacted_attention(**random_problem((0, 4)), appended_mask=visible, scaling=0.5) == "reference"
-    assert len(calls) == 2
+    assert out.shape == (2, 3, 6, 8) and not calls
+    fused_compacted_attention(**random_problem((3, 4)), appended_mask=visible, scaling=0.5, softcap=2.0)
+    assert len(calls) == 1 and calls[0][0].shape[1] == 6  # every query head
+    p = random_problem((0, 4, 2), n_q=6)
+    visible[1, 0, :, :2] = False  # row 1 padded: its first query sees no key of head 0
+    got = fused_compacted_attention(**p, appended_mask=visible, scaling=0.5)
+    assert len(calls) == 2 and calls[1][0].shape[1] == 2  # the query heads of the empty KV head only
+    torch.testing.assert_close(got, compacted_attention(**p, appended_mask=visible, scaling=0.5), atol=1e-5, rtol=0)

@@ -6,9 +6,9 @@ one additive FP32 mask, and SDPA (FP32 inputs, so FP32 softmax and accumulation)
 union in one fused call; the result equals `compacted_attention`'s partition merge (eq. 15) up to rounding. Its
 fused kernel works block by block instead of materialising ``[B, g, q, N]`` scores, exponentials and statistics per
 partition: faster and smaller on long contexts, such as the uncompacted context served during on-policy
-calibration (measured in docs/BENCHMARKS.md). Soft-capping (tanh before the bias) has no SDPA form, and a
-head with an empty prefix can leave a padded row without any visible key (SDPA's softmax is then NaN where the
-reference gives zeros): both go to the reference.
+calibration (measured in docs/BENCHMARKS.md). Soft-capping (tanh before the bias) has no SDPA form: the whole call
+goes to the reference. A KV head with no kept entry can leave a padded row without any visible key (SDPA's softmax
+is then NaN where the reference gives zeros): that head alone goes to the reference.
 """
 
 from __future__ import annotations
@@ -41,8 +41,7 @@ def fused_compacted_attention(
         ``[B, q, H_q, D_v]`` in ``query.dtype``.
     """
     n_kv_heads, group = kv_grouping(query, prefix_offsets, appended_keys)
-    empty_head = any(end == start for start, end in zip(prefix_offsets, prefix_offsets[1:]))
-    if softcap or empty_head:
+    if softcap:
         return compacted_attention(
             query,
             prefix_keys,
@@ -61,12 +60,25 @@ def fused_compacted_attention(
     outputs = []
     for h in range(n_kv_heads):
         start, end = prefix_offsets[h], prefix_offsets[h + 1]
+        heads = slice(h * group, (h + 1) * group)
+        if start == end:  # no kept entry: a padded row may see no key, which only the reference turns into zeros
+            empty_prefix = (prefix_keys[:0], prefix_values[:0], prefix_bias[:0], [0, 0])
+            out = compacted_attention(
+                query[:, heads],
+                *empty_prefix,
+                appended_keys[:, h : h + 1],
+                appended_values[:, h : h + 1],
+                appended_mask,
+                scaling,
+            )
+            outputs.append(out.transpose(1, 2).to(torch.float32))
+            continue
         keys = torch.cat([prefix_keys[start:end].expand(batch, 1, -1, -1), appended_keys[:, h : h + 1]], dim=2)
         values = torch.cat([prefix_values[start:end].expand(batch, 1, -1, -1), appended_values[:, h : h + 1]], dim=2)
         bias = prefix_bias[start:end].to(torch.float32).expand(mask_batch, 1, q_len, -1)
         outputs.append(
             torch.nn.functional.scaled_dot_product_attention(
-                query[:, h * group : (h + 1) * group].to(torch.float32),
+                query[:, heads].to(torch.float32),
                 keys.to(torch.float32).expand(-1, group, -1, -1),
                 values.to(torch.float32).expand(-1, group, -1, -1),
                 attn_mask=torch.cat([bias, add_mask.expand(mask_batch, 1, q_len, -1)], dim=-1),
