@@ -10,10 +10,10 @@ layers) and block ``l`` up to its attention, where the queries are recorded. Eve
 roughly two and a half forwards per conversation instead of ``L / 2``.
 
 The replay calls the model's own blocks with the arguments the model's own forward gave them, with only the cache
-swapped (a fresh copy of the context cache for each call). It relies on the forward handing each block's output to
-the next block unchanged; `BlockReplay.build` checks that link on the recorded forward (block 0's replayed output
-must equal block 1's recorded input, bit for bit) and returns ``None`` where it does not hold, so the caller can fall
-back to a forward per layer.
+swapped (a fresh copy of the context cache for each block, continued by its pieces in order). It relies on the
+forward handing each block's output to the next block unchanged; `BlockReplay.build` checks that link on the
+recorded forward (block 0's replayed output must equal block 1's recorded input, bit for bit, piece by piece) and
+returns ``None`` where it does not hold, so the caller can fall back to a forward per layer.
 """
 
 from __future__ import annotations
