@@ -30,6 +30,7 @@ from ..attention.mixed_reference import (
     Int4Partition,
     attention_probabilities,
     head_output_projections,
+    mixed_precision_attention,
     projected_value_norms,
     summed_mass,
 )
@@ -218,9 +219,9 @@ class MixedPrecisionLayer(CacheLayerMixin):
         rows = stats.counted_rows(seen - q_len, q_len)
         if rows is None:
             return
-        from ..attention.backend import BACKEND_ENV, choose_backend
+        from ..attention.backend import BACKEND_ENV, mixed_precision_attention_for
 
-        if choose_backend(query) not in ("torch", "reference"):
+        if mixed_precision_attention_for(query) is not mixed_precision_attention:
             raise ValueError(
                 "attention statistics (H2O / SnapKV / MiKV / CriticalKV baselines) are computed by the torch reference "
                 f"only: set {BACKEND_ENV}=torch, or use a policy without attention statistics"

@@ -107,21 +107,23 @@ class BlockReplay:
                 hook.remove()
         if len(seen) != len(blocks) * len(pieces):
             return None
+        n = len(blocks)
+        per_piece = [seen[i * n : (i + 1) * n] for i in range(len(pieces))]
         try:
-            calls = [_Call(args, kwargs, cache) for args, kwargs in seen]
+            calls = [[_Call(args, kwargs, cache) for args, kwargs in recorded] for recorded in per_piece]
         except ValueError:
             return None
-        inputs = [args[0] if args else kwargs["hidden_states"] for args, kwargs in seen]
-        n = len(blocks)
-        calls_per_piece = [calls[i * n : (i + 1) * n] for i in range(len(pieces))]
-        first_inputs = [inputs[i * n] for i in range(len(pieces))]
+        # hidden states entering blocks 0 and 1, per piece
+        inputs = [
+            [args[0] if args else kwargs["hidden_states"] for args, kwargs in recorded[:2]] for recorded in per_piece
+        ]
         branch = branch_cache(context_cache)
         with torch.no_grad():
-            for i, piece_calls in enumerate(calls_per_piece):
-                replayed = piece_calls[0](blocks[0], first_inputs[i], branch)
-                if replayed.shape != inputs[i * n + 1].shape or not torch.equal(replayed, inputs[i * n + 1]):
+            for piece_calls, (first, second) in zip(calls, inputs, strict=True):
+                replayed = piece_calls[0](blocks[0], first, branch)
+                if replayed.shape != second.shape or not torch.equal(replayed, second):
                     return None
-        return cls(model, blocks, calls_per_piece, [hidden.detach() for hidden in first_inputs], pieces)
+        return cls(model, blocks, calls, [first.detach() for first, _ in inputs], pieces)
 
     def queries(self, layer_idx: int, context_cache) -> torch.Tensor:
         """Queries of the answer tokens at global layer ``layer_idx`` with the context served by ``context_cache``.
