@@ -629,3 +629,14 @@ def test_on_policy_cost_smoke(tmp_path):
     assert result["rows"][0]["max_abs_difference_from_first"] == 0 and result["rows"][0]["seconds_over_first"] == 1
     losses = [row["heldout_relative_loss"] for row in result["rows"]]
     assert losses == pytest.approx([losses[0]] * 3, abs=1e-5) and all(row["seconds"] > 0 for row in result["rows"])
+
+
+def test_elimination_cost_smoke(tmp_path):
+    out = tmp_path / "elimination_cost.json"
+    result = load_script(BENCHMARKS / "elimination_cost.py").main(
+        ["--kept", "6", "25", "--queries", "48", "--head-dim", "8", "--repeats", "1", "--out", str(out)]
+        + ["--threads", str(torch.get_num_threads())]  # main() sets the thread count: keep the session's
+    )
+    assert json.loads(out.read_text()) == result
+    assert [(row["kept"], row["pool"], row["length"]) for row in result["rows"]] == [(6, 24, 60), (25, 100, 250)]
+    assert all(row["same_kept_positions"] and row["in_place_seconds"] > 0 for row in result["rows"])

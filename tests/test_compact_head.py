@@ -8,7 +8,9 @@ import torch
 from hf_structkv.compaction.methods import (
     HEAD_METHODS,
     CompactedHead,
+    KVSurgeon,
     compact_head,
+    downdate_,
     eliminate_block,
     loo_scores,
     relative_loss,
@@ -68,6 +70,34 @@ def test_block_update_equals_fresh_solve_on_reduced_support():
         fresh_b, fresh_g, _ = ridge_solve(attention[:, support], targets, ridge)
         torch.testing.assert_close(coefficients, fresh_b, rtol=1e-8, atol=1e-10)
         torch.testing.assert_close(inverse, fresh_g, rtol=1e-8, atol=1e-8)
+
+
+def test_in_place_downdate_equals_the_block_update_on_the_remaining_rows_and_zeroes_the_block():
+    attention, targets, ridge = surrogate_problem(3)
+    coefficients, inverse, _ = ridge_solve(attention, targets, ridge)
+    block, rest = torch.tensor([4, 9, 0]), torch.tensor([j for j in range(attention.shape[1]) if j not in (4, 9, 0)])
+    expected_b, expected_g = eliminate_block(coefficients, inverse, block)
+    downdate_(coefficients, inverse, block)
+    torch.testing.assert_close(coefficients[rest], expected_b, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(inverse[rest][:, rest], expected_g, rtol=1e-10, atol=1e-12)
+    assert inverse[block].abs().max() < 1e-10 * expected_g.abs().max()
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 7])
+def test_greedy_elimination_equals_fresh_solves_at_every_block(block_size):
+    """Brute force: at every step solve (9) afresh on the live support and delete the ``n_b`` lowest (11)."""
+    attention, targets, ridge = surrogate_problem(4, length=40, queries=60)
+    budget = 9
+    support = torch.arange(attention.shape[1])
+    while support.numel() > budget:
+        fresh_b, fresh_g, _ = ridge_solve(attention[:, support], targets, ridge)
+        block = torch.topk(saliency(fresh_b, fresh_g), min(block_size, support.numel() - budget), largest=False)
+        keep = torch.ones(support.numel(), dtype=torch.bool)
+        keep[block.indices] = False
+        support = support[keep]
+    coefficients, inverse, _ = ridge_solve(attention, targets, ridge)
+    kept = KVSurgeon(block_size=block_size).eliminate(coefficients, inverse, budget)  # crosses the shrink step
+    assert kept.tolist() == support.tolist()
 
 
 def test_saliency_equals_objective_increase_of_single_deletion():

@@ -20,6 +20,7 @@ from ..validation import check_int
 from .refit import fit_multipliers, fit_values
 
 FLOAT = torch.float64
+SHRINK_AT = 0.75  # KVSurgeon.eliminate drops deleted rows when the live ones are at most this share
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,12 @@ def saliency(coefficients: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[m]``.
     """
-    return coefficients.square().sum(dim=1) / inverse.diagonal()
+    return _deletion_cost(coefficients, inverse.diagonal())
+
+
+def _deletion_cost(coefficients: torch.Tensor, diagonal: torch.Tensor) -> torch.Tensor:
+    """(11) from the rows ``B [r, d_v + 1]`` and the matching diagonal entries ``G_jj [r]``, ``[r]``."""
+    return coefficients.square().sum(dim=1) / diagonal
 
 
 def _complement(size: int, block: torch.Tensor) -> torch.Tensor:
@@ -230,13 +236,33 @@ def _complement(size: int, block: torch.Tensor) -> torch.Tensor:
     return keep.nonzero().squeeze(1)
 
 
+def downdate_(coefficients: torch.Tensor, inverse: torch.Tensor, block: torch.Tensor) -> None:
+    """In place, the compensating update (14) of deleting the rows ``J = block``, on matrices that keep their size.
+
+    ``B ← B − G_:J G_JJ^{-1} B_J``, ``G ← G − G_:J G_JJ^{-1} G_J:``. Restricted to the remaining rows ``R`` this is
+    exactly (14); the rows (and columns) of ``J`` become zero up to rounding, and rows already deleted by earlier
+    calls hold values that nothing reads. No copy of ``G``: one rank-``|J|`` update, so a caller can delete many
+    blocks and drop the dead rows once in a while instead of copying ``G`` at every block (`KVSurgeon.eliminate`).
+
+    Args:
+        coefficients: ``B [m, d_v + 1]``, updated in place.
+        inverse: ``G [m, m]``, updated in place.
+        block: ``J``, LongTensor of distinct rows in ``[0, m)`` not deleted before.
+    """
+    cross = inverse[:, block]
+    solved = torch.linalg.solve(cross[block], torch.cat([coefficients[block], inverse[block]], 1))
+    width = coefficients.shape[1]
+    coefficients.addmm_(cross, solved[:, :width], alpha=-1)
+    inverse.addmm_(cross, solved[:, width:], alpha=-1)
+
+
 def eliminate_block(
     coefficients: torch.Tensor, inverse: torch.Tensor, block: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Delete the rows ``J = block`` from the support with the exact compensating update (14).
 
     ``B ← B_R − G_RJ G_JJ^{-1} B_J``, ``G ← G_RR − G_RJ G_JJ^{-1} G_JR`` with ``R`` the remaining rows (kept in
-    their order): the minimiser of (9) on ``R`` and its inverse Gram matrix.
+    their order): the minimiser of (9) on ``R`` and its inverse Gram matrix. The inputs are not modified.
 
     Args:
         coefficients: ``B [m, d_v + 1]``.
@@ -246,12 +272,17 @@ def eliminate_block(
     Returns:
         ``(B [m − |J|, d_v + 1], G [m − |J|, m − |J|])``.
     """
-    rest = _complement(inverse.shape[0], block)
-    cross = inverse[rest][:, block]
-    solved = torch.linalg.solve(inverse[block][:, block], torch.cat([coefficients[block], inverse[block][:, rest]], 1))
-    width = coefficients.shape[1]
-    reduced = inverse[rest][:, rest] - cross @ solved[:, width:]
-    return coefficients[rest] - cross @ solved[:, :width], (reduced + reduced.T) / 2
+    coefficients, inverse = coefficients.clone(), inverse.clone()
+    downdate_(coefficients, inverse, block)
+    return _restrict(coefficients, inverse, _complement(inverse.shape[0], block))
+
+
+def _restrict(
+    coefficients: torch.Tensor, inverse: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B_rows [r, d_v + 1], G_rows,rows [r, r])``, ``G`` symmetrised (rounding of the updates breaks symmetry)."""
+    reduced = inverse[rows][:, rows]
+    return coefficients[rows], (reduced + reduced.T) / 2
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -416,12 +447,23 @@ class KVSurgeon(CalibratedMethod):
         return coefficients, inverse
 
     def eliminate(self, coefficients: torch.Tensor, inverse: torch.Tensor, budget: int) -> torch.Tensor:
-        """Greedy block elimination (11), (14) until ``budget`` rows remain; returns the kept pool positions."""
+        """Greedy block elimination (11), (14) until ``budget`` rows remain; returns the kept pool positions.
+
+        Blocks are deleted in place (`downdate_`); the matrices are cut down to the live rows whenever those are at
+        most ``SHRINK_AT`` of the stored ones, so the cost is a rank-``n_b`` update per block, not a copy of ``G``.
+        """
         kept = torch.arange(inverse.shape[0], device=inverse.device)
+        live = kept.clone()
+        coefficients, inverse = coefficients.clone(), inverse.clone()
         while kept.numel() > budget:
-            block = _top(saliency(coefficients, inverse), min(self.block_size, kept.numel() - budget), largest=False)
-            coefficients, inverse = eliminate_block(coefficients, inverse, block)
-            kept = kept[_complement(kept.numel(), block)]
+            if live.numel() <= SHRINK_AT * inverse.shape[0]:
+                coefficients, inverse = _restrict(coefficients, inverse, live)
+                live = torch.arange(live.numel(), device=live.device)
+            scores = _deletion_cost(coefficients[live], inverse.diagonal()[live])
+            block = _top(scores, min(self.block_size, kept.numel() - budget), largest=False)
+            downdate_(coefficients, inverse, live[block])
+            rest = _complement(kept.numel(), block)
+            kept, live = kept[rest], live[rest]
         return kept
 
 
