@@ -631,12 +631,13 @@ def test_on_policy_cost_smoke(tmp_path):
     assert losses == pytest.approx([losses[0]] * 3, abs=1e-5) and all(row["seconds"] > 0 for row in result["rows"])
 
 
-def test_elimination_cost_smoke(tmp_path):
-    out = tmp_path / "elimination_cost.json"
-    result = load_script(BENCHMARKS / "elimination_cost.py").main(
-        ["--kept", "6", "25", "--queries", "48", "--head-dim", "8", "--repeats", "1", "--out", str(out)]
-        + ["--threads", str(torch.get_num_threads())]  # main() sets the thread count: keep the session's
-    )
+def test_head_fit_cost_smoke(tmp_path):
+    out = tmp_path / "head_fit_cost.json"
+    argv = ["--length", "250", "--queries", "48", "--kept", "25", "6", "--head-dim", "8", "--repeats", "1"]
+    argv += ["--threads", str(torch.get_num_threads()), "--out", str(out)]  # main() sets the thread count
+    result = load_script(BENCHMARKS / "head_fit_cost.py").main(argv)
     assert json.loads(out.read_text()) == result
-    assert [(row["kept"], row["pool"], row["length"]) for row in result["rows"]] == [(6, 24, 60), (25, 100, 250)]
-    assert all(row["same_kept_positions"] and row["in_place_seconds"] > 0 for row in result["rows"])
+    assert [row["kept"] for row in result["fits"]] == [25, 6]
+    assert all(row["seconds"] > 0 and row["peak_gib_growth"] >= 0 and row["train_loss"] >= 0 for row in result["fits"])
+    assert [(row["kept"], row["pool"]) for row in result["eliminations"]] == [(25, 100), (6, 24)]
+    assert all(row["same_kept_positions"] and row["in_place_seconds"] > 0 for row in result["eliminations"])

@@ -345,6 +345,54 @@ def test_problem_split_is_a_seeded_disjoint_partition_of_the_queries():
         HeadProblem.build(keys, values, queries[:1]).split(0.2, seed=0)
 
 
+def test_split_problems_carry_the_row_statistics_of_a_fresh_problem_over_their_queries():
+    from hf_structkv.compaction.methods import HeadProblem
+
+    keys, values, queries, _ = random_head(12, queries=30)
+    problem = HeadProblem.build(keys, values, queries)
+    for part in problem.split(0.3, seed=1):
+        fresh = HeadProblem.build(keys, values, part.queries)
+        assert part.known is not None
+        for name in ("row_max", "row_sums", "outputs"):
+            torch.testing.assert_close(getattr(part.statistics, name), getattr(fresh.statistics, name))
+
+
+def test_attention_columns_are_the_softmax_over_every_entry():
+    from hf_structkv.compaction.methods import HeadProblem
+
+    keys, values, queries, _ = random_head(13, queries=20)
+    problem = HeadProblem.build(keys, values, queries)
+    attention, outputs = attention_stats(keys, values, queries)
+    columns = torch.tensor([5, 0, 31])
+    torch.testing.assert_close(problem.attention_columns(columns), attention[:, columns])
+    torch.testing.assert_close(problem.attention_columns(rows=slice(3, 9)), attention[3:9])
+    torch.testing.assert_close(problem.outputs, outputs)
+    expected_sums = torch.exp(queries @ keys.T / math.sqrt(keys.shape[1]) - problem.statistics.row_max[:, None]).sum(1)
+    torch.testing.assert_close(problem.row_sums, expected_sums)
+
+
+@pytest.mark.parametrize("method", sorted(HEAD_METHODS))
+def test_query_blocks_give_the_same_compaction_as_one_block(method, monkeypatch):
+    """Scores and statistics summed over blocks of 1-2 queries equal those of one block (`BLOCK_ELEMENTS`)."""
+    from hf_structkv.compaction.methods import HeadProblem
+
+    keys, values, queries, _ = random_head(14, length=40, queries=24)
+    whole = compact_head(keys, values, queries, 7, method=method)
+    one_block = HeadProblem.build(keys, values, queries)
+    monkeypatch.setattr(HeadProblem, "BLOCK_ELEMENTS", 70)  # 1 query (40 logits) per block
+    assert len(HeadProblem.build(keys, values, queries)._row_blocks()) == 24
+    blocked = compact_head(keys, values, queries, 7, method=method)
+    assert torch.equal(blocked.indices, whole.indices)
+    torch.testing.assert_close(blocked.bias, whole.bias)
+    torch.testing.assert_close(blocked.values, whole.values)
+    problem = HeadProblem.build(keys, values, queries)
+    torch.testing.assert_close(problem.loo, one_block.loo, rtol=1e-10, atol=1e-14)
+    sums = problem.reduce_columns(lambda block, rows: block.sum(0))
+    torch.testing.assert_close(sums, one_block.attention_columns().sum(0))
+    maxes = problem.reduce_columns(lambda block, rows: block.amax(0), torch.maximum)
+    torch.testing.assert_close(maxes, one_block.attention_columns().amax(0))
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_refit_guard_returns_the_refit_or_the_eviction_that_wins_on_the_check_split(seed):
     from hf_structkv.compaction.methods import HeadProblem, evict, refit_head

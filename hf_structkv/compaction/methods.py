@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import ClassVar
@@ -55,20 +56,47 @@ def _as_matrix(name: str, tensor: object) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class RowStatistics:
+    """Per-query statistics of the full softmax attention of a head.
+
+    Attributes:
+        row_max: ``m [N]``, the largest scaled logit of each query.
+        row_sums: ``s [N]``, the row sums of ``E = exp(Z − m)`` (so ``P = diag(s)^{-1} E``).
+        outputs: ``O = P V`` ``[N, D_v]``.
+    """
+
+    row_max: torch.Tensor
+    row_sums: torch.Tensor
+    outputs: torch.Tensor
+
+    def rows(self, index: torch.Tensor) -> RowStatistics:
+        """The statistics of the queries ``index`` (a LongTensor of rows)."""
+        return RowStatistics(self.row_max[index], self.row_sums[index], self.outputs[index])
+
+
+@dataclass(frozen=True)
 class HeadProblem:
     """One KV head's compaction problem in float64; attention statistics are computed once, on first use.
+
+    Nothing of size ``[N, T]`` is kept: the row statistics and column scores (`reduce_columns`) are computed over
+    blocks of at most `BLOCK_ELEMENTS` logits, and the columns a fit needs are recomputed from the row statistics
+    (`attention_columns`).
 
     Attributes:
         keys: ``K [T, D]`` post-RoPE keys.
         values: ``V [T, D_v]``.
         queries: ``Q [N, D]`` calibration queries (for GQA the stacked queries of the group), or None (query-free).
         scaling: logit scale (``1/sqrt(D)`` by default).
+        known: the `RowStatistics` of ``queries`` when already computed (`split` passes its parent's), else None.
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     queries: torch.Tensor | None
     scaling: float
+    known: RowStatistics | None = None
+
+    BLOCK_ELEMENTS: ClassVar[int] = 1 << 24
 
     @classmethod
     def build(
@@ -95,43 +123,70 @@ class HeadProblem:
         """``T``, the number of cache entries."""
         return self.keys.shape[0]
 
-    def logits(self, indices: torch.Tensor) -> torch.Tensor:
-        """Scaled logits ``Z[:, indices]`` ``[N, |indices|]``."""
+    def logits(self, indices: torch.Tensor | None = None, rows: slice = slice(None)) -> torch.Tensor:
+        """Scaled logits ``Z[rows, indices]`` ``[|rows|, |indices|]`` (``indices=None``: all ``T`` columns)."""
         if self.queries is None:
             raise ValueError("this computation needs calibration queries, got queries=None")
-        return self.queries @ self.keys[indices].T * self.scaling
+        keys = self.keys if indices is None else self.keys[indices]
+        return self.queries[rows] @ keys.T * self.scaling
+
+    def _row_blocks(self) -> list[slice]:
+        """Consecutive query blocks of at most `BLOCK_ELEMENTS` logits each (at least one row)."""
+        step = max(1, self.BLOCK_ELEMENTS // self.length)
+        return [slice(i, i + step) for i in range(0, self.queries.shape[0], step)]
 
     @cached_property
-    def _softmax(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(P [N, T], s [N])``: the attention and the row sums of ``exp(Z − rowmax Z)``."""
-        logits = self.logits(torch.arange(self.length, device=self.keys.device))
-        unnormalized = torch.exp(logits - logits.amax(dim=1, keepdim=True))
-        row_sums = unnormalized.sum(dim=1)
-        return unnormalized / row_sums[:, None], row_sums
-
-    @property
-    def attention(self) -> torch.Tensor:
-        """``P [N, T]`` = softmax of the logits over all entries."""
-        return self._softmax[0]
+    def statistics(self) -> RowStatistics:
+        """The `RowStatistics` of the queries (``known``, or computed block by block)."""
+        if self.known is not None:
+            return self.known
+        maxes, sums, outputs = [], [], []
+        for rows in self._row_blocks():
+            logits = self.logits(rows=rows)
+            row_max = logits.amax(dim=1)
+            unnormalized = torch.exp(logits.sub_(row_max[:, None]))
+            row_sums = unnormalized.sum(dim=1)
+            maxes.append(row_max)
+            sums.append(row_sums)
+            outputs.append(unnormalized.div_(row_sums[:, None]) @ self.values)
+        return RowStatistics(torch.cat(maxes), torch.cat(sums), torch.cat(outputs))
 
     @property
     def row_sums(self) -> torch.Tensor:
         """``s [N]``, row sums of ``E = exp(Z − rowmax Z)`` (so ``P = diag(s)^{-1} E``)."""
-        return self._softmax[1]
+        return self.statistics.row_sums
 
-    @cached_property
+    @property
     def outputs(self) -> torch.Tensor:
         """``O = P V`` ``[N, D_v]``."""
-        return self.attention @ self.values
+        return self.statistics.outputs
+
+    def unnormalized(self, indices: torch.Tensor | None = None, rows: slice = slice(None)) -> torch.Tensor:
+        """``E[rows, indices] = exp(Z − rowmax Z)`` ``[|rows|, |indices|]`` (row max over all ``T`` entries)."""
+        return torch.exp(self.logits(indices, rows).sub_(self.statistics.row_max[rows, None]))
+
+    def attention_columns(self, indices: torch.Tensor | None = None, rows: slice = slice(None)) -> torch.Tensor:
+        """``P[rows, indices]`` ``[|rows|, |indices|]``: columns of the softmax over all ``T`` entries."""
+        return self.unnormalized(indices, rows).div_(self.statistics.row_sums[rows, None])
+
+    def reduce_columns(
+        self,
+        per_block: Callable[[torch.Tensor, slice], torch.Tensor],
+        combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.add,
+    ) -> torch.Tensor:
+        """A column score over all queries without the whole ``P``: ``per_block(P[rows] [n, T], rows) -> [T]`` on
+        each query block, folded with ``combine`` (a sum by default; e.g. ``torch.maximum``)."""
+        total = None
+        for rows in self._row_blocks():
+            part = per_block(self.attention_columns(rows=rows), rows)
+            total = part if total is None else combine(total, part)
+        return total
 
     @cached_property
     def loo(self) -> torch.Tensor:
         """Leave-one-out scores (13) with the 1e-3 floor, ``[T]``."""
-        return loo_scores(self.attention, self.values, self.outputs)
-
-    def unnormalized(self, indices: torch.Tensor) -> torch.Tensor:
-        """``E_S = exp(Z − rowmax Z)[:, indices]`` ``[N, |indices|]`` (row max over all ``T`` entries)."""
-        return self.attention[:, indices] * self.row_sums[:, None]
+        terms = self.reduce_columns(lambda block, rows: _loo_terms(block, self.values, self.outputs[rows]))
+        return terms.clamp_min(0)
 
     def compacted_attention(self, indices: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """``P̂ = diag(P_S w)^{-1} P_S diag(w)`` ``[N, t]``, ``w = exp(bias)``: the stable softmax of ``Z_S + bias``."""
@@ -139,14 +194,16 @@ class HeadProblem:
 
     def split(self, fraction: float, seed: int) -> tuple[HeadProblem, HeadProblem]:
         """Seeded disjoint split of the queries: ``(fit, check)`` problems over the same keys and values, ``check``
-        holding ``max(1, round(fraction N))`` queries and ``fit`` the rest (``N >= 2``)."""
+        holding ``max(1, round(fraction N))`` queries and ``fit`` the rest (``N >= 2``); both take their rows of this
+        problem's `RowStatistics` instead of recomputing them."""
         if self.queries is None or self.queries.shape[0] < 2:
             raise ValueError("a split needs at least two calibration queries")
         n = self.queries.shape[0]
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(self.queries.device)
         n_check = min(n - 1, max(1, round(fraction * n)))
-        fit, check = self.queries[order[n_check:]], self.queries[order[:n_check]]
-        return replace(self, queries=fit), replace(self, queries=check)
+        parts = order[n_check:], order[:n_check]
+        fit, check = (replace(self, queries=self.queries[i], known=self.statistics.rows(i)) for i in parts)
+        return fit, check
 
     def relative_loss(self, head: CompactedHead) -> float:
         """``L(S, w, V̂) / ‖O‖_F²`` (4) of ``head`` on this problem's queries (0 when both are zero)."""
@@ -178,11 +235,21 @@ def loo_scores(
     Returns:
         ``[T]``.
     """
-    weight = attention.square() / ((1 - attention).square() + floor)
-    value_norms = values.square().sum(dim=1)
-    output_norms = outputs.square().sum(dim=1)
+    return _loo_terms(attention, values, outputs, floor).clamp_min(0)
+
+
+def _loo_terms(
+    attention: torch.Tensor, values: torch.Tensor, outputs: torch.Tensor, floor: float = 1e-3
+) -> torch.Tensor:
+    """The sum (13) over the rows given, before clamping, ``[T]``: sums over blocks of rows add up to the whole."""
+    return _weighted_distances(attention.square() / ((1 - attention).square() + floor), values, outputs)
+
+
+def _weighted_distances(weight: torch.Tensor, values: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+    """``Σ_i W_ij ‖v_j − o_i‖²`` ``[T]`` from ``W [N, T]``, ``V [T, D_v]``, ``O [N, D_v]``, expanded into matrix
+    products (so rounding may leave an entry slightly negative)."""
     cross = ((weight.T @ outputs) * values).sum(dim=1)
-    return (value_norms * weight.sum(dim=0) + weight.T @ output_norms - 2 * cross).clamp_min(0)
+    return values.square().sum(dim=1) * weight.sum(dim=0) + weight.T @ outputs.square().sum(dim=1) - 2 * cross
 
 
 def ridge_solve(
@@ -439,7 +506,7 @@ class KVSurgeon(CalibratedMethod):
 
     def surrogate(self, problem: HeadProblem, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(B [m, d_v + 1], G [m, m])`` of (10) on the pool, ``Y = [O γ1]``, ``λ = λ0 tr(P_SᵀP_S) / m``."""
-        attention, outputs = problem.attention[:, pool], problem.outputs
+        attention, outputs = problem.attention_columns(pool), problem.outputs
         gamma = self.mass_weight * outputs.square().sum(dim=1).mean().sqrt()
         targets = torch.cat([outputs, gamma * outputs.new_ones(outputs.shape[0], 1)], dim=1)
         ridge = max(self.relative_ridge * attention.square().sum().item() / pool.numel(), torch.finfo(FLOAT).eps)
@@ -545,10 +612,7 @@ def obcache_scores(attention: torch.Tensor, values: torch.Tensor, outputs: torch
     Returns:
         ``[T]``.
     """
-    weight = attention.square()
-    cross = ((weight.T @ outputs) * values).sum(dim=1)
-    scores = values.square().sum(dim=1) * weight.sum(dim=0) + weight.T @ outputs.square().sum(dim=1) - 2 * cross
-    return scores.clamp_min(0)
+    return _weighted_distances(attention.square(), values, outputs).clamp_min(0)
 
 
 def omp_select(columns: torch.Tensor, target: torch.Tensor, count: int, per_step: int = 1) -> torch.Tensor:
@@ -609,7 +673,8 @@ class AttentionMatchingHAK(CalibratedMethod):
     name: ClassVar[str] = "am_hak"
 
     def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
-        return _top(problem.attention.square().mean(dim=0).sqrt(), budget)
+        squares = problem.reduce_columns(lambda block, rows: block.square().sum(dim=0))
+        return _top((squares / problem.queries.shape[0]).sqrt(), budget)
 
 
 @register
@@ -631,7 +696,7 @@ class AttentionMatchingOMP(CalibratedMethod):
         check_int("keys_per_step", self.keys_per_step, 1)
 
     def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
-        columns = problem.unnormalized(torch.arange(problem.length, device=problem.keys.device))
+        columns = problem.unnormalized()
         return omp_select(columns, problem.row_sums, budget, self.keys_per_step)
 
 
@@ -654,7 +719,7 @@ class HeavyHitters(CalibratedMethod):
     def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
         recent = min(self.recent_tokens, budget)
         older = problem.length - recent
-        heavy = _top(problem.attention[:, :older].sum(dim=0), budget - recent)
+        heavy = _top(problem.reduce_columns(lambda block, rows: block[:, :older].sum(dim=0)), budget - recent)
         return torch.cat([heavy, torch.arange(older, problem.length, device=problem.keys.device)])
 
 
@@ -667,7 +732,10 @@ class OBCache(CalibratedMethod):
     name: ClassVar[str] = "obcache"
 
     def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
-        return _top(obcache_scores(problem.attention, problem.values, problem.outputs), budget)
+        scores = problem.reduce_columns(
+            lambda block, rows: _weighted_distances(block.square(), problem.values, problem.outputs[rows])
+        )
+        return _top(scores.clamp_min(0), budget)
 
 
 @register
@@ -679,7 +747,7 @@ class KVzip(CalibratedMethod):
     name: ClassVar[str] = "kvzip"
 
     def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
-        return _top(problem.attention.amax(dim=0), budget)
+        return _top(problem.reduce_columns(lambda block, rows: block.amax(dim=0), torch.maximum), budget)
 
 
 @register
@@ -710,7 +778,7 @@ class KVMerger(CalibratedMethod):
     def merge(self, problem: HeadProblem, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(pivots [t] ascending, merged values [t, D_v])``."""
         group = self.groups(problem, budget)
-        scores = problem.attention.sum(dim=0)
+        scores = problem.reduce_columns(lambda block, rows: block.sum(dim=0))
         best = scores.new_full((budget,), -math.inf).scatter_reduce(0, group, scores, "amax")
         positions = torch.arange(problem.length, device=scores.device)
         is_best = scores == best[group]
