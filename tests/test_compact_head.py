@@ -371,6 +371,23 @@ def test_attention_columns_are_the_softmax_over_every_entry():
     torch.testing.assert_close(problem.row_sums, expected_sums)
 
 
+def test_surrogate_accumulated_over_query_blocks_is_the_ridge_solve_on_the_pool_columns(monkeypatch):
+    from hf_structkv.compaction.methods import HeadProblem
+
+    keys, values, queries, _ = random_head(15, length=40, queries=24)
+    monkeypatch.setattr(HeadProblem, "BLOCK_ELEMENTS", 50)  # 5 queries of the 10 pool columns per block
+    problem = HeadProblem.build(keys, values, queries)
+    pool = torch.tensor([3, 17, 0, 25, 8, 30, 11, 2, 39, 20])
+    assert len(problem._row_blocks(pool.numel())) == 5
+    coefficients, inverse = KVSurgeon().surrogate(problem, pool)
+    attention, outputs = attention_stats(keys, values, queries)
+    columns = attention[:, pool]
+    targets = torch.cat([outputs, outputs.square().sum(1).mean().sqrt() * torch.ones(24, 1, dtype=F64)], dim=1)
+    expected_b, expected_g, _ = ridge_solve(columns, targets, 0.01 * columns.square().sum().item() / pool.numel())
+    torch.testing.assert_close(coefficients, expected_b)
+    torch.testing.assert_close(inverse, expected_g)
+
+
 @pytest.mark.parametrize("method", sorted(HEAD_METHODS))
 def test_query_blocks_give_the_same_compaction_as_one_block(method, monkeypatch):
     """Scores and statistics summed over blocks of 1-2 queries equal those of one block (`BLOCK_ELEMENTS`)."""

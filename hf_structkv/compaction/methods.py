@@ -130,9 +130,10 @@ class HeadProblem:
         keys = self.keys if indices is None else self.keys[indices]
         return self.queries[rows] @ keys.T * self.scaling
 
-    def _row_blocks(self) -> list[slice]:
-        """Consecutive query blocks of at most `BLOCK_ELEMENTS` logits each (at least one row)."""
-        step = max(1, self.BLOCK_ELEMENTS // self.length)
+    def _row_blocks(self, columns: int | None = None) -> list[slice]:
+        """Consecutive query blocks of at most `BLOCK_ELEMENTS` entries of ``columns`` (default ``T``) each (at
+        least one row)."""
+        step = max(1, self.BLOCK_ELEMENTS // (columns or self.length))
         return [slice(i, i + step) for i in range(0, self.queries.shape[0], step)]
 
     @cached_property
@@ -267,13 +268,23 @@ def ridge_solve(
     Returns:
         ``(B [m, d_v + 1], G [m, m], λ used)``.
     """
-    gram = attention.T @ attention
+    return solve_normal_equations(attention.T @ attention, attention.T @ targets, ridge, retries)
+
+
+def solve_normal_equations(
+    gram: torch.Tensor, moments: torch.Tensor, ridge: float, retries: int = 3
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """`ridge_solve` from ``P_SᵀP_S [m, m]`` and ``P_SᵀY [m, d_v + 1]`` (e.g. accumulated over blocks of queries).
+
+    Returns:
+        ``(B [m, d_v + 1], G [m, m], λ used)``.
+    """
     identity = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
     for _ in range(retries + 1):
         factor, info = torch.linalg.cholesky_ex(gram + ridge * identity)
         if info.item() == 0:
             inverse = torch.cholesky_inverse(factor)
-            return inverse @ (attention.T @ targets), inverse, ridge
+            return inverse @ moments, inverse, ridge
         ridge *= 10
     raise torch.linalg.LinAlgError(f"Cholesky of the ridge Gram matrix failed up to λ = {ridge / 10:g}")
 
@@ -505,12 +516,19 @@ class KVSurgeon(CalibratedMethod):
         return pool[self.eliminate(coefficients, inverse, budget)]
 
     def surrogate(self, problem: HeadProblem, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(B [m, d_v + 1], G [m, m])`` of (10) on the pool, ``Y = [O γ1]``, ``λ = λ0 tr(P_SᵀP_S) / m``."""
-        attention, outputs = problem.attention_columns(pool), problem.outputs
+        """``(B [m, d_v + 1], G [m, m])`` of (10) on the pool, ``Y = [O γ1]``, ``λ = λ0 tr(P_SᵀP_S) / m``; the
+        normal equations are accumulated over blocks of queries (no ``[N, m]`` matrix)."""
+        outputs = problem.outputs
         gamma = self.mass_weight * outputs.square().sum(dim=1).mean().sqrt()
         targets = torch.cat([outputs, gamma * outputs.new_ones(outputs.shape[0], 1)], dim=1)
-        ridge = max(self.relative_ridge * attention.square().sum().item() / pool.numel(), torch.finfo(FLOAT).eps)
-        coefficients, inverse, _ = ridge_solve(attention, targets, ridge)
+        gram = outputs.new_zeros(pool.numel(), pool.numel())
+        moments = outputs.new_zeros(pool.numel(), targets.shape[1])
+        for rows in problem._row_blocks(pool.numel()):
+            columns = problem.attention_columns(pool, rows)
+            gram.addmm_(columns.T, columns)
+            moments.addmm_(columns.T, targets[rows])
+        ridge = max(self.relative_ridge * gram.trace().item() / pool.numel(), torch.finfo(FLOAT).eps)
+        coefficients, inverse, _ = solve_normal_equations(gram, moments, ridge)
         return coefficients, inverse
 
     def eliminate(self, coefficients: torch.Tensor, inverse: torch.Tensor, budget: int) -> torch.Tensor:
