@@ -352,7 +352,7 @@ def test_split_problems_carry_the_row_statistics_of_a_fresh_problem_over_their_q
     problem = HeadProblem.build(keys, values, queries)
     for part in problem.split(0.3, seed=1):
         fresh = HeadProblem.build(keys, values, part.queries)
-        assert part.known is not None
+        assert part.precomputed is not None
         for name in ("row_max", "row_sums", "outputs"):
             torch.testing.assert_close(getattr(part.statistics, name), getattr(fresh.statistics, name))
 
@@ -378,7 +378,7 @@ def test_surrogate_accumulated_over_query_blocks_is_the_ridge_solve_on_the_pool_
     monkeypatch.setattr(HeadProblem, "BLOCK_ELEMENTS", 50)  # 5 queries of the 10 pool columns per block
     problem = HeadProblem.build(keys, values, queries)
     pool = torch.tensor([3, 17, 0, 25, 8, 30, 11, 2, 39, 20])
-    assert len(problem._row_blocks(pool.numel())) == 5
+    assert len(problem.query_blocks(pool.numel())) == 5
     coefficients, inverse = KVSurgeon().surrogate(problem, pool)
     attention, outputs = attention_stats(keys, values, queries)
     columns = attention[:, pool]
@@ -397,7 +397,7 @@ def test_query_blocks_give_the_same_compaction_as_one_block(method, monkeypatch)
     whole = compact_head(keys, values, queries, 7, method=method)
     one_block = HeadProblem.build(keys, values, queries)
     monkeypatch.setattr(HeadProblem, "BLOCK_ELEMENTS", 70)  # 1 query (40 logits) per block
-    assert len(HeadProblem.build(keys, values, queries)._row_blocks()) == 24
+    assert len(HeadProblem.build(keys, values, queries).query_blocks()) == 24
     blocked = compact_head(keys, values, queries, 7, method=method)
     assert torch.equal(blocked.indices, whole.indices)
     torch.testing.assert_close(blocked.bias, whole.bias)

@@ -87,14 +87,14 @@ class HeadProblem:
         values: ``V [T, D_v]``.
         queries: ``Q [N, D]`` calibration queries (for GQA the stacked queries of the group), or None (query-free).
         scaling: logit scale (``1/sqrt(D)`` by default).
-        known: the `RowStatistics` of ``queries`` when already computed (`split` passes its parent's), else None.
+        precomputed: the `RowStatistics` of ``queries`` if already computed (`split` passes its parent's), else None.
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     queries: torch.Tensor | None
     scaling: float
-    known: RowStatistics | None = None
+    precomputed: RowStatistics | None = None
 
     BLOCK_ELEMENTS: ClassVar[int] = 1 << 24
 
@@ -130,7 +130,7 @@ class HeadProblem:
         keys = self.keys if indices is None else self.keys[indices]
         return self.queries[rows] @ keys.T * self.scaling
 
-    def _row_blocks(self, columns: int | None = None) -> list[slice]:
+    def query_blocks(self, columns: int | None = None) -> list[slice]:
         """Consecutive query blocks of at most `BLOCK_ELEMENTS` entries of ``columns`` (default ``T``) each (at
         least one row)."""
         step = max(1, self.BLOCK_ELEMENTS // (columns or self.length))
@@ -138,11 +138,11 @@ class HeadProblem:
 
     @cached_property
     def statistics(self) -> RowStatistics:
-        """The `RowStatistics` of the queries (``known``, or computed block by block)."""
-        if self.known is not None:
-            return self.known
+        """The `RowStatistics` of the queries (``precomputed``, or computed block by block)."""
+        if self.precomputed is not None:
+            return self.precomputed
         maxes, sums, outputs = [], [], []
-        for rows in self._row_blocks():
+        for rows in self.query_blocks():
             logits = self.logits(rows=rows)
             row_max = logits.amax(dim=1)
             unnormalized = torch.exp(logits.sub_(row_max[:, None]))
@@ -178,7 +178,7 @@ class HeadProblem:
         """A column score over all queries without the whole ``P``: ``per_block(P[rows] [n, T], rows) -> [T]`` on
         each query block, folded with ``combine`` (a sum by default; e.g. ``torch.maximum``)."""
         total = None
-        for rows in self._row_blocks():
+        for rows in self.query_blocks():
             part = per_block(self.attention_columns(rows=rows), rows)
             total = part if total is None else combine(total, part)
         return total
@@ -203,7 +203,7 @@ class HeadProblem:
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(self.queries.device)
         n_check = min(n - 1, max(1, round(fraction * n)))
         parts = order[n_check:], order[:n_check]
-        fit, check = (replace(self, queries=self.queries[i], known=self.statistics.rows(i)) for i in parts)
+        fit, check = (replace(self, queries=self.queries[i], precomputed=self.statistics.rows(i)) for i in parts)
         return fit, check
 
     def relative_loss(self, head: CompactedHead) -> float:
@@ -523,7 +523,7 @@ class KVSurgeon(CalibratedMethod):
         targets = torch.cat([outputs, gamma * outputs.new_ones(outputs.shape[0], 1)], dim=1)
         gram = outputs.new_zeros(pool.numel(), pool.numel())
         moments = outputs.new_zeros(pool.numel(), targets.shape[1])
-        for rows in problem._row_blocks(pool.numel()):
+        for rows in problem.query_blocks(pool.numel()):
             columns = problem.attention_columns(pool, rows)
             gram.addmm_(columns.T, columns)
             moments.addmm_(columns.T, targets[rows])
