@@ -390,18 +390,25 @@ def test_surrogate_accumulated_over_query_blocks_is_the_ridge_solve_on_the_pool_
 
 @pytest.mark.parametrize("method", sorted(HEAD_METHODS))
 def test_query_blocks_give_the_same_compaction_as_one_block(method, monkeypatch):
-    """Scores and statistics summed over blocks of 1-2 queries equal those of one block (`BLOCK_ELEMENTS`)."""
+    """Statistics and scores folded over blocks of 1-2 queries (`BLOCK_ELEMENTS`) select and fit as one block."""
     from hf_structkv.compaction.methods import HeadProblem
 
     keys, values, queries, _ = random_head(14, length=40, queries=24)
     whole = compact_head(keys, values, queries, 7, method=method)
-    one_block = HeadProblem.build(keys, values, queries)
     monkeypatch.setattr(HeadProblem, "BLOCK_ELEMENTS", 70)  # 1 query (40 logits) per block
     assert len(HeadProblem.build(keys, values, queries).query_blocks()) == 24
     blocked = compact_head(keys, values, queries, 7, method=method)
     assert torch.equal(blocked.indices, whole.indices)
     torch.testing.assert_close(blocked.bias, whole.bias)
     torch.testing.assert_close(blocked.values, whole.values)
+
+
+def test_column_scores_over_query_blocks_equal_those_of_one_block(monkeypatch):
+    from hf_structkv.compaction.methods import HeadProblem
+
+    keys, values, queries, _ = random_head(14, length=40, queries=24)
+    one_block = HeadProblem.build(keys, values, queries)
+    monkeypatch.setattr(HeadProblem, "BLOCK_ELEMENTS", 70)  # 1 query (40 logits) per block
     problem = HeadProblem.build(keys, values, queries)
     torch.testing.assert_close(problem.loo, one_block.loo, rtol=1e-10, atol=1e-14)
     sums = problem.reduce_columns(lambda block, rows: block.sum(0))
