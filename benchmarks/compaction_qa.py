@@ -622,6 +622,34 @@ def self_study_of(args: argparse.Namespace, turn_suffix: str) -> SelfStudy:
     )
 
 
+def write_results(
+    args: argparse.Namespace, model_name: str, documents_json: list, runs: list, started: float, complete: bool
+) -> tuple[list, dict]:
+    """Write the JSON of ``runs`` so far to ``--out`` (``complete`` False after each document, True at the end, so an
+    interrupted run keeps its finished documents); returns ``(summary, target verdicts)``."""
+    summary = summarize(runs)
+    verdicts = target_verdicts(summary)
+    settings = {key: value for key, value in vars(args).items() if key not in ("out", "plot", "variants")}
+    payload = {
+        "settings": settings,
+        "environment": {
+            "model": model_name,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "complete": complete,
+        "documents": documents_json,
+        "summary": summary,
+        "targets": verdicts,
+        "seconds_total": time.perf_counter() - started,
+        "runs": runs,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(payload, indent=2))
+    return summary, verdicts
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -632,6 +660,7 @@ def main(argv: list[str] | None = None) -> None:
         return len(tokenizer(text, add_special_tokens=False).input_ids)
 
     budgets = budgets_of(args, model)
+    model_name = type(model).__name__ + (" (tiny, random)" if args.tiny else f" ({model_label(args.model)})")
     runs, documents_json = [], []
     for seed in args.seeds:
         rng = random.Random(seed)
@@ -687,28 +716,10 @@ def main(argv: list[str] | None = None) -> None:
                         | {"cache": label, "ratio": float(ratio), "seconds": seconds, "rows": rows}
                         | {"stored_bytes": compacted.nbytes(), "heldout_relative_loss": quality}
                     )
+            write_results(args, model_name, documents_json, runs, started, complete=False)
 
-    summary = summarize(runs)
-    verdicts = target_verdicts(summary)
+    summary, verdicts = write_results(args, model_name, documents_json, runs, started, complete=True)
     print_report(summary, verdicts, args.tasks)
-    model_name = type(model).__name__ + (" (tiny, random)" if args.tiny else f" ({model_label(args.model)})")
-    settings = {key: value for key, value in vars(args).items() if key not in ("out", "plot", "variants")}
-    payload = {
-        "settings": settings,
-        "environment": {
-            "model": model_name,
-            "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-        },
-        "documents": documents_json,
-        "summary": summary,
-        "targets": verdicts,
-        "seconds_total": time.perf_counter() - started,
-        "runs": runs,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(payload, indent=2))
     print(f"wrote {args.out}")
     if args.plot:
         tokens = statistics.fmean(document["context_tokens"] for document in documents_json)
