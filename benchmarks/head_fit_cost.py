@@ -24,15 +24,7 @@ from pathlib import Path
 
 import torch
 
-from hf_structkv.compaction.methods import (
-    HeadProblem,
-    KVSurgeon,
-    _complement,
-    _top,
-    compact_head,
-    eliminate_block,
-    saliency,
-)
+from hf_structkv.compaction.methods import HeadProblem, KVSurgeon, compact_head, eliminate_block, saliency
 from hf_structkv.compaction.pipeline import DEFAULT_REFIT_GUARD
 
 
@@ -40,9 +32,12 @@ def per_block_copies(rule: KVSurgeon, coefficients: torch.Tensor, inverse: torch
     """The greedy path of `KVSurgeon.eliminate`, reducing ``B, G`` to the remaining rows at every block."""
     kept = torch.arange(inverse.shape[0])
     while kept.numel() > budget:
-        block = _top(saliency(coefficients, inverse), min(rule.block_size, kept.numel() - budget), largest=False)
+        count = min(rule.block_size, kept.numel() - budget)
+        block = torch.topk(saliency(coefficients, inverse), count, largest=False).indices
         coefficients, inverse = eliminate_block(coefficients, inverse, block)
-        kept = kept[_complement(kept.numel(), block)]
+        remaining = torch.ones(kept.numel(), dtype=torch.bool)
+        remaining[block] = False
+        kept = kept[remaining]
     return kept
 
 
@@ -94,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'t':>6}{'pool m':>8}{'per-block copies s':>20}{'in place s':>12}{'speed-up':>10}{'same kept':>11}")
     problem = HeadProblem.build(keys, values, queries)
     for kept in args.kept:
-        pool = _top(problem.loo, round(rule.pool_factor * kept))
+        pool = torch.topk(problem.loo, round(rule.pool_factor * kept)).indices
         coefficients, inverse = rule.surrogate(problem, pool)
         copies, by_copies = best_seconds(args.repeats, per_block_copies, rule, coefficients, inverse, kept)
         in_place, by_downdates = best_seconds(args.repeats, rule.eliminate, coefficients, inverse, kept)
