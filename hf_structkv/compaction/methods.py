@@ -630,7 +630,12 @@ def obcache_scores(attention: torch.Tensor, values: torch.Tensor, outputs: torch
     Returns:
         ``[T]``.
     """
-    return _weighted_distances(attention.square(), values, outputs).clamp_min(0)
+    return _obcache_terms(attention, values, outputs).clamp_min(0)
+
+
+def _obcache_terms(attention: torch.Tensor, values: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+    """The OBCache sum over the rows given, before clamping, ``[T]``: sums over blocks of rows add up to the whole."""
+    return _weighted_distances(attention.square(), values, outputs)
 
 
 def omp_select(columns: torch.Tensor, target: torch.Tensor, count: int, per_step: int = 1) -> torch.Tensor:
@@ -751,7 +756,7 @@ class OBCache(CalibratedMethod):
 
     def select(self, problem: HeadProblem, budget: int, seed: int) -> torch.Tensor:
         scores = problem.reduce_columns(
-            lambda block, rows: _weighted_distances(block.square(), problem.values, problem.outputs[rows])
+            lambda block, rows: _obcache_terms(block, problem.values, problem.outputs[rows])
         )
         return _top(scores.clamp_min(0), budget)
 
