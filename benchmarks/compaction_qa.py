@@ -16,7 +16,8 @@ Each document is a chat prompt (`document_chat_prompt`), prefilled once for the 
 saved `HeadBudgets` folder; one chunk unless ``--chunk-tokens``). Every question is answered greedily from a fresh
 copy of each cache (batches of left-padded questions). A reply is correct when a SQuAD-normalised gold answer occurs
 in it (free-form chat replies, so exact match would undercount); SQuAD token F1 against the best gold answer is
-reported too. Pipeline time is the wall time of the ``compact(...)`` call (prefill, calibration, per-head fits) or
+reported too, and the gold-answer NLL: the mean per-token negative log-likelihood of each question's first gold answer,
+teacher forced right after the question (a continuous measure of what a cache keeps, beside the 0/1 correctness). Pipeline time is the wall time of the ``compact(...)`` call (prefill, calibration, per-head fits) or
 of the full cache's prefill. Accuracy is the share of correct replies over every question of a seed, then mean and
 standard deviation over ``--seeds`` (each seed draws its own documents, questions, needles and compaction
 randomness).
@@ -44,7 +45,6 @@ numbers meaningless).
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import importlib.resources
 import json
@@ -73,8 +73,9 @@ from hf_structkv.compaction import (
     prefill_context,
     resolve_budgets,
 )
+from hf_structkv.eval.reference_answers import ReferenceAnswers
 from hf_structkv.eval.squad import SquadQuestion, contains_answer, normalize_answer, squad_document, squad_titles
-from hf_structkv.generation import generation_inputs
+from hf_structkv.generation import context_copy, generation_inputs
 from hf_structkv.models import tiny_byte_tokenizer, tiny_model
 from hf_structkv.prompts import document_chat_prompt, question_text
 
@@ -311,12 +312,12 @@ def generate_replies(
     max_new_tokens: int,
 ) -> list[str]:
     """Greedy replies to ``prompts`` (the per-question texts after the context), ``batch_size`` at a time, each batch
-    left padded on a fresh copy of ``context_cache`` (`fresh_cache`); replies with whitespace collapsed."""
+    left padded on a fresh copy of ``context_cache`` (`context_copy`); replies with whitespace collapsed."""
     replies = []
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]
         encoded = tokenizer(batch, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-        cache = fresh_cache(context_cache, len(batch))
+        cache = context_copy(context_cache, len(batch))
         inputs = generation_inputs(cache, encoded.input_ids, encoded.attention_mask)
         with torch.no_grad():
             out = model.generate(
@@ -331,17 +332,29 @@ def generate_replies(
     return replies
 
 
-def fresh_cache(cache: DynamicCache | CompactedCache, batch: int) -> DynamicCache | CompactedCache:
-    """A copy of a context cache, nothing appended, for ``batch`` questions: a ``CompactedCache``'s copy (its context
-    serves any batch), or a deep copy of a batch-1 ``DynamicCache`` repeated to ``batch`` rows."""
-    if isinstance(cache, CompactedCache):
-        return cache.copy()
-    copied = copy.deepcopy(cache)
-    copied.batch_repeat_interleave(batch)
-    return copied
+def gold_references(
+    tokenizer: PreTrainedTokenizerBase, document: QADocument, prompts: list[str], batch_size: int
+) -> list[ReferenceAnswers]:
+    """Each question's first gold answer after its prompt, teacher forced, ``batch_size`` rows per batch."""
+
+    def ids(text: str) -> torch.Tensor:
+        return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+
+    questions = [ids(prompt) for prompt in prompts]
+    answers = [ids(item.answers[0]) for item in document.questions]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return [
+        ReferenceAnswers.build(questions[i : i + batch_size], answers[i : i + batch_size], pad_id)
+        for i in range(0, len(questions), batch_size)
+    ]
 
 
-def scored_rows(document: QADocument, replies: list[str]) -> list[dict]:
+def gold_nlls(model: PreTrainedModel, references: list[ReferenceAnswers], cache: DynamicCache | CompactedCache):
+    """Per question: the mean NLL (nats per token) of its first gold answer after ``cache`` (`gold_references`)."""
+    return [value for reference in references for value in reference.nll(model, cache).tolist()]
+
+
+def scored_rows(document: QADocument, replies: list[str], nlls: list[float]) -> list[dict]:
     return [
         {
             "question": item.question,
@@ -349,8 +362,9 @@ def scored_rows(document: QADocument, replies: list[str]) -> list[dict]:
             "reply": reply,
             "correct": contains_answer(reply, item.answers),
             "f1": token_f1(reply, item.answers),
+            "gold_answer_nll": nll,
         }
-        for item, reply in zip(document.questions, replies, strict=True)
+        for item, reply, nll in zip(document.questions, replies, nlls, strict=True)
     ]
 
 
@@ -394,21 +408,24 @@ def run_label(args: argparse.Namespace, variant: Variant) -> str:
 
 # ------------------------------------------------------------------------------------------------------ summary
 def summarize(runs: list[dict]) -> list[dict]:
-    """Per (cache, ratio): accuracy and F1 per seed over all its questions, their mean / std over seeds, accuracy per
-    task (mean over seeds), mean pipeline seconds per document, and accuracy relative to the full cache."""
+    """Per (cache, ratio): accuracy and F1 per seed over all its questions, their mean / std over seeds, accuracy and
+    gold-answer NLL per task (mean over seeds), the mean gold-answer NLL, mean pipeline seconds per document, and
+    accuracy relative to the full cache."""
     groups: dict[tuple[str, float], dict[int, list[dict]]] = {}
     for run in runs:
         groups.setdefault((run["cache"], run["ratio"]), {}).setdefault(run["seed"], []).append(run)
     summary = []
     for (cache, ratio), per_seed in groups.items():
-        accuracy, f1, per_task = [], [], {}
+        accuracy, f1, nll, per_task, nll_per_task = [], [], [], {}, {}
         for seed_runs in per_seed.values():
             rows = [row for run in seed_runs for row in run["rows"]]
             accuracy.append(sum(row["correct"] for row in rows) / len(rows))
             f1.append(sum(row["f1"] for row in rows) / len(rows))
+            nll.append(statistics.fmean(row["gold_answer_nll"] for row in rows))
             for task in sorted({run["task"] for run in seed_runs}):
                 task_rows = [row for run in seed_runs if run["task"] == task for row in run["rows"]]
                 per_task.setdefault(task, []).append(sum(row["correct"] for row in task_rows) / len(task_rows))
+                nll_per_task.setdefault(task, []).append(statistics.fmean(row["gold_answer_nll"] for row in task_rows))
         seconds = [run["seconds"] for seed_runs in per_seed.values() for run in seed_runs]
         summary.append(
             {
@@ -419,6 +436,8 @@ def summarize(runs: list[dict]) -> list[dict]:
                 "accuracy_per_seed": accuracy,
                 "f1": statistics.fmean(f1),
                 "accuracy_per_task": {task: statistics.fmean(values) for task, values in per_task.items()},
+                "gold_answer_nll": statistics.fmean(nll),
+                "gold_answer_nll_per_task": {task: statistics.fmean(values) for task, values in nll_per_task.items()},
                 "questions_per_seed": sum(len(run["rows"]) for run in next(iter(per_seed.values()))),
                 "pipeline_seconds": statistics.fmean(seconds),
             }
@@ -463,14 +482,16 @@ def target_verdicts(summary: list[dict]) -> dict:
 
 
 def print_report(summary: list[dict], verdicts: dict, tasks: list[str]) -> None:
-    header = f"{'cache':<26}{'ratio':>7}{'accuracy':>15}{'F1':>7}{'vs full':>9}{'pipeline s':>12}"
-    print(header + "".join(f"{task:>10}" for task in tasks))
+    """The summary table (accuracy per task, then the gold-answer NLL per task) and the target verdicts."""
+    header = f"{'cache':<26}{'ratio':>7}{'accuracy':>15}{'F1':>7}{'vs full':>9}{'pipeline s':>12}{'gold NLL':>10}"
+    print(header + "".join(f"{task:>10}" for task in tasks) + "".join(f"{'NLL ' + task:>14}" for task in tasks))
     for row in summary:
         vs_full = "" if row["accuracy_vs_full"] is None else f"{row['accuracy_vs_full']:.0%}"
         accuracy = f"{row['accuracy']:.1%}±{row['accuracy_std']:.1%}"
         line = f"{row['cache']:<26}{row['ratio']:>7g}{accuracy:>15}{row['f1']:>7.2f}{vs_full:>9}"
-        line += f"{row['pipeline_seconds']:>12.1f}"
-        print(line + "".join(f"{row['accuracy_per_task'].get(task, math.nan):>10.1%}" for task in tasks))
+        line += f"{row['pipeline_seconds']:>12.1f}{row['gold_answer_nll']:>10.3f}"
+        line += "".join(f"{row['accuracy_per_task'].get(task, math.nan):>10.1%}" for task in tasks)
+        print(line + "".join(f"{row['gold_answer_nll_per_task'].get(task, math.nan):>14.3f}" for task in tasks))
     for label, result in verdicts.items():
         for name, verdict in result.items():
             print(f"target [{label}] {name}: {verdict}")
@@ -673,6 +694,7 @@ def main(argv: list[str] | None = None) -> None:
             context_text, suffix = document_chat_prompt(tokenizer, document.text)
             context_ids = tokenizer(context_text, return_tensors="pt", add_special_tokens=False).input_ids
             prompts = [question_text(item.question, suffix) for item in document.questions]
+            references = gold_references(tokenizer, document, prompts, args.batch_size)
             documents_json.append(
                 {"seed": seed, "index": index, "task": document.task, "context_tokens": int(context_ids.shape[1])}
                 | {"questions": len(prompts), "source": document.source}
@@ -683,7 +705,8 @@ def main(argv: list[str] | None = None) -> None:
             full = prefill_context(model, context_ids, prefill_chunk_tokens=1024)
             seconds = time.perf_counter() - start
             replies = generate_replies(model, tokenizer, full, prompts, args.batch_size, args.max_new_tokens)
-            runs.append(run | {"cache": FULL, "ratio": 1.0, "seconds": seconds, "rows": scored_rows(document, replies)})
+            rows = scored_rows(document, replies, gold_nlls(model, references, full))
+            runs.append(run | {"cache": FULL, "ratio": 1.0, "seconds": seconds, "rows": rows})
             for variant in args.variants:
                 for ratio in args.ratios:
                     start = time.perf_counter()
@@ -707,7 +730,7 @@ def main(argv: list[str] | None = None) -> None:
                         model, tokenizer, compacted, prompts, args.batch_size, args.max_new_tokens
                     )
                     quality = compacted.metadata.get("quality", {}).get("heldout_relative_loss_mean")
-                    rows = scored_rows(document, replies)
+                    rows = scored_rows(document, replies, gold_nlls(model, references, compacted))
                     correct = sum(row["correct"] for row in rows)
                     label = run_label(args, variant)
                     print(f"  {label:<24}{ratio:>6g}x  {correct}/{len(rows)} correct  {seconds:7.1f} s")

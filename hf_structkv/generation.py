@@ -1,9 +1,36 @@
-"""Inputs for ``model.generate`` on a pre-filled cache whose context tokens the caller may not hold."""
+"""Inputs for ``model.generate`` on a pre-filled cache whose context tokens the caller may not hold, and fresh copies
+of such a cache for a batch of questions."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers.cache_utils import Cache
+
+from .cache.compacted import CompactedCache
+
+
+def context_copy(cache: Cache, batch: int) -> Cache:
+    """A copy of a context cache with nothing appended, ready for ``batch`` rows; ``cache`` itself is not changed.
+
+    A `CompactedCache` shares its context tensors with the copy (its context serves any batch); any other cache (a
+    prefilled ``DynamicCache``) is deep-copied and, when it holds one row, repeated to ``batch`` rows.
+
+    Raises:
+        ValueError: ``batch`` is not an integer >= 1, or a non-compacted cache holds neither 1 nor ``batch`` rows.
+    """
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
+    if isinstance(cache, CompactedCache):
+        return cache.copy()
+    rows = cache.layers[0].keys.shape[0]
+    if rows not in (1, batch):
+        raise ValueError(f"cache holds {rows} rows; copy it for batch 1 or {rows}, not {batch}")
+    copied = copy.deepcopy(cache)
+    if rows != batch:
+        copied.batch_repeat_interleave(batch)
+    return copied
 
 
 def generation_inputs(

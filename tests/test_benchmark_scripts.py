@@ -212,7 +212,7 @@ def test_compaction_qa_squad_and_hotpotqa_documents(qa):
 
 def test_compaction_qa_summary_and_targets(qa):
     def run(cache, ratio, seed, correct):
-        rows = [{"correct": c, "f1": float(c)} for c in correct]
+        rows = [{"correct": c, "f1": float(c), "gold_answer_nll": 2.0 - c + seed} for c in correct]
         return {"cache": cache, "ratio": ratio, "seed": seed, "task": "squad", "seconds": 2.0, "rows": rows}
 
     runs = [run("full", 1.0, 0, [1, 1, 1, 0]), run("full", 1.0, 1, [1, 1, 1, 1])]
@@ -224,10 +224,26 @@ def test_compaction_qa_summary_and_targets(qa):
     ours = summary[("kv_surgeon", 10.0)]
     assert ours["accuracy_per_seed"] == [0.5, 1.0] and ours["accuracy_std"] == pytest.approx(0.25)
     assert ours["accuracy_vs_full"] == pytest.approx(0.75 / 0.875) and ours["questions_per_seed"] == 4
+    # gold NLL per seed: 2 - accuracy + seed -> 1.5 and 2.0; mean over seeds
+    assert ours["gold_answer_nll"] == pytest.approx(1.75) and ours["gold_answer_nll_per_task"] == {"squad": 1.75}
     verdicts = qa.target_verdicts(list(summary.values()))["kv_surgeon"]
     assert verdicts["at 10x keeps >= 90% of full-context accuracy"].startswith("not met (85.7% of full)")
     assert verdicts["at 20x ahead of every baseline"].startswith("not measured")
     assert verdicts["at 50x ahead of every baseline"].startswith("met (25.0% vs best baseline loo 0.0%")
+
+
+def test_compaction_qa_gold_nlls_do_not_depend_on_the_batching(qa):
+    pytest.importorskip("long_context_eval")
+    from hf_structkv.compaction import prefill_context
+    from hf_structkv.models import tiny_byte_tokenizer, tiny_model
+
+    model, tokenizer = tiny_model("qwen2", vocab_size=300), tiny_byte_tokenizer()
+    (document,) = qa.needle_documents(word_counter, 300, 3, 1, qa.random.Random(0))
+    prompts = [f"Q: {item.question} A:" for item in document.questions]
+    cache = prefill_context(model, tokenizer(document.text, return_tensors="pt").input_ids)
+    together = qa.gold_nlls(model, qa.gold_references(tokenizer, document, prompts, 3), cache)
+    one_by_one = qa.gold_nlls(model, qa.gold_references(tokenizer, document, prompts, 1), cache)
+    assert len(together) == 3 and together == pytest.approx(one_by_one, abs=1e-5)
 
 
 def test_compaction_qa_self_study_lengths_come_from_the_command_line(qa):
@@ -293,6 +309,8 @@ def test_compaction_qa_every_layer_whole_answers_as_the_full_cache(qa, tmp_path)
     runs = json.loads(out.read_text())["runs"]
     full, whole = (next(run for run in runs if run["cache"] == cache) for cache in ("full", "kv_surgeon[0 1 whole]"))
     assert [row["reply"] for row in whole["rows"]] == [row["reply"] for row in full["rows"]]
+    nlls = [[row["gold_answer_nll"] for row in run["rows"]] for run in (whole, full)]
+    assert nlls[0] == pytest.approx(nlls[1], abs=1e-5) and all(value > 0 for value in nlls[1])
     assert whole["heldout_relative_loss"] == pytest.approx(0.0, abs=1e-6)
 
 

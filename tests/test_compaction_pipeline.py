@@ -459,3 +459,20 @@ class TestBudgetsRejectBadInput:
     def test_negative_counts(self, llama):
         with pytest.raises(ValueError, match=r"counts \[-4, 12\]; need ints >= 0"):
             compact(llama, None, context_ids(8), ratio=1, method="streaming_llm", budgets=FakeBudgets((-0.5, 1.5)))
+
+
+@pytest.mark.parametrize("method", ["streaming_llm", "key_norm", "random"])
+def test_a_query_free_compaction_enables_the_model_so_its_cache_serves_at_once(method):
+    """``compact`` switches the model to hf_structkv's attention for every method, so ``generate`` on the returned
+    cache works without a separate ``enable`` (it raised for query-free methods, which capture no queries)."""
+    import hf_structkv
+    from hf_structkv.generation import generation_inputs
+
+    model = tiny_model("llama")
+    assert not hf_structkv.is_enabled(model)
+    cache = compact(model, None, context_ids(24), method=method, ratio=4)
+    assert hf_structkv.is_enabled(model)
+    inputs = generation_inputs(cache, context_ids(3, seed=1))
+    with torch.no_grad():
+        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    assert out.shape == (1, 24 + 3 + 2)

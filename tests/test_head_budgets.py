@@ -15,14 +15,10 @@ import pytest
 import torch
 from huggingface_hub import CommitInfo, HfApi
 
-from hf_structkv import CompactedCache, enable
 from hf_structkv.cli import main
-from hf_structkv.compaction import prefill_context
 from hf_structkv.compaction.budgets import (
     CAP_FRACTION,
     HeadBudgets,
-    _keep_everything,
-    _ReferenceAnswers,
     allocate_shares,
     compute_head_budgets,
     default_head_budgets,
@@ -384,27 +380,6 @@ def test_quotes_add_teacher_forced_lookups_to_the_reference_answers(tokenizer):
     assert quoted.provenance["nll_increase"] != plain.provenance["nll_increase"]
     with pytest.raises(ValueError, match="quotes must be an integer >= 0"):
         measure(model, tokenizer, quotes=-1)
-
-
-def test_answer_nll_on_the_full_cache_is_the_plain_models_teacher_forced_nll():
-    """Scoring a right-padded batch of question + answer rows after a keep-everything `CompactedCache` gives each
-    answer's mean NLL of a plain forward over context + question + answer (no cache)."""
-    model = tiny()
-    enable(model)
-    gen = torch.Generator().manual_seed(0)
-    context = torch.randint(3, 259, (1, 50), generator=gen)
-    questions = [torch.randint(3, 259, (n,), generator=gen) for n in (5, 9)]
-    answers = [torch.randint(3, 259, (n,), generator=gen) for n in (7, 3)]
-    cache = prefill_context(model, context)
-    full = CompactedCache.from_selection(cache, _keep_everything(cache))
-    reference = _ReferenceAnswers.build(questions, answers, pad_id=0)
-    expected = []
-    for question, answer in zip(questions, answers):
-        ids = torch.cat([context[0], question, answer])[None]
-        with torch.no_grad():
-            log_probs = torch.log_softmax(model(ids).logits[0, -len(answer) - 1 : -1].double(), dim=-1)
-        expected.append(-log_probs.gather(1, answer[:, None]).mean().item())
-    assert reference.nll(model, full) == pytest.approx(sum(expected) / 2, abs=1e-5)
 
 
 def test_a_head_whose_compression_changes_nothing_gets_no_budget(tokenizer):

@@ -40,6 +40,7 @@ from .. import __version__
 from ..attention.modules import attention_scalings
 from ..attention.registry import enable
 from ..cache.compacted import CompactedCache
+from ..eval.reference_answers import ReferenceAnswers
 from ..generation import generation_inputs
 from ..hub import (
     CARD_NAME,
@@ -564,36 +565,6 @@ def quote_references(
     return [(question.format(" ".join(eligible[i].group(1).split())), eligible[i].group(2)) for i in chosen]
 
 
-@dataclass(frozen=True)
-class _ReferenceAnswers:
-    """Question + answer token sequences, right padded: ``ids [B, n]``; answer ``b`` occupies positions
-    ``starts[b] .. ends[b] - 1`` of row ``b`` (right padding never reaches earlier tokens under causal attention)."""
-
-    ids: torch.Tensor
-    starts: list[int]
-    ends: list[int]
-
-    @classmethod
-    def build(cls, questions: list[torch.Tensor], answers: list[torch.Tensor], pad_id: int) -> _ReferenceAnswers:
-        rows = [torch.cat([q, a]) for q, a in zip(questions, answers)]
-        ids = torch.full((len(rows), max(len(r) for r in rows)), pad_id, dtype=torch.long)
-        for b, row in enumerate(rows):
-            ids[b, : len(row)] = row
-        return cls(ids, [len(q) for q in questions], [len(r) for r in rows])
-
-    def nll(self, model: PreTrainedModel, cache: CompactedCache) -> float:
-        """Mean over answers of the mean per-token negative log-likelihood of the answer (nats), teacher forced
-        after the cached context (a fresh copy of ``cache``)."""
-        with torch.no_grad():
-            logits = model(self.ids.to(model.device), cache=cache.copy(), use_cache=True).logits
-        per_answer = []
-        for b, (start, end) in enumerate(zip(self.starts, self.ends)):
-            log_probs = torch.log_softmax(logits[b, start - 1 : end - 1].double(), dim=-1)
-            targets = self.ids[b, start:end].to(log_probs.device)
-            per_answer.append(-log_probs.gather(1, targets[:, None]).mean().item())
-        return math.fsum(per_answer) / len(per_answer)
-
-
 def _generate_answer(model: PreTrainedModel, cache: CompactedCache, question: torch.Tensor, max_tokens: int):
     """Greedy answer ``[a]`` (1-D ids, the end-of-turn token included when generated) after ``cache`` + question."""
     inputs = generation_inputs(cache, question[None].to(model.device))
@@ -658,8 +629,8 @@ def _text_increases(
     ]
     answers += [ids(answer)[: setting.max_answer_tokens] for _, answer in lookups]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    reference = _ReferenceAnswers.build(question_ids, answers, pad_id)
-    baseline = reference.nll(model, full)
+    reference = ReferenceAnswers.build(question_ids, answers, pad_id)
+    baseline = reference.nll(model, full).mean().item()
     queries = None
     if HEAD_METHODS[setting.method].needs_queries:
         queries = repeat_pass_queries(model, tokenizer, context_ids, cap=setting.query_cap, seed=setting.seed)
@@ -687,7 +658,7 @@ def _text_increases(
                     )
                     kept, bias, kept_values = head.indices, head.bias, head.values
                 probe = _probe_cache(cache, everything, layer_idx, h, kept, bias, kept_values)
-                row.append(reference.nll(model, probe) - baseline)
+                row.append(reference.nll(model, probe).mean().item() - baseline)
                 bar.update(1)
             rows.append(row)
     description = {

@@ -215,8 +215,8 @@ def compact(
     on its own and the kept entries of the chunks are concatenated in order. With uniform budgets every KV head keeps
     ``max(1, floor(T_c / ratio))`` entries of a chunk of ``T_c`` tokens, so the kept keys and values take at most
     ``1/ratio`` of the context's bytes (unless chunks are shorter than ``ratio``). Sliding-window layers are kept as
-    they are. A calibrated method switches ``model`` to hf_structkv's attention (``enable``), which serves ordinary
-    caches as SDPA does.
+    they are. ``model`` is switched to hf_structkv's attention (``enable``), which the returned cache needs and which
+    serves ordinary caches as SDPA does.
 
     Chunks and attention mass: a chunk ``c`` is fitted to its own calibration queries (its repetition and, for
     self-study, conversations about it) against its own keys only, so the refit multipliers ``w = exp(bias)``
@@ -296,8 +296,8 @@ def compact(
     selection = _Selection.keep_everything(cache)
     scalings = attention_scalings(model)
     conversations, captured, replays, heldout_losses = None, None, None, {}
+    enable(model)
     if rule.needs_queries:
-        enable(model)
         conversations = _calibration_conversations(
             model, tokenizer, context_ids, spans, queries, self_study, seed, selection.build(cache), progress
         )
