@@ -16,8 +16,9 @@ Each document is a chat prompt (`document_chat_prompt`), prefilled once for the 
 saved `HeadBudgets` folder; one chunk unless ``--chunk-tokens``). Every question is answered greedily from a fresh
 copy of each cache (batches of left-padded questions). A reply is correct when a SQuAD-normalised gold answer occurs
 in it (free-form chat replies, so exact match would undercount); SQuAD token F1 against the best gold answer is
-reported too, and the gold-answer NLL: the mean per-token negative log-likelihood of each question's first gold answer,
-teacher forced right after the question (a continuous measure of what a cache keeps, beside the 0/1 correctness). Pipeline time is the wall time of the ``compact(...)`` call (prefill, calibration, per-head fits) or
+reported too, and the gold-answer NLL: the mean per-token negative log-likelihood of each question's first gold
+answer, teacher forced right after the question (a continuous measure of what a cache keeps, beside the 0/1
+correctness). Pipeline time is the wall time of the ``compact(...)`` call (prefill, calibration, per-head fits) or
 of the full cache's prefill. Accuracy is the share of correct replies over every question of a seed, then mean and
 standard deviation over ``--seeds`` (each seed draws its own documents, questions, needles and compaction
 randomness).

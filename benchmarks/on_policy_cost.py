@@ -3,8 +3,8 @@ and the fused SDPA path of compacted attention against the torch reference.
 
 Every variant compacts the same context with `hf_structkv.compact` (KV-Surgeon, repeat-pass queries,
 ``on_policy=True``) in one process, one after the other: ``block replay`` (the default pipeline on CPU),
-``forward per layer`` (the replay disabled: the fallback the pipeline takes for a model whose blocks cannot be
-replayed) and ``block replay, reference attention`` (``HF_STRUCTKV_ATTENTION_BACKEND=reference``: the uncompacted
+``forward per layer`` (``compact(block_replay=False)``: the path the pipeline takes for a model whose blocks cannot
+be replayed) and ``block replay, reference attention`` (``HF_STRUCTKV_ATTENTION_BACKEND=reference``: the uncompacted
 context served by the plain-torch reference instead of SDPA). The compacted caches must agree (held-out loss, largest
 tensor difference from the first variant's), so the table is a pure cost comparison. Speed claims are ratios of wall
 times measured side by side.
@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 import transformers
 
-import hf_structkv.compaction.pipeline as pipeline
 from hf_structkv.attention.backend import BACKEND_ENV
 from hf_structkv.compaction import compact
 from hf_structkv.models import load_default_model, tiny_byte_tokenizer, tiny_model
@@ -46,19 +45,23 @@ def context(tokenizer, args) -> torch.Tensor:
 
 
 def run(model, tokenizer, ids: torch.Tensor, variant: str, args) -> tuple[dict, object]:
-    replays, backend = pipeline._block_replays, os.environ.get(BACKEND_ENV)
-    if variant == "forward per layer":
-        pipeline._block_replays = lambda *_: None
+    backend = os.environ.get(BACKEND_ENV)
     if variant.endswith("reference attention"):
         os.environ[BACKEND_ENV] = "reference"
     try:
         start = time.perf_counter()
         cache = compact(
-            model, tokenizer, ids, ratio=args.ratio, on_policy=True, query_cap=args.query_cap, progress=False
+            model,
+            tokenizer,
+            ids,
+            ratio=args.ratio,
+            on_policy=True,
+            query_cap=args.query_cap,
+            progress=False,
+            block_replay=variant != "forward per layer",
         )
         seconds = time.perf_counter() - start
     finally:
-        pipeline._block_replays = replays
         if backend is None:
             os.environ.pop(BACKEND_ENV, None)
         else:

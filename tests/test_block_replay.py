@@ -4,7 +4,6 @@ import pytest
 import torch
 from test_compaction_pipeline import WordTokenizer, context_ids
 
-import hf_structkv.compaction.pipeline as pipeline
 from hf_structkv.compaction import compact, prefill_context
 from hf_structkv.compaction.block_replay import BlockReplay, decoder_blocks
 from hf_structkv.compaction.queries import Conversation, conversation_queries
@@ -38,11 +37,12 @@ def test_replayed_queries_equal_a_forward_per_layer_through_a_compacted_cache(ar
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
-def test_on_policy_compaction_with_replay_equals_a_forward_per_layer(arch, monkeypatch):
+def test_on_policy_compaction_with_replay_equals_a_forward_per_layer(arch):
     model, ids = tiny_model(arch), context_ids(40)
     replayed = compact(model, WordTokenizer(), ids, ratio=4, method="kv_surgeon", progress=False)
-    monkeypatch.setattr(pipeline, "_block_replays", lambda *args: None)  # the fallback: one forward per layer
-    forwarded = compact(model, WordTokenizer(), ids, ratio=4, method="kv_surgeon", progress=False)
+    forwarded = compact(model, WordTokenizer(), ids, ratio=4, method="kv_surgeon", progress=False, block_replay=False)
+    assert replayed.metadata["calibration"]["on_policy_capture"] == "block replay"
+    assert forwarded.metadata["calibration"]["on_policy_capture"] == "forward per layer"
     for mine, theirs in zip(replayed.layers, forwarded.layers, strict=True):
         for a, b in zip(mine.context_tensors(), theirs.context_tensors(), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
@@ -86,6 +86,7 @@ def test_a_model_whose_blocks_cannot_be_replayed_is_tried_once_then_falls_back(m
     monkeypatch.setattr(BlockReplay, "build", classmethod(lambda cls, *args: tries.append(args) or None))
     got = compact(model, WordTokenizer(), ids, ratio=4, method="kv_surgeon", progress=False)
     assert len(tries) == 1  # one conversation (the repetition), not one try per layer
+    assert got.metadata["calibration"]["on_policy_capture"] == "forward per layer"
     for mine, theirs in zip(got.layers, want.layers, strict=True):
         for a, b in zip(mine.context_tensors(), theirs.context_tensors(), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
@@ -113,3 +114,8 @@ def test_on_policy_compaction_with_calibration_in_pieces_equals_one_forward_each
         for mine, theirs in zip(pieces.layers, whole.layers, strict=True):
             for a, b in zip(mine.context_tensors(), theirs.context_tensors(), strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_block_replay_must_be_a_bool():
+    with pytest.raises(TypeError, match="block_replay must be True or False"):
+        compact(tiny_model("qwen2"), WordTokenizer(), context_ids(8), ratio=4, block_replay="no", progress=False)

@@ -207,6 +207,7 @@ def compact(
     heldout_fraction: float = 0.1,
     self_study: SelfStudy | None = None,
     prefill_chunk_tokens: int | None = 1024,
+    block_replay: bool = True,
     **hparams,
 ) -> CompactedCache:
     """Compact ``context`` for ``model`` at compression ``ratio``.
@@ -267,6 +268,9 @@ def compact(
             many tokens (bounds activation and attention-score memory: a piece's scores take ``piece x keys`` per
             head; the cache and the queries are those of one forward, up to rounding); see `prefill_context` and
             `conversation_queries`. ``None``: one forward each.
+        block_replay: capture on-policy queries by `BlockReplay` where the model's blocks allow it; ``False``: one
+            forward per layer always (the same queries up to rounding, more compute; for a model whose replay is in
+            doubt). The metadata's ``calibration.on_policy_capture`` says which path ran.
         **hparams: the method's hyper-parameters (e.g. ``sink_tokens=4`` for StreamingLLM, ``pool_factor`` for
             KV-Surgeon); refitting methods get ``refit_guard=DEFAULT_REFIT_GUARD`` unless given (``0``: the paper's
             unconditional refit). They are recorded in the metadata.
@@ -284,6 +288,8 @@ def compact(
         raise ValueError(f"method {method!r} needs the tokenizer for its calibration prompts; pass tokenizer=")
     if not 0 <= heldout_fraction < 1:
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction!r}")
+    if not isinstance(block_replay, bool):
+        raise TypeError(f"block_replay must be True or False, got {block_replay!r}")
     if self_study is not None and not isinstance(self_study, SelfStudy):
         raise TypeError(f"self_study must be a SelfStudy or None, got {type(self_study).__name__}")
     self_study = SelfStudy() if self_study is None else self_study
@@ -301,7 +307,7 @@ def compact(
         conversations = _calibration_conversations(
             model, tokenizer, context_ids, spans, queries, self_study, seed, selection.build(cache), progress
         )
-        if on_policy:
+        if on_policy and block_replay:
             replays = _block_replays(model, conversations, selection.build(cache), prefill_chunk_tokens)
     global_layers = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
     for layer_idx in tqdm(global_layers, desc=f"compact ({method})", disable=not progress):
@@ -344,7 +350,14 @@ def compact(
         "method": method,
         "hyperparameters": {"ratio": float(ratio), "seed": seed, **hparams},
         "calibration": _calibration_description(
-            rule.needs_queries, queries, on_policy, query_cap, heldout_fraction, self_study, conversations
+            rule.needs_queries,
+            queries,
+            on_policy,
+            replays is not None,
+            query_cap,
+            heldout_fraction,
+            self_study,
+            conversations,
         ),
         "budgets": budget_record,
         "chunking": {
@@ -364,6 +377,7 @@ def _calibration_description(
     needs_queries: bool,
     queries: str,
     on_policy: bool,
+    replayed: bool,
     cap: int,
     heldout: float,
     self_study: SelfStudy,
@@ -375,6 +389,7 @@ def _calibration_description(
         "queries": queries,
         "instruction": DEFAULT_INSTRUCTION,
         "on_policy": on_policy,
+        "on_policy_capture": ("block replay" if replayed else "forward per layer") if on_policy else None,
         "query_cap_per_head": cap,
         "heldout_fraction": heldout,
         "answer_tokens_per_chunk": [
