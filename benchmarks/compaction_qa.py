@@ -512,8 +512,8 @@ def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]
 
 
 def plot_pareto(summary: list[dict], path: Path, title: str) -> None:
-    """Two panels: accuracy vs compression ratio (one line per method variant, the full cache dashed), and accuracy
-    vs pipeline seconds with the Pareto front of all compacted caches."""
+    """Three panels: accuracy and gold-answer NLL vs compression ratio (one line per method variant, the full cache
+    dotted), and accuracy vs pipeline seconds with the Pareto front of all compacted caches."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -521,12 +521,13 @@ def plot_pareto(summary: list[dict], path: Path, title: str) -> None:
 
     full = next(row for row in summary if row["cache"] == FULL)
     labels = list(dict.fromkeys(row["cache"] for row in summary if row["cache"] != FULL))
-    figure, (by_ratio, by_time) = plt.subplots(1, 2, figsize=(12, 4.8))
+    figure, (by_ratio, nll_by_ratio, by_time) = plt.subplots(1, 3, figsize=(18, 4.8))
     for label in labels:
         rows = sorted((row for row in summary if row["cache"] == label), key=lambda row: row["ratio"])
         ratios, accuracy = [row["ratio"] for row in rows], [row["accuracy"] for row in rows]
         style = "-o" if label.startswith(KV_SURGEON) else "--s"
         by_ratio.errorbar(ratios, accuracy, yerr=[row["accuracy_std"] for row in rows], fmt=style, label=label)
+        nll_by_ratio.plot(ratios, [row["gold_answer_nll"] for row in rows], style, label=label)
         by_time.scatter([row["pipeline_seconds"] for row in rows], accuracy, label=label)
         for row in rows:
             by_time.annotate(f"{row['ratio']:g}x", (row["pipeline_seconds"], row["accuracy"]), fontsize=7)
@@ -538,13 +539,17 @@ def plot_pareto(summary: list[dict], path: Path, title: str) -> None:
     points = [(row["pipeline_seconds"], row["accuracy"]) for row in summary if row["cache"] != FULL]
     front = pareto_front(points)
     by_time.step(*zip(*front, strict=True), where="post", color="grey", alpha=0.6, label="Pareto front")
-    by_ratio.set_xscale("log")
+    nll_by_ratio.axhline(full["gold_answer_nll"], color="black", linestyle=":", label="full cache")
+    nll_by_ratio.set_ylabel("gold-answer NLL (nats per token, lower is better)")
+    nll_by_ratio.grid(alpha=0.3)
     ratios = sorted({row["ratio"] for row in summary if row["cache"] != FULL})
-    by_ratio.set_xticks(ratios, [f"{ratio:g}x" for ratio in ratios])
-    by_ratio.minorticks_off()
-    by_ratio.set_xlabel("compression ratio (original / kept entries per KV head)")
+    for axis in (by_ratio, nll_by_ratio):
+        axis.set_xscale("log")
+        axis.set_xticks(ratios, [f"{ratio:g}x" for ratio in ratios])
+        axis.minorticks_off()
+        axis.set_xlabel("compression ratio (original / kept entries per KV head)")
+        axis.legend(fontsize=7)
     by_time.set_xlabel("pipeline seconds per document (compact: prefill + calibration + fits)")
-    by_ratio.legend(fontsize=7)
     by_time.legend(fontsize=7)
     figure.suptitle(title, fontsize=10)
     figure.tight_layout()
