@@ -1,5 +1,9 @@
 """Teacher-forced likelihood of reference answers after a cached context: a continuous measure of what a cache
-(full or compacted) keeps of the answers a model can give from it."""
+(full or compacted) keeps of the answers a model can give from it.
+
+Teacher forcing scores each answer token given the answer's earlier tokens, so a cache can score well on an answer
+it would not generate (given a number's first digits, the model may complete it from what other kept entries hold):
+read it beside generated answers, not instead of them."""
 
 from __future__ import annotations
 
