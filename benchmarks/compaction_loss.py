@@ -48,9 +48,10 @@ from hf_structkv.compaction import (
     prefill_context,
     relative_loss,
 )
-from hf_structkv.compaction.queries import branch_cache, cap_queries, capture_queries, repeat_pass_queries
+from hf_structkv.compaction.queries import cap_queries, capture_queries, repeat_pass_queries
 from hf_structkv.compaction.self_study import self_study_queries
 from hf_structkv.eval.squad import squad_document, squad_titles
+from hf_structkv.generation import context_copy
 from hf_structkv.models import load_default_model, tiny_byte_tokenizer, tiny_model
 from hf_structkv.prompts import document_chat_prompt, question_text
 
@@ -136,7 +137,7 @@ def heldout_queries(model, context_cache, question_ids: list[torch.Tensor], cap:
     Returns:
         ``{layer: [H_kv, min(g * Σq, cap), D]}`` (seeded subsample per KV head).
     """
-    captures = [capture_queries(model, ids, cache=branch_cache(context_cache)) for ids in question_ids]
+    captures = [capture_queries(model, ids, cache=context_copy(context_cache)) for ids in question_ids]
     stacked = {layer: torch.cat([capture[layer] for capture in captures], dim=1) for layer in captures[0]}
     return cap_queries(stacked, cap, seed)
 

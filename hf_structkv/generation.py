@@ -11,19 +11,24 @@ from transformers.cache_utils import Cache
 from .cache.compacted import CompactedCache
 
 
-def context_copy(cache: Cache, batch: int) -> Cache:
-    """A copy of a context cache with nothing appended, ready for ``batch`` rows; ``cache`` itself is not changed.
+def context_copy(cache: Cache, batch: int | None = None) -> Cache:
+    """A copy of a context cache to continue without touching it, ready for ``batch`` rows; ``cache`` itself is not
+    changed.
 
-    A `CompactedCache` shares its context tensors with the copy (its context serves any batch); any other cache (a
-    prefilled ``DynamicCache``) is deep-copied and, when it holds one row, repeated to ``batch`` rows.
+    A `CompactedCache` shares its context tensors with the copy (its context serves any batch; it must hold nothing
+    appended); any other cache (a prefilled ``DynamicCache``) is deep-copied (transformers' documented way to reuse a
+    prompt cache) and, when it holds one row, repeated to ``batch`` rows. ``batch=None`` keeps the cache's rows.
 
     Raises:
-        ValueError: ``batch`` is not an integer >= 1, or a non-compacted cache holds neither 1 nor ``batch`` rows.
+        ValueError: ``batch`` is neither ``None`` nor an integer >= 1, or a non-compacted cache holds neither 1 nor
+            ``batch`` rows.
     """
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise ValueError(f"batch must be None or an integer >= 1, got {batch!r}")
     if isinstance(cache, CompactedCache):
         return cache.copy()
+    if batch is None:
+        return copy.deepcopy(cache)
     rows = cache.layers[0].keys.shape[0]
     if rows not in (1, batch):
         raise ValueError(f"cache holds {rows} rows; copy it for batch 1 or {rows}, not {batch}")

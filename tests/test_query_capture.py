@@ -12,7 +12,6 @@ from hf_structkv.compaction.queries import (
     Conversation,
     Piece,
     answer_pieces,
-    branch_cache,
     cap_queries,
     capture_queries,
     conversation_queries,
@@ -22,6 +21,7 @@ from hf_structkv.compaction.queries import (
     repetition_conversation,
     subsample_queries,
 )
+from hf_structkv.generation import context_copy
 from hf_structkv.models import tiny_model
 
 N_Q_HEADS, N_KV_HEADS, HEAD_DIM = 4, 2, 16
@@ -303,9 +303,9 @@ def test_conversation_continues_a_compacted_cache_without_touching_it():
         model, torch.tensor([[7, 8, 9, 10, 11]]), positions=slice(2, None), cache=compacted.copy()
     )
     assert all(torch.equal(got[layer], expected[layer]) for layer in got)
-    assert compacted.get_seq_length() == 24 and branch_cache(compacted).get_seq_length() == 24
+    assert compacted.get_seq_length() == 24 and context_copy(compacted).get_seq_length() == 24
     full = prefill_context(model, context)
-    copied = branch_cache(full)
+    copied = context_copy(full)
     assert copied is not full and torch.equal(copied.layers[0].keys, full.layers[0].keys)
     assert copied.layers[0].keys.data_ptr() != full.layers[0].keys.data_ptr()
 

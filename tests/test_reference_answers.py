@@ -117,8 +117,17 @@ def test_context_copy_of_a_compacted_cache_shares_its_context(model):
 @pytest.mark.parametrize("batch", [0, -1, 1.5, True])
 def test_context_copy_rejects_a_bad_batch(model, batch):
     context, _, _ = case()
-    with pytest.raises(ValueError, match="batch must be an integer >= 1"):
+    with pytest.raises(ValueError, match="batch must be None or an integer >= 1"):
         context_copy(prefill_context(model, context), batch)
+
+
+def test_context_copy_without_a_batch_keeps_the_rows_of_a_dynamic_cache(model):
+    context, _, _ = case()
+    cache = context_copy(prefill_context(model, context), 2)
+    copied = context_copy(cache)
+    assert copied is not cache and copied.layers[0].keys.shape[0] == 2
+    for layer, original in zip(copied.layers, cache.layers):
+        assert torch.equal(layer.keys, original.keys) and layer.keys.data_ptr() != original.keys.data_ptr()
 
 
 def test_context_copy_rejects_a_dynamic_cache_of_another_batch(model):

@@ -14,7 +14,6 @@ from hf_structkv.compaction import (
     self_study_conversations,
     self_study_queries,
 )
-from hf_structkv.compaction.queries import branch_cache
 from hf_structkv.compaction.self_study import (
     EXCERPT_INTRO,
     EXCERPT_OUTRO,
@@ -22,7 +21,7 @@ from hf_structkv.compaction.self_study import (
     SelfStudyTask,
     sample_answer,
 )
-from hf_structkv.generation import generation_inputs
+from hf_structkv.generation import context_copy, generation_inputs
 from hf_structkv.models import tiny_model
 
 N_KV_HEADS, GROUP, HEAD_DIM = 2, 2, 16
@@ -102,7 +101,7 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy():
     task = SelfStudyTask("t", "p", 15, 1.0, 1.0, 200)
 
     def sample(task, seed):
-        return sample_answer(model, prompt, branch_cache(cache), task, torch.Generator().manual_seed(seed))
+        return sample_answer(model, prompt, context_copy(cache), task, torch.Generator().manual_seed(seed))
 
     assert torch.equal(sample(task, 0), sample(task, 0))
     assert not torch.equal(sample(task, 0), sample(task, 1))
@@ -114,9 +113,9 @@ def test_answer_stops_at_the_end_of_sequence_token_and_leaves_it_out():
     model = tiny_model("llama")
     cache = prefill_context(model, token_ids(20))
     prompt = torch.tensor([5, 6, 7])
-    free = sample_answer(model, prompt, branch_cache(cache), greedy(10), torch.Generator())
+    free = sample_answer(model, prompt, context_copy(cache), greedy(10), torch.Generator())
     stop = int(free[3])
-    stopped = sample_answer(model, prompt, branch_cache(cache), greedy(10), torch.Generator(), stop_ids={stop})
+    stopped = sample_answer(model, prompt, context_copy(cache), greedy(10), torch.Generator(), stop_ids={stop})
     first = int((free == stop).nonzero()[0])
     assert torch.equal(stopped, free[:first])
 

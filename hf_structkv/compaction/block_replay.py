@@ -22,7 +22,8 @@ import torch
 from transformers import Cache, PreTrainedModel
 
 from ..attention.modules import attention_modules
-from .queries import Conversation, Piece, answer_pieces, branch_cache, join_pieces, recording
+from ..generation import context_copy
+from .queries import Conversation, Piece, answer_pieces, join_pieces, recording
 
 __all__ = ["BlockReplay", "decoder_blocks"]
 
@@ -92,7 +93,7 @@ class BlockReplay:
             return None
         turn = torch.cat([conversation.prompt_ids, conversation.answer_ids])[None].to(model.device)
         pieces = answer_pieces(turn.shape[1], conversation.prompt_ids.numel(), chunk_tokens)
-        cache = branch_cache(context_cache)
+        cache = context_copy(context_cache)
         seen: list[tuple[tuple, dict]] = []
         hooks = [
             block.register_forward_pre_hook(lambda _m, args, kwargs: seen.append((args, kwargs)), with_kwargs=True)
@@ -117,7 +118,7 @@ class BlockReplay:
         inputs = [
             [args[0] if args else kwargs["hidden_states"] for args, kwargs in recorded[:2]] for recorded in per_piece
         ]
-        branch = branch_cache(context_cache)
+        branch = context_copy(context_cache)
         with torch.no_grad():
             for piece_calls, (first, second) in zip(calls, inputs, strict=True):
                 replayed = piece_calls[0](blocks[0], first, branch)
@@ -145,11 +146,11 @@ class BlockReplay:
             )
         with torch.no_grad():
             for index in range(self.next_block, layer_idx):
-                branch = branch_cache(context_cache)
+                branch = context_copy(context_cache)
                 for i, piece_calls in enumerate(self._calls):
                     self._hidden[i] = piece_calls[index](self._blocks[index], self._hidden[i], branch)
         self.next_block = layer_idx
-        branch, parts = branch_cache(context_cache), []
+        branch, parts = context_copy(context_cache), []
         for i, piece in enumerate(self._pieces):
             with recording(self._model, piece.positions, layers=[layer_idx]) as recorder:
                 self._calls[i][layer_idx](self._blocks[layer_idx], self._hidden[i], branch)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import copy
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -26,13 +25,12 @@ from transformers import AttentionInterface, DynamicCache, PreTrainedModel, PreT
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..cache.compacted import CompactedCache
+from ..generation import context_copy
 from ..validation import check_int, is_int
 
 __all__ = [
     "RECORD_NAME",
     "Conversation",
-    "branch_cache",
     "cap_queries",
     "capture_queries",
     "conversation_queries",
@@ -158,7 +156,7 @@ def capture_queries(
         cache: a prefilled cache to continue (updated in place), e.g. from `prefill_context` or a `CompactedCache`.
         layers: record only these global layers (indices) and stop the forward as soon as the last of them is
             recorded (on-policy calibration needs one layer per pass). The layers after it then never run: a given
-            ``cache`` holds the new tokens only up to that layer, so pass a copy (`branch_cache`). ``None``: every
+            ``cache`` holds the new tokens only up to that layer, so pass a copy (`context_copy`). ``None``: every
             global layer, the whole forward.
 
     Returns:
@@ -319,13 +317,6 @@ def repetition_conversation(
     return Conversation("repetition", _instruction_ids(tokenizer, instruction, instruction_ids), text_ids.reshape(-1))
 
 
-def branch_cache(cache):
-    """A copy of a context cache to continue without touching it: `CompactedCache.copy` (shares the context tensors;
-    the cache must hold nothing appended), else ``copy.deepcopy`` (transformers' documented way to reuse a prompt
-    cache)."""
-    return cache.copy() if isinstance(cache, CompactedCache) else copy.deepcopy(cache)
-
-
 def conversation_queries(
     model: PreTrainedModel,
     context_ids: torch.Tensor,
@@ -341,7 +332,7 @@ def conversation_queries(
         context_ids: ``[1, T]``.
         conversations: each runs as ``context + prompt + answer``; those with an empty answer add nothing.
         context_cache: a cache holding exactly the context (e.g. a `CompactedCache` whose earlier layers are
-            compacted, for on-policy calibration); each conversation then continues a `branch_cache` copy of it
+            compacted, for on-policy calibration); each conversation then continues a `context_copy` of it
             and the given cache is left as it is. ``None`` runs the context in every conversation's forward.
         layers: only these global layers, each forward stopped after the last of them (`capture_queries`).
         chunk_tokens: run each conversation's sequence (with the context when ``context_cache`` is ``None``) in
@@ -367,7 +358,7 @@ def conversation_queries(
         if context_cache is None:
             sequence, cache, prefix = torch.cat([context_ids, turn], dim=1), None, context_ids.shape[1]
         else:
-            sequence, cache, prefix = turn, branch_cache(context_cache), 0
+            sequence, cache, prefix = turn, context_copy(context_cache), 0
         pieces = answer_pieces(sequence.shape[1], prefix + conversation.prompt_ids.numel(), chunk_tokens)
         if len(pieces) > 1 and cache is None:
             cache = DynamicCache(config=model.config)
@@ -397,7 +388,7 @@ def repeat_pass_queries(
         instruction_ids: ``[1, P]`` or ``[P]``; replaces ``instruction`` (then ``tokenizer`` may be ``None``).
         context_cache: a cache already holding the first copy of the context (e.g. a `CompactedCache` whose earlier
             layers are compacted, for on-policy calibration); only ``prompt + context`` is then run, on a copy
-            (`branch_cache`): the given cache is left as it is.
+            (`context_copy`): the given cache is left as it is.
 
     Returns:
         ``{layer_idx: [H_kv, min(g * T, cap), D]}`` for each global layer.

@@ -21,13 +21,13 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from ..generation import context_copy
 from ..validation import check_int
 from .prefill import prefill_context
 from .queries import (
     DEFAULT_CAP,
     DEFAULT_INSTRUCTION,
     Conversation,
-    branch_cache,
     cap_queries,
     conversation_queries,
     repetition_conversation,
@@ -184,7 +184,7 @@ def self_study_conversations(
 
     Args:
         context_cache: a cache holding the context and nothing after it; each conversation continues a
-            `branch_cache` copy (the cache is left as it is).
+            `context_copy` (the cache is left as it is).
         config: lengths, sampling and the turn suffix (default ``SelfStudy()``).
         seed: seeds one ``torch.Generator`` drawn from by the four conversations in order.
         excerpt_ids: ``[1, E]`` or ``[E]``, one chunk of a context compacted chunk by chunk: each prompt then quotes
@@ -209,7 +209,7 @@ def self_study_conversations(
     conversations = []
     for task in config.tasks:
         prompt = torch.cat([prefix, ids(task.prompt + config.turn_suffix)])
-        answer = sample_answer(model, prompt, branch_cache(context_cache), task, generator, stops)
+        answer = sample_answer(model, prompt, context_copy(context_cache), task, generator, stops)
         conversations.append(Conversation(task.name, prompt, answer.cpu()))
     return conversations
 
