@@ -34,6 +34,16 @@ met / not measured, for each KV-Surgeon query tier that ran.
     python benchmarks/compaction_qa.py --tasks squad needle --doc-tokens 2048 --questions 5 --ratios 10 50 \\
         --out benchmarks/results/compaction_qa.json --plot docs/img/compaction_qa.png
 
+``--choices K`` also scores every question as multiple choice from the same caches (QuALITY, the KV-Surgeon paper's
+main benchmark, is multiple choice): its first gold answer against ``K - 1`` distractors, the first gold answers of
+other questions about the same document (for the needle task the other needles' values), each teacher forced after
+the question; the cache picks the option of the lowest mean per-token NLL (lm-evaluation-harness's likelihood
+scoring, not the paper's generated letter: the embedded 0.5B model answers letter prompts near chance even from the
+full cache). Correct when the gold answer's NLL is strictly below every distractor's; the margin (lowest distractor
+NLL minus the gold's) is the continuous measure. Rows then carry ``choice_*`` fields, the summary
+``choice_accuracy`` / ``choice_margin`` etc., the JSON ``targets_multiple_choice``, the plot a fourth panel.
+Documents, questions and free-form answers are the same with and without it.
+
 ``--uncompacted-layers 12 13 ...`` is a diagnostic: every compacted cache keeps those layers whole (the other layers
 keep what ``compact(budgets=--budgets)`` gives them), so it stores more than ``1/ratio`` of the context and its rows
 are labelled ``<variant>[layers whole]`` (the targets are then not measured).
@@ -87,6 +97,12 @@ DEFAULT_VARIANTS = (KV_SURGEON, f"{KV_SURGEON}:self_study", *BASELINES)
 TARGET_KEPT_ACCURACY = 0.9  # at 10x, kv_surgeon keeps >= 90% of the full cache's accuracy
 TARGET_AHEAD_RATIOS = (20.0, 50.0)  # where kv_surgeon must be strictly ahead of every baseline
 FULL = "full"
+MAX_CHOICES = 8
+# answer form -> (prefix of its summary keys, its 0/1 row key, its continuous row key, that key's column header)
+FORMS = {
+    "free-form": ("", "correct", "gold_answer_nll", "gold NLL"),
+    "multiple-choice": ("choice_", "choice_correct", "choice_margin", "margin"),
+}
 DATA_PACKAGE = "long_context_eval"
 DATA_FOLDER = "data/synthetic/json"
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
@@ -289,6 +305,34 @@ def needle_documents(
 TASK_BUILDERS = {"squad": squad_documents, "hotpotqa": hotpotqa_documents, "needle": needle_documents}
 
 
+def choice_distractors(document: QADocument, choices: int, rng: random.Random) -> list[tuple[str, ...]]:
+    """Per question of ``document``: ``choices - 1`` distractors for its multiple-choice form, a seeded sample of the
+    first gold answers of the document's other questions (distinct after `normalize_answer`, none equal to a gold
+    answer of the question). They answer other questions about the same text (for the needle task: the other
+    needles' values), so a cache must keep which answer goes with which question, not only that an answer occurs.
+
+    Raises:
+        ValueError: ``choices`` is not in ``2 .. MAX_CHOICES``, or a question has fewer than ``choices - 1`` distinct
+            other answers in its document.
+    """
+    if not 2 <= choices <= MAX_CHOICES:
+        raise ValueError(f"--choices must be 0 (free-form only) or 2 .. {MAX_CHOICES}, got {choices}")
+    firsts: dict[str, str] = {}  # normalised -> the first question's spelling
+    for item in document.questions:
+        firsts.setdefault(normalize_answer(item.answers[0]), item.answers[0])
+    result = []
+    for item in document.questions:
+        own = {normalize_answer(answer) for answer in item.answers}
+        pool = [answer for key, answer in firsts.items() if key and key not in own]
+        if len(pool) < choices - 1:
+            raise ValueError(
+                f"--choices {choices}: a {document.task} question has only {len(pool)} distinct other answers in its "
+                "document; ask more --questions or fewer --choices"
+            )
+        result.append(tuple(rng.sample(pool, choices - 1)))
+    return result
+
+
 # ------------------------------------------------------------------------------------------------------ scoring
 def token_f1(prediction: str, answers: tuple[str, ...]) -> float:
     """SQuAD token F1 of ``prediction`` against its best gold answer (after `normalize_answer`)."""
@@ -334,15 +378,16 @@ def generate_replies(
 
 
 def gold_references(
-    tokenizer: PreTrainedTokenizerBase, document: QADocument, prompts: list[str], batch_size: int
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str], answers: list[str], batch_size: int
 ) -> list[ReferenceAnswers]:
-    """Each question's first gold answer after its prompt, teacher forced, ``batch_size`` rows per batch."""
+    """Each prompt's gold answer (a question's first gold answer, or its option letter) after it, teacher forced,
+    ``batch_size`` rows per batch."""
 
     def ids(text: str) -> torch.Tensor:
         return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
 
     questions = [ids(prompt) for prompt in prompts]
-    answers = [ids(item.answers[0]) for item in document.questions]
+    answers = [ids(answer) for answer in answers]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return [
         ReferenceAnswers.build(questions[i : i + batch_size], answers[i : i + batch_size], pad_id)
@@ -367,6 +412,78 @@ def scored_rows(document: QADocument, replies: list[str], nlls: list[float]) -> 
         }
         for item, reply, nll in zip(document.questions, replies, nlls, strict=True)
     ]
+
+
+def scored_choices(distractors: list[tuple[str, ...]], distractor_nlls: list[list[float]], gold_nlls: list[float]):
+    """Per question: its distractors and their NLLs after the question, whether the gold answer's NLL is strictly the
+    lowest (``choice_correct``), and the margin, lowest distractor NLL minus the gold's (> 0 when correct).
+
+    Args:
+        distractors: per question, its ``K - 1`` distractors (`choice_distractors`).
+        distractor_nlls: per distractor slot ``j``, the NLL of every question's ``j``-th distractor.
+        gold_nlls: per question, its gold answer's NLL (the free-form row's ``gold_answer_nll``).
+    """
+    rows = []
+    for question, (options, gold) in enumerate(zip(distractors, gold_nlls, strict=True)):
+        nlls = [slot[question] for slot in distractor_nlls]
+        margin = min(nlls) - gold
+        rows.append(
+            {"choice_distractors": list(options), "choice_distractor_nlls": nlls}
+            | {"choice_correct": margin > 0, "choice_margin": margin}
+        )
+    return rows
+
+
+@dataclass(frozen=True)
+class AskedDocument:
+    """A document's questions as asked after its context, with their teacher-forced gold answers
+    (`gold_references`) and, with ``--choices``, each question's distractors teacher forced after it."""
+
+    document: QADocument
+    prompts: list[str]
+    references: list[ReferenceAnswers]
+    distractors: list[tuple[str, ...]]
+    distractor_references: list[list[ReferenceAnswers]]
+
+    @classmethod
+    def build(
+        cls,
+        tokenizer: PreTrainedTokenizerBase,
+        document: QADocument,
+        suffix: str,
+        choices: int,
+        seed: int,
+        index: int,
+        batch_size: int,
+    ) -> AskedDocument:
+        """``suffix``: the chat's question suffix (`document_chat_prompt`); ``choices``: options per question (0: no
+        multiple-choice form), distractors drawn with a generator seeded by ``(seed, index)`` (so documents and
+        questions are the same with and without ``--choices``); ``batch_size``: rows per teacher-forced forward."""
+        prompts = [question_text(item.question, suffix) for item in document.questions]
+        answers = [item.answers[0] for item in document.questions]
+        distractors = choice_distractors(document, choices, random.Random(f"choices {seed} {index}")) if choices else []
+        slots = list(zip(*distractors, strict=True))  # slot j: every question's j-th distractor
+        return cls(
+            document,
+            prompts,
+            gold_references(tokenizer, prompts, answers, batch_size),
+            distractors,
+            [gold_references(tokenizer, prompts, list(slot), batch_size) for slot in slots],
+        )
+
+    def answered_rows(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cache, args: argparse.Namespace
+    ) -> list[dict]:
+        """Every question answered from fresh copies of ``cache`` and scored (`scored_rows`, plus `scored_choices`
+        in the same rows with ``--choices``)."""
+        replies = generate_replies(model, tokenizer, cache, self.prompts, args.batch_size, args.max_new_tokens)
+        nlls = gold_nlls(model, self.references, cache)
+        rows = scored_rows(self.document, replies, nlls)
+        if not self.distractors:
+            return rows
+        distractor_nlls = [gold_nlls(model, references, cache) for references in self.distractor_references]
+        choices = scored_choices(self.distractors, distractor_nlls, nlls)
+        return [row | choice for row, choice in zip(rows, choices, strict=True)]
 
 
 # ------------------------------------------------------------------------------------------------- compaction
@@ -408,51 +525,66 @@ def run_label(args: argparse.Namespace, variant: Variant) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ summary
+def accuracy_summary(per_seed_rows: list[list[dict]], form: str) -> dict:
+    """For one answer ``form`` (a key of ``FORMS``): accuracy (share of its 0/1 row key) per seed, its mean / std over
+    seeds, per task, and the mean of its continuous row key overall and per task (means over seeds); accuracy keys
+    start with the form's prefix, the continuous ones are named by their row key."""
+    prefix, correct, value, _ = FORMS[form]
+    accuracy, mean, per_task, mean_per_task = [], [], {}, {}
+    for rows in per_seed_rows:
+        accuracy.append(sum(row[correct] for row in rows) / len(rows))
+        mean.append(statistics.fmean(row[value] for row in rows))
+        for task in sorted({row["task"] for row in rows}):
+            task_rows = [row for row in rows if row["task"] == task]
+            per_task.setdefault(task, []).append(sum(row[correct] for row in task_rows) / len(task_rows))
+            mean_per_task.setdefault(task, []).append(statistics.fmean(row[value] for row in task_rows))
+    return {
+        f"{prefix}accuracy": statistics.fmean(accuracy),
+        f"{prefix}accuracy_std": statistics.pstdev(accuracy),
+        f"{prefix}accuracy_per_seed": accuracy,
+        f"{prefix}accuracy_per_task": {task: statistics.fmean(values) for task, values in per_task.items()},
+        value: statistics.fmean(mean),
+        f"{value}_per_task": {task: statistics.fmean(values) for task, values in mean_per_task.items()},
+    }
+
+
 def summarize(runs: list[dict]) -> list[dict]:
-    """Per (cache, ratio): accuracy and F1 per seed over all its questions, their mean / std over seeds, accuracy and
-    gold-answer NLL per task (mean over seeds), the mean gold-answer NLL, mean pipeline seconds per document, and
-    accuracy relative to the full cache."""
+    """Per (cache, ratio): accuracy per seed over all its questions, their mean / std over seeds, accuracy and
+    gold-answer NLL per task (mean over seeds), the mean gold-answer NLL and F1, mean pipeline seconds per document,
+    and accuracy relative to the full cache; the multiple-choice accuracy (keys prefixed ``choice_``) and margin too
+    when the rows have them (``--choices``)."""
     groups: dict[tuple[str, float], dict[int, list[dict]]] = {}
     for run in runs:
         groups.setdefault((run["cache"], run["ratio"]), {}).setdefault(run["seed"], []).append(run)
+    forms = [form for form, (_, correct, _, _) in FORMS.items() if correct in runs[0]["rows"][0]]
     summary = []
     for (cache, ratio), per_seed in groups.items():
-        accuracy, f1, nll, per_task, nll_per_task = [], [], [], {}, {}
-        for seed_runs in per_seed.values():
-            rows = [row for run in seed_runs for row in run["rows"]]
-            accuracy.append(sum(row["correct"] for row in rows) / len(rows))
-            f1.append(sum(row["f1"] for row in rows) / len(rows))
-            nll.append(statistics.fmean(row["gold_answer_nll"] for row in rows))
-            for task in sorted({run["task"] for run in seed_runs}):
-                task_rows = [row for run in seed_runs if run["task"] == task for row in run["rows"]]
-                per_task.setdefault(task, []).append(sum(row["correct"] for row in task_rows) / len(task_rows))
-                nll_per_task.setdefault(task, []).append(statistics.fmean(row["gold_answer_nll"] for row in task_rows))
+        per_seed_rows = [
+            [row | {"task": run["task"]} for run in seed_runs for row in run["rows"]] for seed_runs in per_seed.values()
+        ]
         seconds = [run["seconds"] for seed_runs in per_seed.values() for run in seed_runs]
+        entry = {"cache": cache, "ratio": ratio}
+        for form in forms:
+            entry |= accuracy_summary(per_seed_rows, form)
         summary.append(
-            {
-                "cache": cache,
-                "ratio": ratio,
-                "accuracy": statistics.fmean(accuracy),
-                "accuracy_std": statistics.pstdev(accuracy),
-                "accuracy_per_seed": accuracy,
-                "f1": statistics.fmean(f1),
-                "accuracy_per_task": {task: statistics.fmean(values) for task, values in per_task.items()},
-                "gold_answer_nll": statistics.fmean(nll),
-                "gold_answer_nll_per_task": {task: statistics.fmean(values) for task, values in nll_per_task.items()},
-                "questions_per_seed": sum(len(run["rows"]) for run in next(iter(per_seed.values()))),
+            entry
+            | {
+                "f1": statistics.fmean(statistics.fmean(row["f1"] for row in rows) for rows in per_seed_rows),
+                "questions_per_seed": len(per_seed_rows[0]),
                 "pipeline_seconds": statistics.fmean(seconds),
             }
         )
-    full = next(row["accuracy"] for row in summary if row["cache"] == FULL)
-    for row in summary:
-        row["accuracy_vs_full"] = row["accuracy"] / full if full > 0 else None
+    for prefix, *_ in (FORMS[form] for form in forms):
+        full = next(row[f"{prefix}accuracy"] for row in summary if row["cache"] == FULL)
+        for row in summary:
+            row[f"{prefix}accuracy_vs_full"] = row[f"{prefix}accuracy"] / full if full > 0 else None
     return summary
 
 
-def target_verdicts(summary: list[dict]) -> dict:
-    """The issue's two targets for each KV-Surgeon tier that ran (without ``--uncompacted-layers``):
-    ``{tier label: {target: verdict}}``."""
-    accuracy = {(row["cache"], row["ratio"]): row["accuracy"] for row in summary}
+def target_verdicts(summary: list[dict], prefix: str = "") -> dict:
+    """The issue's two targets for each KV-Surgeon tier that ran (without ``--uncompacted-layers``), on the free-form
+    accuracy (``prefix=""``) or the multiple-choice one (``"choice_"``): ``{tier label: {target: verdict}}``."""
+    accuracy = {(row["cache"], row["ratio"]): row[f"{prefix}accuracy"] for row in summary}
     full = accuracy[(FULL, 1.0)]
     verdicts = {}
     tiers = {cache for cache, _ in accuracy if cache.partition(":")[0] == KV_SURGEON and "[" not in cache}
@@ -483,19 +615,26 @@ def target_verdicts(summary: list[dict]) -> dict:
 
 
 def print_report(summary: list[dict], verdicts: dict, tasks: list[str]) -> None:
-    """The summary table (accuracy per task, then the gold-answer NLL per task) and the target verdicts."""
-    header = f"{'cache':<26}{'ratio':>7}{'accuracy':>15}{'F1':>7}{'vs full':>9}{'pipeline s':>12}{'gold NLL':>10}"
-    print(header + "".join(f"{task:>10}" for task in tasks) + "".join(f"{'NLL ' + task:>14}" for task in tasks))
-    for row in summary:
-        vs_full = "" if row["accuracy_vs_full"] is None else f"{row['accuracy_vs_full']:.0%}"
-        accuracy = f"{row['accuracy']:.1%}±{row['accuracy_std']:.1%}"
-        line = f"{row['cache']:<26}{row['ratio']:>7g}{accuracy:>15}{row['f1']:>7.2f}{vs_full:>9}"
-        line += f"{row['pipeline_seconds']:>12.1f}{row['gold_answer_nll']:>10.3f}"
-        line += "".join(f"{row['accuracy_per_task'].get(task, math.nan):>10.1%}" for task in tasks)
-        print(line + "".join(f"{row['gold_answer_nll_per_task'].get(task, math.nan):>14.3f}" for task in tasks))
-    for label, result in verdicts.items():
-        for name, verdict in result.items():
-            print(f"target [{label}] {name}: {verdict}")
+    """The summary table (accuracy per task, then the gold-answer NLL per task) and the target verdicts, for the
+    free-form answers and (``--choices``) the multiple-choice ones; ``verdicts``: ``{form: target_verdicts(...)}``."""
+    for form in verdicts:
+        prefix, _, value, name = FORMS[form]
+        print(f"{form} answers")
+        header = f"{'cache':<26}{'ratio':>7}{'accuracy':>15}{'F1':>7}{'vs full':>9}{'pipeline s':>12}{name:>10}"
+        print(header + "".join(f"{task:>10}" for task in tasks) + "".join(f"{name + ' ' + task:>14}" for task in tasks))
+        for row in summary:
+            vs_full = row[f"{prefix}accuracy_vs_full"]
+            accuracy = f"{row[f'{prefix}accuracy']:.1%}±{row[f'{prefix}accuracy_std']:.1%}"
+            f1 = f"{row['f1']:>7.2f}" if not prefix else f"{'':>7}"
+            vs_full = "" if vs_full is None else f"{vs_full:.0%}"
+            line = f"{row['cache']:<26}{row['ratio']:>7g}{accuracy:>15}{f1}{vs_full:>9}"
+            line += f"{row['pipeline_seconds']:>12.1f}{row[value]:>10.3f}"
+            line += "".join(f"{row[f'{prefix}accuracy_per_task'].get(task, math.nan):>10.1%}" for task in tasks)
+            means = row[f"{value}_per_task"]
+            print(line + "".join(f"{means.get(task, math.nan):>14.3f}" for task in tasks))
+        for label, result in verdicts[form].items():
+            for name, verdict in result.items():
+                print(f"target [{form}, {label}] {name}: {verdict}")
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -513,7 +652,8 @@ def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]
 
 def plot_pareto(summary: list[dict], path: Path, title: str) -> None:
     """Three panels: accuracy and gold-answer NLL vs compression ratio (one line per method variant, the full cache
-    dotted), and accuracy vs pipeline seconds with the Pareto front of all compacted caches."""
+    dotted), and accuracy vs pipeline seconds with the Pareto front of all compacted caches; a fourth, the
+    multiple-choice accuracy vs ratio, when the summary has it (``--choices``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -521,19 +661,26 @@ def plot_pareto(summary: list[dict], path: Path, title: str) -> None:
 
     full = next(row for row in summary if row["cache"] == FULL)
     labels = list(dict.fromkeys(row["cache"] for row in summary if row["cache"] != FULL))
-    figure, (by_ratio, nll_by_ratio, by_time) = plt.subplots(1, 3, figsize=(18, 4.8))
+    prefixes = [prefix for prefix, *_ in FORMS.values() if f"{prefix}accuracy" in full]
+    figure, axes = plt.subplots(1, 2 + len(prefixes), figsize=(6 * (2 + len(prefixes)), 4.8))
+    by_ratio, nll_by_ratio, by_time = axes[0], axes[1], axes[2]
+    accuracy_panels = [(by_ratio, ""), *zip(axes[3:], prefixes[1:])]  # (axis, key prefix)
     for label in labels:
         rows = sorted((row for row in summary if row["cache"] == label), key=lambda row: row["ratio"])
-        ratios, accuracy = [row["ratio"] for row in rows], [row["accuracy"] for row in rows]
+        ratios = [row["ratio"] for row in rows]
         style = "-o" if label.startswith(KV_SURGEON) else "--s"
-        by_ratio.errorbar(ratios, accuracy, yerr=[row["accuracy_std"] for row in rows], fmt=style, label=label)
+        for axis, prefix in accuracy_panels:
+            accuracy, spread = ([row[f"{prefix}{key}"] for row in rows] for key in ("accuracy", "accuracy_std"))
+            axis.errorbar(ratios, accuracy, yerr=spread, fmt=style, label=label)
         nll_by_ratio.plot(ratios, [row["gold_answer_nll"] for row in rows], style, label=label)
-        by_time.scatter([row["pipeline_seconds"] for row in rows], accuracy, label=label)
+        by_time.scatter([row["pipeline_seconds"] for row in rows], [row["accuracy"] for row in rows], label=label)
         for row in rows:
             by_time.annotate(f"{row['ratio']:g}x", (row["pipeline_seconds"], row["accuracy"]), fontsize=7)
-    for axis in (by_ratio, by_time):
-        axis.axhline(full["accuracy"], color="black", linestyle=":", label="full cache")
-        axis.set_ylabel("accuracy (gold answer in reply)")
+    for axis, prefix in [*accuracy_panels, (by_time, "")]:
+        axis.axhline(full[f"{prefix}accuracy"], color="black", linestyle=":", label="full cache")
+        axis.set_ylabel(
+            "multiple-choice accuracy (gold answer's NLL lowest)" if prefix else "accuracy (gold answer in reply)"
+        )
         axis.set_ylim(-0.02, 1.02)
         axis.grid(alpha=0.3)
     points = [(row["pipeline_seconds"], row["accuracy"]) for row in summary if row["cache"] != FULL]
@@ -543,7 +690,7 @@ def plot_pareto(summary: list[dict], path: Path, title: str) -> None:
     nll_by_ratio.set_ylabel("gold-answer NLL (nats per token, lower is better)")
     nll_by_ratio.grid(alpha=0.3)
     ratios = sorted({row["ratio"] for row in summary if row["cache"] != FULL})
-    for axis in (by_ratio, nll_by_ratio):
+    for axis, _ in [*accuracy_panels, (nll_by_ratio, "")]:
         axis.set_xscale("log")
         axis.set_xticks(ratios, [f"{ratio:g}x" for ratio in ratios])
         axis.minorticks_off()
@@ -611,6 +758,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--chunk-tokens", type=int, default=None, help="compact chunk by chunk (None: one chunk)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--choices",
+        type=int,
+        default=0,
+        help="also score every question as multiple choice among this many options, by answer likelihood (0: off)",
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="questions answered per generate call")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
@@ -627,6 +780,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in (*positive, "self_study_answer_tokens", "self_study_question_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.choices and not 2 <= args.choices <= MAX_CHOICES:
+        parser.error(f"--choices must be 0 (off) or 2 .. {MAX_CHOICES}, got {args.choices}")
     if args.budgets not in ("auto", "uniform") and not Path(args.budgets).exists():
         parser.error(f"--budgets must be auto, uniform or an existing HeadBudgets folder, got {args.budgets!r}")
     if any(layer < 0 for layer in args.uncompacted_layers):
@@ -653,9 +808,13 @@ def write_results(
     args: argparse.Namespace, model_name: str, documents_json: list, runs: list, started: float, complete: bool
 ) -> tuple[list, dict]:
     """Write the JSON of ``runs`` so far to ``--out`` (``complete`` False after each document, True at the end, so an
-    interrupted run keeps its finished documents); returns ``(summary, target verdicts)``."""
+    interrupted run keeps its finished documents); returns ``(summary, {answer form: target verdicts})``."""
     summary = summarize(runs)
-    verdicts = target_verdicts(summary)
+    verdicts = {
+        form: target_verdicts(summary, prefix)
+        for form, (prefix, *_) in FORMS.items()
+        if f"{prefix}accuracy" in summary[0]
+    }
     settings = {key: value for key, value in vars(args).items() if key not in ("out", "plot", "variants")}
     payload = {
         "settings": settings,
@@ -668,7 +827,8 @@ def write_results(
         "complete": complete,
         "documents": documents_json,
         "summary": summary,
-        "targets": verdicts,
+        "targets": verdicts["free-form"],
+        **({"targets_multiple_choice": verdicts["multiple-choice"]} if "multiple-choice" in verdicts else {}),
         "seconds_total": time.perf_counter() - started,
         "runs": runs,
     }
@@ -699,19 +859,19 @@ def main(argv: list[str] | None = None) -> None:
         for index, document in enumerate(documents):
             context_text, suffix = document_chat_prompt(tokenizer, document.text)
             context_ids = tokenizer(context_text, return_tensors="pt", add_special_tokens=False).input_ids
-            prompts = [question_text(item.question, suffix) for item in document.questions]
-            references = gold_references(tokenizer, document, prompts, args.batch_size)
+            asked = AskedDocument.build(tokenizer, document, suffix, args.choices, seed, index, args.batch_size)
             documents_json.append(
                 {"seed": seed, "index": index, "task": document.task, "context_tokens": int(context_ids.shape[1])}
-                | {"questions": len(prompts), "source": document.source}
+                | {"questions": len(asked.prompts), "source": document.source}
             )
-            print(f"seed {seed} document {index} ({document.task}): {context_ids.shape[1]} tokens, {len(prompts)} q")
+            print(
+                f"seed {seed} document {index} ({document.task}): {context_ids.shape[1]} tokens, {len(asked.prompts)} q"
+            )
             run = {"seed": seed, "document": index, "task": document.task}
             start = time.perf_counter()
             full = prefill_context(model, context_ids, prefill_chunk_tokens=1024)
             seconds = time.perf_counter() - start
-            replies = generate_replies(model, tokenizer, full, prompts, args.batch_size, args.max_new_tokens)
-            rows = scored_rows(document, replies, gold_nlls(model, references, full))
+            rows = asked.answered_rows(model, tokenizer, full, args)
             runs.append(run | {"cache": FULL, "ratio": 1.0, "seconds": seconds, "rows": rows})
             for variant in args.variants:
                 for ratio in args.ratios:
@@ -732,14 +892,14 @@ def main(argv: list[str] | None = None) -> None:
                         self_study=self_study_of(args, suffix),
                     )
                     seconds = time.perf_counter() - start
-                    replies = generate_replies(
-                        model, tokenizer, compacted, prompts, args.batch_size, args.max_new_tokens
-                    )
                     quality = compacted.metadata.get("quality", {}).get("heldout_relative_loss_mean")
-                    rows = scored_rows(document, replies, gold_nlls(model, references, compacted))
+                    rows = asked.answered_rows(model, tokenizer, compacted, args)
                     correct = sum(row["correct"] for row in rows)
+                    chosen = (
+                        f"  {sum(row['choice_correct'] for row in rows)}/{len(rows)} chosen" if args.choices else ""
+                    )
                     label = run_label(args, variant)
-                    print(f"  {label:<24}{ratio:>6g}x  {correct}/{len(rows)} correct  {seconds:7.1f} s")
+                    print(f"  {label:<24}{ratio:>6g}x  {correct}/{len(rows)} correct{chosen}  {seconds:7.1f} s")
                     runs.append(
                         run
                         | {"cache": label, "ratio": float(ratio), "seconds": seconds, "rows": rows}

@@ -232,6 +232,102 @@ def test_compaction_qa_summary_and_targets(qa):
     assert verdicts["at 50x ahead of every baseline"].startswith("met (25.0% vs best baseline loo 0.0%")
 
 
+def choice_document(qa, answers):
+    from hf_structkv.eval.squad import SquadQuestion
+
+    questions = tuple(SquadQuestion(f"q{i}?", tuple(gold)) for i, gold in enumerate(answers))
+    return qa.QADocument("squad", "text", questions, {})
+
+
+def test_compaction_qa_choice_distractors_are_other_questions_answers(qa):
+    answers = [["Paris", "the city of Paris"], ["1984"], ["The Beatles"], ["paris"], ["Oslo"], ["city of Paris"]]
+    document = choice_document(qa, answers)
+    drawn = qa.choice_distractors(document, 3, qa.random.Random(0))
+    firsts = {"Paris", "1984", "The Beatles", "Oslo", "city of Paris"}  # "paris" normalises as "Paris" does
+    assert len(drawn) == len(answers)
+    for distractors, gold in zip(drawn, answers, strict=True):
+        assert len(distractors) == 2 and set(distractors) <= firsts
+        normalized = {qa.normalize_answer(option) for option in distractors}
+        assert len(normalized) == 2 and not normalized & {qa.normalize_answer(answer) for answer in gold}
+    assert drawn == qa.choice_distractors(document, 3, qa.random.Random(0))  # seeded
+    assert drawn != qa.choice_distractors(document, 3, qa.random.Random(1))
+    with pytest.raises(ValueError, match="only 3 distinct other answers"):
+        qa.choice_distractors(document, 5, qa.random.Random(0))
+    with pytest.raises(ValueError, match="--choices must be 0"):
+        qa.choice_distractors(document, 1, qa.random.Random(0))
+    with pytest.raises(SystemExit):
+        qa.parse_args(["--choices", "9"])
+
+
+def test_compaction_qa_scored_choices_pick_the_lowest_nll(qa):
+    distractors = [("b", "c"), ("d", "e"), ("f", "g")]
+    slots = [[2.0, 0.5, 1.0], [3.0, 4.0, 1.5]]  # slot j: each question's j-th distractor
+    rows = qa.scored_choices(distractors, slots, [1.0, 1.0, 1.0])
+    assert [row["choice_distractor_nlls"] for row in rows] == [[2.0, 3.0], [0.5, 4.0], [1.0, 1.5]]
+    assert [row["choice_correct"] for row in rows] == [True, False, False]  # a tie is not a win
+    assert [row["choice_margin"] for row in rows] == [1.0, -0.5, 0.0]
+    assert rows[1]["choice_distractors"] == ["d", "e"]
+
+
+def test_compaction_qa_summary_of_multiple_choice_rows(qa):
+    def run(cache, ratio, correct, chosen):
+        rows = [
+            {"correct": c, "f1": 0.0, "gold_answer_nll": 1.0, "choice_correct": k, "choice_margin": k - 0.5}
+            for c, k in zip(correct, chosen, strict=True)
+        ]
+        return {"cache": cache, "ratio": ratio, "seed": 0, "task": "needle", "seconds": 1.0, "rows": rows}
+
+    runs = [run("full", 1.0, [1, 1, 0, 0], [1, 1, 1, 1]), run("kv_surgeon", 10.0, [0, 0, 0, 0], [1, 1, 1, 0])]
+    runs.append(run("h2o", 20.0, [0, 0, 0, 0], [1, 0, 0, 0]))
+    runs.append(run("kv_surgeon", 20.0, [0, 0, 0, 0], [1, 1, 0, 0]))
+    summary = {(row["cache"], row["ratio"]): row for row in qa.summarize(runs)}
+    ours = summary[("kv_surgeon", 10.0)]
+    assert ours["accuracy"] == 0.0 and ours["choice_accuracy"] == 0.75 and ours["choice_accuracy_vs_full"] == 0.75
+    assert ours["choice_accuracy_per_task"] == {"needle": 0.75} and ours["choice_margin"] == pytest.approx(0.25)
+    assert ours["choice_margin_per_task"] == {"needle": pytest.approx(0.25)} and ours["gold_answer_nll"] == 1.0
+    verdicts = qa.target_verdicts(list(summary.values()), "choice_")["kv_surgeon"]
+    assert verdicts["at 10x keeps >= 90% of full-context accuracy"].startswith("not met (75.0% of full)")
+    assert verdicts["at 20x ahead of every baseline"].startswith("met (50.0% vs best baseline h2o 25.0%")
+    free_form = [
+        run | {"rows": [{key: row[key] for key in ("correct", "f1", "gold_answer_nll")} for row in run["rows"]]}
+        for run in runs
+    ]
+    assert all("choice_accuracy" not in row for row in qa.summarize(free_form))
+
+
+def test_compaction_qa_choices_add_a_multiple_choice_form_of_the_same_questions(qa, tmp_path):
+    pytest.importorskip("long_context_eval")
+    from hf_structkv.compaction import prefill_context
+
+    argv = ["--tiny", "--tasks", "needle", "--doc-tokens", "300", "--questions", "4", "--methods", "h2o"]
+    argv += ["--ratios", "8", "--max-new-tokens", "3", "--query-cap", "32"]
+    payloads = []
+    for extra, name in (([], "plain.json"), (["--choices", "3"], "choices.json")):
+        qa.main([*argv, *extra, "--out", str(tmp_path / name)])
+        payloads.append(json.loads((tmp_path / name).read_text()))
+    plain, choices = payloads
+    assert "targets_multiple_choice" not in plain and set(choices["targets_multiple_choice"]) == set(choices["targets"])
+    full_rows = []
+    for before, after in zip(plain["runs"], choices["runs"], strict=True):
+        for row, chosen in zip(before["rows"], after["rows"], strict=True):
+            assert chosen.items() >= row.items()  # the free-form answers do not change
+            assert len(chosen["choice_distractors"]) == 2 and row["answers"][0] not in chosen["choice_distractors"]
+            assert chosen["choice_margin"] == min(chosen["choice_distractor_nlls"]) - chosen["gold_answer_nll"]
+        full_rows += after["rows"] if after["cache"] == "full" else []
+    assert {row["cache"] for row in choices["summary"] if "choice_accuracy" in row} == {"full", "h2o"}
+    # a distractor's NLL is that of the distractor teacher forced after the question, from the full cache
+    model, tokenizer = qa.load_model("default", tiny=True)
+    (document,) = qa.needle_documents(
+        lambda text: len(tokenizer(text, add_special_tokens=False).input_ids), 300, 4, 1, qa.random.Random(0)
+    )
+    context_text, suffix = qa.document_chat_prompt(tokenizer, document.text)
+    cache = prefill_context(model, tokenizer(context_text, return_tensors="pt", add_special_tokens=False).input_ids)
+    prompt = qa.question_text(document.questions[0].question, suffix)
+    distractor = full_rows[0]["choice_distractors"][1]
+    (reference,) = qa.gold_references(tokenizer, [prompt], [distractor], 1)
+    assert reference.nll(model, cache).item() == pytest.approx(full_rows[0]["choice_distractor_nlls"][1], abs=1e-5)
+
+
 def test_compaction_qa_gold_nlls_do_not_depend_on_the_batching(qa):
     pytest.importorskip("long_context_eval")
     from hf_structkv.compaction import prefill_context
@@ -241,8 +337,9 @@ def test_compaction_qa_gold_nlls_do_not_depend_on_the_batching(qa):
     (document,) = qa.needle_documents(word_counter, 300, 3, 1, qa.random.Random(0))
     prompts = [f"Q: {item.question} A:" for item in document.questions]
     cache = prefill_context(model, tokenizer(document.text, return_tensors="pt").input_ids)
-    together = qa.gold_nlls(model, qa.gold_references(tokenizer, document, prompts, 3), cache)
-    one_by_one = qa.gold_nlls(model, qa.gold_references(tokenizer, document, prompts, 1), cache)
+    answers = [item.answers[0] for item in document.questions]
+    together = qa.gold_nlls(model, qa.gold_references(tokenizer, prompts, answers, 3), cache)
+    one_by_one = qa.gold_nlls(model, qa.gold_references(tokenizer, prompts, answers, 1), cache)
     assert len(together) == 3 and together == pytest.approx(one_by_one, abs=1e-5)
 
 
