@@ -380,8 +380,8 @@ def generate_replies(
 def gold_references(
     tokenizer: PreTrainedTokenizerBase, prompts: list[str], answers: list[str], batch_size: int
 ) -> list[ReferenceAnswers]:
-    """Each prompt's gold answer (a question's first gold answer, or its option letter) after it, teacher forced,
-    ``batch_size`` rows per batch."""
+    """Each prompt's answer (a question's first gold answer, or a distractor of its multiple-choice form) after it,
+    teacher forced, ``batch_size`` rows per batch."""
 
     def ids(text: str) -> torch.Tensor:
         return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
