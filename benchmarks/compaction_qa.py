@@ -39,9 +39,11 @@ main benchmark, is multiple choice): its first gold answer against ``K - 1`` dis
 other questions about the same document (for the needle task the other needles' values), each teacher forced after
 the question; the cache picks the option of the lowest mean per-token NLL (lm-evaluation-harness's likelihood
 scoring, not the paper's generated letter: the embedded 0.5B model answers letter prompts near chance even from the
-full cache). Correct when the gold answer's NLL is strictly below every distractor's; the margin (lowest distractor
-NLL minus the gold's) is the continuous measure. Rows then carry ``choice_*`` fields, the summary
-``choice_accuracy`` / ``choice_margin`` etc., the JSON ``targets_multiple_choice``, the plot a fourth panel.
+full cache). Correct when the gold answer's NLL is strictly below every distractor's; the continuous measure is the
+gold's share, ``exp(-NLL_gold) / sum_options exp(-NLL)`` (``1/K`` when a cache cannot tell the options apart, toward
+1 when it knows the answer, toward 0 when it is sure of a wrong one). Rows then carry ``choice_*`` fields, the
+summary ``choice_accuracy`` / ``choice_gold_share`` etc., the JSON ``targets_multiple_choice``, the plot a fourth
+panel.
 Documents, questions and free-form answers are the same with and without it.
 
 ``--uncompacted-layers 12 13 ...`` is a diagnostic: every compacted cache keeps those layers whole (the other layers
@@ -101,7 +103,7 @@ MAX_CHOICES = 8
 # answer form -> (prefix of its summary keys, its 0/1 row key, its continuous row key, that key's column header)
 FORMS = {
     "free-form": ("", "correct", "gold_answer_nll", "gold NLL"),
-    "multiple-choice": ("choice_", "choice_correct", "choice_margin", "margin"),
+    "multiple-choice": ("choice_", "choice_correct", "choice_gold_share", "gold share"),
 }
 DATA_PACKAGE = "long_context_eval"
 DATA_FOLDER = "data/synthetic/json"
@@ -416,7 +418,8 @@ def scored_rows(document: QADocument, replies: list[str], nlls: list[float]) -> 
 
 def scored_choices(distractors: list[tuple[str, ...]], distractor_nlls: list[list[float]], gold_nlls: list[float]):
     """Per question: its distractors and their NLLs after the question, whether the gold answer's NLL is strictly the
-    lowest (``choice_correct``), and the margin, lowest distractor NLL minus the gold's (> 0 when correct).
+    lowest (``choice_correct``), and the gold's share ``exp(-NLL_gold) / sum_options exp(-NLL)``
+    (``choice_gold_share``; ``1/K`` when all options are alike).
 
     Args:
         distractors: per question, its ``K - 1`` distractors (`choice_distractors`).
@@ -426,10 +429,10 @@ def scored_choices(distractors: list[tuple[str, ...]], distractor_nlls: list[lis
     rows = []
     for question, (options, gold) in enumerate(zip(distractors, gold_nlls, strict=True)):
         nlls = [slot[question] for slot in distractor_nlls]
-        margin = min(nlls) - gold
+        share = 1.0 / (1.0 + sum(math.exp(gold - nll) for nll in nlls))
         rows.append(
             {"choice_distractors": list(options), "choice_distractor_nlls": nlls}
-            | {"choice_correct": margin > 0, "choice_margin": margin}
+            | {"choice_correct": gold < min(nlls), "choice_gold_share": share}
         )
     return rows
 
@@ -551,7 +554,7 @@ def accuracy_summary(per_seed_rows: list[list[dict]], form: str) -> dict:
 def summarize(runs: list[dict]) -> list[dict]:
     """Per (cache, ratio): accuracy per seed over all its questions, their mean / std over seeds, accuracy and
     gold-answer NLL per task (mean over seeds), the mean gold-answer NLL and F1, mean pipeline seconds per document,
-    and accuracy relative to the full cache; the multiple-choice accuracy (keys prefixed ``choice_``) and margin too
+    and accuracy relative to the full cache; the multiple-choice accuracy (keys prefixed ``choice_``) and gold share too
     when the rows have them (``--choices``)."""
     groups: dict[tuple[str, float], dict[int, list[dict]]] = {}
     for run in runs:

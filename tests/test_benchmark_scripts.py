@@ -265,14 +265,18 @@ def test_compaction_qa_scored_choices_pick_the_lowest_nll(qa):
     rows = qa.scored_choices(distractors, slots, [1.0, 1.0, 1.0])
     assert [row["choice_distractor_nlls"] for row in rows] == [[2.0, 3.0], [0.5, 4.0], [1.0, 1.5]]
     assert [row["choice_correct"] for row in rows] == [True, False, False]  # a tie is not a win
-    assert [row["choice_margin"] for row in rows] == [1.0, -0.5, 0.0]
+    for row, gold in zip(rows, [1.0, 1.0, 1.0], strict=True):
+        weights = [math.exp(-nll) for nll in [gold, *row["choice_distractor_nlls"]]]
+        assert row["choice_gold_share"] == pytest.approx(weights[0] / sum(weights))
+    alike = qa.scored_choices([("b", "c", "d")], [[2.0], [2.0], [2.0]], [2.0])[0]
+    assert alike["choice_gold_share"] == pytest.approx(0.25) and not alike["choice_correct"]
     assert rows[1]["choice_distractors"] == ["d", "e"]
 
 
 def test_compaction_qa_summary_of_multiple_choice_rows(qa):
     def run(cache, ratio, correct, chosen):
         rows = [
-            {"correct": c, "f1": 0.0, "gold_answer_nll": 1.0, "choice_correct": k, "choice_margin": k - 0.5}
+            {"correct": c, "f1": 0.0, "gold_answer_nll": 1.0, "choice_correct": k, "choice_gold_share": 0.25 + k / 2}
             for c, k in zip(correct, chosen, strict=True)
         ]
         return {"cache": cache, "ratio": ratio, "seed": 0, "task": "needle", "seconds": 1.0, "rows": rows}
@@ -283,8 +287,8 @@ def test_compaction_qa_summary_of_multiple_choice_rows(qa):
     summary = {(row["cache"], row["ratio"]): row for row in qa.summarize(runs)}
     ours = summary[("kv_surgeon", 10.0)]
     assert ours["accuracy"] == 0.0 and ours["choice_accuracy"] == 0.75 and ours["choice_accuracy_vs_full"] == 0.75
-    assert ours["choice_accuracy_per_task"] == {"needle": 0.75} and ours["choice_margin"] == pytest.approx(0.25)
-    assert ours["choice_margin_per_task"] == {"needle": pytest.approx(0.25)} and ours["gold_answer_nll"] == 1.0
+    assert ours["choice_accuracy_per_task"] == {"needle": 0.75} and ours["choice_gold_share"] == pytest.approx(0.625)
+    assert ours["choice_gold_share_per_task"] == {"needle": pytest.approx(0.625)} and ours["gold_answer_nll"] == 1.0
     verdicts = qa.target_verdicts(list(summary.values()), "choice_")["kv_surgeon"]
     assert verdicts["at 10x keeps >= 90% of full-context accuracy"].startswith("not met (75.0% of full)")
     assert verdicts["at 20x ahead of every baseline"].startswith("met (50.0% vs best baseline h2o 25.0%")
@@ -312,7 +316,8 @@ def test_compaction_qa_choices_add_a_multiple_choice_form_of_the_same_questions(
         for row, chosen in zip(before["rows"], after["rows"], strict=True):
             assert chosen.items() >= row.items()  # the free-form answers do not change
             assert len(chosen["choice_distractors"]) == 2 and row["answers"][0] not in chosen["choice_distractors"]
-            assert chosen["choice_margin"] == min(chosen["choice_distractor_nlls"]) - chosen["gold_answer_nll"]
+            weights = [math.exp(-nll) for nll in [chosen["gold_answer_nll"], *chosen["choice_distractor_nlls"]]]
+            assert chosen["choice_gold_share"] == pytest.approx(weights[0] / sum(weights))
         full_rows += after["rows"] if after["cache"] == "full" else []
     assert {row["cache"] for row in choices["summary"] if "choice_accuracy" in row} == {"full", "h2o"}
     # a distractor's NLL is that of the distractor teacher forced after the question, from the full cache
