@@ -623,18 +623,18 @@ def print_report(summary: list[dict], verdicts: dict, tasks: list[str]) -> None:
     for form in verdicts:
         prefix, _, value, name = FORMS[form]
         print(f"{form} answers")
-        header = f"{'cache':<26}{'ratio':>7}{'accuracy':>15}{'F1':>7}{'vs full':>9}{'pipeline s':>12}{name:>10}"
-        print(header + "".join(f"{task:>10}" for task in tasks) + "".join(f"{name + ' ' + task:>14}" for task in tasks))
+        header = f"{'cache':<26}{'ratio':>7}{'accuracy':>15}{'F1':>7}{'vs full':>9}{'pipeline s':>12}{name:>12}"
+        print(header + "".join(f"{task:>10}" for task in tasks) + "".join(f"{name + ' ' + task:>20}" for task in tasks))
         for row in summary:
             vs_full = row[f"{prefix}accuracy_vs_full"]
             accuracy = f"{row[f'{prefix}accuracy']:.1%}±{row[f'{prefix}accuracy_std']:.1%}"
             f1 = f"{row['f1']:>7.2f}" if not prefix else f"{'':>7}"
             vs_full = "" if vs_full is None else f"{vs_full:.0%}"
             line = f"{row['cache']:<26}{row['ratio']:>7g}{accuracy:>15}{f1}{vs_full:>9}"
-            line += f"{row['pipeline_seconds']:>12.1f}{row[value]:>10.3f}"
+            line += f"{row['pipeline_seconds']:>12.1f}{row[value]:>12.3f}"
             line += "".join(f"{row[f'{prefix}accuracy_per_task'].get(task, math.nan):>10.1%}" for task in tasks)
             means = row[f"{value}_per_task"]
-            print(line + "".join(f"{means.get(task, math.nan):>14.3f}" for task in tasks))
+            print(line + "".join(f"{means.get(task, math.nan):>20.3f}" for task in tasks))
         for label, result in verdicts[form].items():
             for name, verdict in result.items():
                 print(f"target [{form}, {label}] {name}: {verdict}")
