@@ -653,10 +653,11 @@ def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]
     return front
 
 
-def plot_pareto(summary: list[dict], path: Path, title: str) -> None:
+def plot_pareto(summary: list[dict], path: Path, title: str, choices: int = 0):
     """Three panels: accuracy and gold-answer NLL vs compression ratio (one line per method variant, the full cache
     dotted), and accuracy vs pipeline seconds with the Pareto front of all compacted caches; a fourth, the
-    multiple-choice accuracy vs ratio, when the summary has it (``--choices``)."""
+    multiple-choice accuracy vs ratio with chance (``1 / choices``) dashed, when the summary has it (``--choices``).
+    Returns the (closed) matplotlib figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -681,6 +682,8 @@ def plot_pareto(summary: list[dict], path: Path, title: str) -> None:
             by_time.annotate(f"{row['ratio']:g}x", (row["pipeline_seconds"], row["accuracy"]), fontsize=7)
     for axis, prefix in [*accuracy_panels, (by_time, "")]:
         axis.axhline(full[f"{prefix}accuracy"], color="black", linestyle=":", label="full cache")
+        if prefix and choices:
+            axis.axhline(1 / choices, color="grey", linestyle="--", label=f"chance (1/{choices})")
         axis.set_ylabel(
             "multiple-choice accuracy (gold answer's NLL lowest)" if prefix else "accuracy (gold answer in reply)"
         )
@@ -706,6 +709,7 @@ def plot_pareto(summary: list[dict], path: Path, title: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
     plt.close(figure)
+    return figure
 
 
 # --------------------------------------------------------------------------------------------------------- main
@@ -919,7 +923,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{model_name}: {len(documents_json)} documents ({', '.join(args.tasks)}), ~{tokens:.0f} tokens, "
             f"{summary[0]['questions_per_seed']} questions per seed, seeds {args.seeds}"
         )
-        plot_pareto(summary, Path(args.plot), title)
+        plot_pareto(summary, Path(args.plot), title, args.choices)
         print(f"wrote {args.plot}")
 
 

@@ -273,17 +273,25 @@ def test_compaction_qa_scored_choices_pick_the_lowest_nll(qa):
     assert rows[1]["choice_distractors"] == ["d", "e"]
 
 
-def test_compaction_qa_summary_of_multiple_choice_rows(qa):
-    def run(cache, ratio, correct, chosen):
-        rows = [
-            {"correct": c, "f1": 0.0, "gold_answer_nll": 1.0, "choice_correct": k, "choice_gold_share": 0.25 + k / 2}
-            for c, k in zip(correct, chosen, strict=True)
-        ]
-        return {"cache": cache, "ratio": ratio, "seed": 0, "task": "needle", "seconds": 1.0, "rows": rows}
+def choice_run(cache, ratio, correct, chosen):
+    """A run of one needle document whose rows have both answer forms (``correct``, ``chosen``: 0/1 per question)."""
+    rows = [
+        {"correct": c, "f1": 0.0, "gold_answer_nll": 1.0, "choice_correct": k, "choice_gold_share": 0.25 + k / 2}
+        for c, k in zip(correct, chosen, strict=True)
+    ]
+    return {"cache": cache, "ratio": ratio, "seed": 0, "task": "needle", "seconds": 1.0, "rows": rows}
 
+
+def choice_runs():
+    run = choice_run
     runs = [run("full", 1.0, [1, 1, 0, 0], [1, 1, 1, 1]), run("kv_surgeon", 10.0, [0, 0, 0, 0], [1, 1, 1, 0])]
     runs.append(run("h2o", 20.0, [0, 0, 0, 0], [1, 0, 0, 0]))
     runs.append(run("kv_surgeon", 20.0, [0, 0, 0, 0], [1, 1, 0, 0]))
+    return runs
+
+
+def test_compaction_qa_summary_of_multiple_choice_rows(qa):
+    runs = choice_runs()
     summary = {(row["cache"], row["ratio"]): row for row in qa.summarize(runs)}
     ours = summary[("kv_surgeon", 10.0)]
     assert ours["accuracy"] == 0.0 and ours["choice_accuracy"] == 0.75 and ours["choice_accuracy_vs_full"] == 0.75
@@ -297,6 +305,20 @@ def test_compaction_qa_summary_of_multiple_choice_rows(qa):
         for run in runs
     ]
     assert all("choice_accuracy" not in row for row in qa.summarize(free_form))
+
+
+def test_compaction_qa_plot_draws_chance_on_the_multiple_choice_panel(qa, tmp_path):
+    pytest.importorskip("matplotlib")
+    summary = qa.summarize(choice_runs())
+    figure = qa.plot_pareto(summary, tmp_path / "qa.png", "tiny", choices=4)
+    free_form, _, _, multiple_choice = figure.axes
+    labelled = {axis: {line.get_label(): list(line.get_ydata()) for line in axis.lines} for axis in figure.axes}
+    assert labelled[multiple_choice]["chance (1/4)"] == [0.25, 0.25]
+    assert labelled[multiple_choice]["full cache"] == [1.0, 1.0] and labelled[free_form]["full cache"] == [0.5, 0.5]
+    assert not any(label.startswith("chance") for label in labelled[free_form])
+    assert (tmp_path / "qa.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    without = qa.plot_pareto(summary, tmp_path / "no_chance.png", "tiny").axes[3]
+    assert [line.get_label() for line in without.lines] == [line.get_label() for line in multiple_choice.lines][:-1]
 
 
 def test_compaction_qa_choices_add_a_multiple_choice_form_of_the_same_questions(qa, tmp_path):
