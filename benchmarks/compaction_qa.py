@@ -380,21 +380,27 @@ def generate_replies(
 
 
 def gold_references(
-    tokenizer: PreTrainedTokenizerBase, prompts: list[str], answers: list[str], batch_size: int
-) -> list[ReferenceAnswers]:
-    """Each prompt's answer (a question's first gold answer, or a distractor of its multiple-choice form) after it,
-    teacher forced, ``batch_size`` rows per batch."""
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str], answer_sets: list[list[str]], batch_size: int
+) -> list[list[ReferenceAnswers]]:
+    """Per answer set (one answer per prompt: the questions' first gold answers, or every question's ``j``-th
+    distractor of its multiple-choice form): each prompt's answer after it, teacher forced, ``batch_size`` rows per
+    batch. The prompts are tokenized once for all sets."""
 
     def ids(text: str) -> torch.Tensor:
         return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
 
     questions = [ids(prompt) for prompt in prompts]
-    answers = [ids(answer) for answer in answers]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return [
-        ReferenceAnswers.build(questions[i : i + batch_size], answers[i : i + batch_size], pad_id)
-        for i in range(0, len(questions), batch_size)
-    ]
+    references = []
+    for answers in answer_sets:
+        answer_ids = [ids(answer) for answer in answers]
+        references.append(
+            [
+                ReferenceAnswers.build(questions[i : i + batch_size], answer_ids[i : i + batch_size], pad_id)
+                for i in range(0, len(questions), batch_size)
+            ]
+        )
+    return references
 
 
 def gold_nlls(model: PreTrainedModel, references: list[ReferenceAnswers], cache: DynamicCache | CompactedCache):
@@ -465,14 +471,9 @@ class AskedDocument:
         prompts = [question_text(item.question, suffix) for item in document.questions]
         answers = [item.answers[0] for item in document.questions]
         distractors = choice_distractors(document, choices, random.Random(f"choices {seed} {index}")) if choices else []
-        slots = list(zip(*distractors, strict=True))  # slot j: every question's j-th distractor
-        return cls(
-            document,
-            prompts,
-            gold_references(tokenizer, prompts, answers, batch_size),
-            distractors,
-            [gold_references(tokenizer, prompts, list(slot), batch_size) for slot in slots],
-        )
+        slots = [list(slot) for slot in zip(*distractors, strict=True)]  # slot j: every question's j-th distractor
+        gold, *distractor_references = gold_references(tokenizer, prompts, [answers, *slots], batch_size)
+        return cls(document, prompts, gold, distractors, distractor_references)
 
     def answered_rows(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cache, args: argparse.Namespace

@@ -351,7 +351,7 @@ def test_compaction_qa_choices_add_a_multiple_choice_form_of_the_same_questions(
     cache = prefill_context(model, tokenizer(context_text, return_tensors="pt", add_special_tokens=False).input_ids)
     prompt = qa.question_text(document.questions[0].question, suffix)
     distractor = full_rows[0]["choice_distractors"][1]
-    (reference,) = qa.gold_references(tokenizer, [prompt], [distractor], 1)
+    ((reference,),) = qa.gold_references(tokenizer, [prompt], [[distractor]], 1)
     assert reference.nll(model, cache).item() == pytest.approx(full_rows[0]["choice_distractor_nlls"][1], abs=1e-5)
 
 
@@ -365,9 +365,14 @@ def test_compaction_qa_gold_nlls_do_not_depend_on_the_batching(qa):
     prompts = [f"Q: {item.question} A:" for item in document.questions]
     cache = prefill_context(model, tokenizer(document.text, return_tensors="pt").input_ids)
     answers = [item.answers[0] for item in document.questions]
-    together = qa.gold_nlls(model, qa.gold_references(tokenizer, prompts, answers, 3), cache)
-    one_by_one = qa.gold_nlls(model, qa.gold_references(tokenizer, prompts, answers, 1), cache)
+    (together,) = qa.gold_references(tokenizer, prompts, [answers], 3)
+    (one_by_one,) = qa.gold_references(tokenizer, prompts, [answers], 1)
+    together, one_by_one = qa.gold_nlls(model, together, cache), qa.gold_nlls(model, one_by_one, cache)
     assert len(together) == 3 and together == pytest.approx(one_by_one, abs=1e-5)
+    # answer sets share the prompts and nothing else: a second set scores as it does alone
+    _, reversed_set = qa.gold_references(tokenizer, prompts, [answers, answers[::-1]], 3)
+    (alone,) = qa.gold_references(tokenizer, prompts, [answers[::-1]], 2)
+    assert qa.gold_nlls(model, reversed_set, cache) == pytest.approx(qa.gold_nlls(model, alone, cache), abs=1e-5)
 
 
 def test_compaction_qa_self_study_lengths_come_from_the_command_line(qa):
