@@ -815,8 +815,8 @@ def self_study_of(args: argparse.Namespace, turn_suffix: str) -> SelfStudy:
 def write_results(
     args: argparse.Namespace, model_name: str, documents_json: list, runs: list, started: float, complete: bool
 ) -> tuple[list, dict]:
-    """Write the JSON of ``runs`` so far to ``--out`` (``complete`` False after each document, True at the end, so an
-    interrupted run keeps its finished documents); returns ``(summary, {answer form: target verdicts})``."""
+    """Write the JSON of ``runs`` so far to ``--out`` (``complete`` False after each cache's run, True at the end, so
+    an interrupted run keeps what it finished); returns ``(summary, {answer form: target verdicts})``."""
     summary = summarize(runs)
     verdicts = {
         form: target_verdicts(summary, prefix)
@@ -857,6 +857,12 @@ def main(argv: list[str] | None = None) -> None:
     budgets = budgets_of(args, model)
     model_name = type(model).__name__ + (" (tiny, random)" if args.tiny else f" ({model_label(args.model)})")
     runs, documents_json = [], []
+
+    def record(run: dict) -> None:
+        """Keep one cache's run and rewrite the JSON, so an interrupted run keeps every cache it finished."""
+        runs.append(run)
+        write_results(args, model_name, documents_json, runs, started, complete=False)
+
     for seed in args.seeds:
         rng = random.Random(seed)
         documents = [
@@ -880,7 +886,7 @@ def main(argv: list[str] | None = None) -> None:
             full = prefill_context(model, context_ids, prefill_chunk_tokens=1024)
             seconds = time.perf_counter() - start
             rows = asked.answered_rows(model, tokenizer, full, args)
-            runs.append(run | {"cache": FULL, "ratio": 1.0, "seconds": seconds, "rows": rows})
+            record(run | {"cache": FULL, "ratio": 1.0, "seconds": seconds, "rows": rows})
             for variant in args.variants:
                 for ratio in args.ratios:
                     start = time.perf_counter()
@@ -908,12 +914,11 @@ def main(argv: list[str] | None = None) -> None:
                     )
                     label = run_label(args, variant)
                     print(f"  {label:<24}{ratio:>6g}x  {correct}/{len(rows)} correct{chosen}  {seconds:7.1f} s")
-                    runs.append(
+                    record(
                         run
                         | {"cache": label, "ratio": float(ratio), "seconds": seconds, "rows": rows}
                         | {"stored_bytes": compacted.nbytes(), "heldout_relative_loss": quality}
                     )
-            write_results(args, model_name, documents_json, runs, started, complete=False)
 
     summary, verdicts = write_results(args, model_name, documents_json, runs, started, complete=True)
     print_report(summary, verdicts, args.tasks)

@@ -443,7 +443,7 @@ def test_compaction_qa_every_layer_whole_answers_as_the_full_cache(qa, tmp_path)
     assert whole["heldout_relative_loss"] == pytest.approx(0.0, abs=1e-6)
 
 
-def test_compaction_qa_writes_its_results_after_every_document(qa, tmp_path, monkeypatch):
+def test_compaction_qa_writes_its_results_after_every_cache(qa, tmp_path, monkeypatch):
     pytest.importorskip("long_context_eval")
     out, written = tmp_path / "qa.json", []
     write = qa.write_results
@@ -459,7 +459,7 @@ def test_compaction_qa_writes_its_results_after_every_document(qa, tmp_path, mon
     qa.main(
         [*argv, "--methods", "h2o", "--ratios", "8", "--max-new-tokens", "2", "--query-cap", "32", "--out", str(out)]
     )
-    assert written == [(False, 1, 2), (False, 2, 4), (True, 2, 4)]  # full + h2o per document
+    assert written == [(False, 1, 1), (False, 1, 2), (False, 2, 3), (False, 2, 4), (True, 2, 4)]  # full, h2o per doc
 
 
 def test_compaction_qa_loads_a_model_folder(qa, tmp_path):
