@@ -283,11 +283,13 @@ def choice_run(cache, ratio, correct, chosen):
 
 
 def choice_runs():
-    run = choice_run
-    runs = [run("full", 1.0, [1, 1, 0, 0], [1, 1, 1, 1]), run("kv_surgeon", 10.0, [0, 0, 0, 0], [1, 1, 1, 0])]
-    runs.append(run("h2o", 20.0, [0, 0, 0, 0], [1, 0, 0, 0]))
-    runs.append(run("kv_surgeon", 20.0, [0, 0, 0, 0], [1, 1, 0, 0]))
-    return runs
+    """Full cache, kv_surgeon at 10x and 20x, h2o at 20x (`choice_run`)."""
+    return [
+        choice_run("full", 1.0, [1, 1, 0, 0], [1, 1, 1, 1]),
+        choice_run("kv_surgeon", 10.0, [0, 0, 0, 0], [1, 1, 1, 0]),
+        choice_run("h2o", 20.0, [0, 0, 0, 0], [1, 0, 0, 0]),
+        choice_run("kv_surgeon", 20.0, [0, 0, 0, 0], [1, 1, 0, 0]),
+    ]
 
 
 def test_compaction_qa_summary_of_multiple_choice_rows(qa):
