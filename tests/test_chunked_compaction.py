@@ -99,6 +99,10 @@ def test_context_documents():
         context_documents(tokenizer, [])
     with pytest.raises(ValueError, match="a text context needs its tokenizer"):
         context_documents(None, ["ab"])
+    with pytest.raises(ValueError, match=r"prefix must be a non-empty text"):
+        context_documents(tokenizer, "", name="prefix")
+    with pytest.raises(ValueError, match=r"prefix\[0\] must be a non-empty text"):
+        context_documents(tokenizer, [""], name="prefix")
 
 
 # ---------------------------------------------------------------------------------------------------- compaction
@@ -125,6 +129,7 @@ def test_streaming_llm_keeps_sinks_and_recent_of_every_chunk():
             assert kept_positions(cache, full, layer, head).tolist() == expected
     assert cache.metadata["chunking"] == {
         "chunk_tokens": 40,
+        "prefix_tokens": 0,
         "document_lengths": [30, 25, 50],
         "chunk_spans": [[0, 30], [30, 55], [55, 80], [80, 105]],
     }
@@ -241,3 +246,87 @@ def test_chunked_self_study_quotes_each_chunk_and_budgets_are_asked_per_chunk():
     assert [chunk["repetition"] for chunk in tokens] == [30, 25, 25]
     assert all(chunk["summary"] <= 3 and chunk["questions"] <= 4 for chunk in tokens)
     assert cache.metadata["budgets"]["kept_per_chunk"][1] == {"0": [2, 7], "1": [5, 5]}
+
+
+# ------------------------------------------------------------------------------------------------ a prefix kept whole
+def test_a_prefix_is_kept_whole_and_each_chunk_compacted_after_it():
+    """StreamingLLM with a 7-token prefix: the prefix's entries as they are (bias 0, original values), then each
+    chunk's sinks and recent entries at cache positions shifted by the prefix; the budgets count the context only."""
+    model = tiny_model("llama")
+    prefix, documents = token_ids(7, 9), [token_ids(30), token_ids(25, 1)]
+    cache = compact(
+        model, None, documents, ratio=5, method="streaming_llm", chunk_tokens=30, sink_tokens=2, prefix=prefix
+    )
+    full = prefill_context(model, torch.cat([prefix, *documents], 1))
+    expected = list(range(7))
+    for start, end in [(7, 37), (37, 62)]:
+        kept = math.floor((end - start) / 5)
+        expected += [start, start + 1, *range(end - (kept - 2), end)]
+    assert cache.head_lengths() == [[7 + 6 + 5] * 2] * 2 and cache.original_length == 62
+    for layer in (0, 1):
+        compacted = cache.layers[layer]
+        for head in (0, 1):
+            assert kept_positions(cache, full, layer, head).tolist() == expected
+            a = compacted.prefix_offsets[head]
+            assert torch.equal(compacted.prefix_bias[a : a + 7], torch.zeros(7))
+            assert torch.equal(compacted.prefix_values[a : a + 7], full.layers[layer].values[0, head, :7])
+    assert cache.metadata["chunking"] == {
+        "chunk_tokens": 30,
+        "prefix_tokens": 7,
+        "document_lengths": [30, 25],
+        "chunk_spans": [[7, 37], [37, 62]],
+    }
+
+
+def test_a_calibrated_chunk_after_a_prefix_is_compact_head_on_its_keys_and_queries_after_the_prefix():
+    """KV-Surgeon, off-policy, a 9-token prefix before two 60-token documents: each chunk is `compact_head` on its own
+    keys (cache positions after the prefix) and the queries of its repetition, run after prefix + context."""
+    model, tokenizer = tiny_model("qwen3"), CharTokenizer()
+    prefix, documents = token_ids(9, 7), [token_ids(60, seed) for seed in range(2)]
+    cache = compact(model, tokenizer, documents, ratio=6, chunk_tokens=60, on_policy=False, prefix=prefix)
+    ids = torch.cat([prefix, *documents], 1)
+    full = prefill_context(model, ids)
+    starts = (9, 69)
+    queries = [
+        conversation_queries(model, ids, [repetition_conversation(tokenizer, ids[:, s : s + 60])], full) for s in starts
+    ]
+    assert cache.head_lengths() == [[9 + 10 + 10] * 2] * 2
+    for layer in (0, 1):
+        compacted = cache.layers[layer]
+        for head in (0, 1):
+            a, b = compacted.prefix_offsets[head], compacted.prefix_offsets[head + 1]
+            keys, values = full.layers[layer].keys[0, head], full.layers[layer].values[0, head]
+            expected = [
+                compact_head(
+                    keys[s : s + 60], values[s : s + 60], _split_queries(q[layer], 0.1, 50_000, 0)[0][head], 10
+                )
+                for q, s in zip(queries, starts)
+            ]
+            assert torch.equal(
+                kept_positions(cache, full, layer, head),
+                torch.cat([torch.arange(9), *(h.indices + s for h, s in zip(expected, starts))]),
+            )
+            torch.testing.assert_close(compacted.prefix_bias[a + 9 : b], torch.cat([h.bias for h in expected]))
+            torch.testing.assert_close(compacted.prefix_values[a + 9 : b], torch.cat([h.values for h in expected]))
+
+
+def test_a_prefix_served_whole_with_nothing_compacted_matches_the_full_cache():
+    """ratio 1 keeps every context entry: prefix + context then serve a question as the prefilled full cache does."""
+    from hf_structkv.attention.registry import enable
+    from hf_structkv.generation import context_copy
+
+    model = tiny_model("llama")
+    prefix, context, question = token_ids(6, 3), token_ids(40, 4), token_ids(5, 5)
+    cache = compact(model, None, context, ratio=1, method="streaming_llm", prefix=prefix)
+    full = prefill_context(model, torch.cat([prefix, context], 1))
+    enable(model)
+    positions = torch.arange(46, 51)[None]
+    with torch.no_grad():
+        served = model(question, past_key_values=context_copy(cache), position_ids=positions).logits
+        expected = model(question, past_key_values=context_copy(full), position_ids=positions).logits
+    torch.testing.assert_close(served, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_an_empty_prefix_is_refused_by_name():
+    with pytest.raises(ValueError, match="prefix must be a non-empty text"):
+        compact(tiny_model("llama"), CharTokenizer(), "abcdef", ratio=2, method="streaming_llm", prefix="")

@@ -10,11 +10,11 @@ from hf_structkv.eval.squad import (
     squad_document,
     squad_titles,
 )
-from hf_structkv.prompts import QUESTION_TEMPLATE, document_chat_prompt, question_text
+from hf_structkv.prompts import QUESTION_TEMPLATE, document_chat_parts, document_chat_prompt, question_text
 
 
 class FakeChatTokenizer:
-    """The one method ``document_chat_prompt`` needs, with a bracketed toy template."""
+    """The one method ``document_chat_parts`` needs, with a bracketed toy template."""
 
     chat_template = "toy"
 
@@ -43,6 +43,12 @@ def test_split_at_the_question_with_a_toy_template():
     assert messages[0]["role"] == "user"
 
 
+def test_parts_around_the_document_with_a_toy_template():
+    opening, body, suffix = document_chat_parts(FakeChatTokenizer(), "The document.")
+    assert (opening, body, suffix) == ("[sys][user]", "The document.\n\n", "[/turn][assistant]")
+    assert document_chat_prompt(FakeChatTokenizer(), "The document.") == (opening + body, suffix)
+
+
 @pytest.mark.parametrize("template", [None, ""])
 def test_tokenizer_without_chat_template(template):
     class NoTemplate:
@@ -52,6 +58,8 @@ def test_tokenizer_without_chat_template(template):
         document_chat_prompt(NoTemplate(), "doc")
     with pytest.raises(ValueError, match="tokenizer has no chat template"):
         document_chat_prompt(object(), "doc")
+    with pytest.raises(ValueError, match="tokenizer has no chat template"):
+        document_chat_parts(NoTemplate(), "doc")
 
 
 @pytest.mark.slow
@@ -67,6 +75,9 @@ def test_split_equals_the_chat_template_of_the_whole_turn(default_model):
     )
     assert context_text + question_text(question, suffix) == expected
     assert context_text.startswith("<|im_start|>system\n")
+    opening, body, _ = document_chat_parts(tokenizer, document.text)
+    assert opening.startswith("<|im_start|>system\n") and opening.endswith("<|im_start|>user\n")
+    assert body == document.text + "\n\n"
     assert context_text.endswith("<|im_start|>user\n" + document.text + "\n\n")
     assert suffix == "<|im_end|>\n<|im_start|>assistant\n"
 

@@ -33,21 +33,23 @@ def _document_ids(tokenizer: PreTrainedTokenizerBase | None, document: str | tor
     return document
 
 
-def context_documents(tokenizer: PreTrainedTokenizerBase | None, context: Context) -> tuple[torch.Tensor, list[int]]:
+def context_documents(
+    tokenizer: PreTrainedTokenizerBase | None, context: Context, name: str = "context"
+) -> tuple[torch.Tensor, list[int]]:
     """The context's ids ``[1, T]`` and its document lengths (summing to ``T``).
 
     A text or a ``[1, T]`` tensor is one document; a list holds several, each tokenized on its own (as is, no
-    special tokens) and concatenated in order.
+    special tokens) and concatenated in order. ``name`` is the argument's name in error messages.
     """
     if isinstance(context, (str, torch.Tensor)):
-        ids = _document_ids(tokenizer, context, "context")
+        ids = _document_ids(tokenizer, context, name)
         return ids, [ids.shape[1]]
     if not isinstance(context, Sequence) or len(context) == 0:
         raise ValueError(
-            "context must be a non-empty text, a [1, T] tensor of token ids, or a non-empty list of documents "
+            f"{name} must be a non-empty text, a [1, T] tensor of token ids, or a non-empty list of documents "
             f"(texts or [1, T] tensors), got {type(context).__name__}"
         )
-    documents = [_document_ids(tokenizer, doc, f"context[{i}]") for i, doc in enumerate(context)]
+    documents = [_document_ids(tokenizer, doc, f"{name}[{i}]") for i, doc in enumerate(context)]
     return torch.cat(documents, dim=1), [doc.shape[1] for doc in documents]
 
 

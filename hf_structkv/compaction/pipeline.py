@@ -181,13 +181,20 @@ def _block_replays(
     return replays
 
 
-def _in_context(heads: list[CompactedHead], spans: list[tuple[int, int]]) -> CompactedHead:
-    """One KV head's per-chunk compactions (chunk-local positions) as one head: positions shifted by each chunk's
-    start and concatenated in chunk order, with their biases and values."""
+def _kept_whole(values: torch.Tensor) -> CompactedHead:
+    """The prefix's ``P`` entries of one KV head as they are: positions ``0..P-1``, bias 0, ``values`` ``[P, D_v]``."""
+    length = values.shape[0]
+    return CompactedHead(torch.arange(length, device=values.device), torch.zeros(length, device=values.device), values)
+
+
+def _in_context(heads: list[CompactedHead], spans: list[tuple[int, int]], prefix: CompactedHead) -> CompactedHead:
+    """One KV head's per-chunk compactions (chunk-local positions) as one head: the ``prefix`` head kept whole
+    (`_kept_whole`), then the chunks' entries, positions shifted by each chunk's start (in cache positions) and
+    concatenated in chunk order, with their biases and values."""
     return CompactedHead(
-        torch.cat([head.indices + start for head, (start, _) in zip(heads, spans, strict=True)]),
-        torch.cat([head.bias for head in heads]),
-        torch.cat([head.values for head in heads]),
+        torch.cat([prefix.indices, *(head.indices + start for head, (start, _) in zip(heads, spans, strict=True))]),
+        torch.cat([prefix.bias, *(head.bias for head in heads)]),
+        torch.cat([prefix.values, *(head.values for head in heads)]),
     )
 
 
@@ -208,6 +215,7 @@ def compact(
     self_study: SelfStudy | None = None,
     prefill_chunk_tokens: int | None = 1024,
     block_replay: bool = True,
+    prefix: Context | None = None,
     **hparams,
 ) -> CompactedCache:
     """Compact ``context`` for ``model`` at compression ``ratio``.
@@ -231,9 +239,10 @@ def compact(
     The cache's metadata records what reproduces it: the model fingerprint, ``method`` and its hyper-parameters
     (with ``ratio`` and ``seed``), the calibration (tier, repeat instruction, on-policy, query cap, held-out share,
     the self-study prompts, lengths and sampling, and the answer tokens of every conversation of every chunk), the
-    budget source (with the per-chunk counts of a non-uniform one), the chunking (``chunk_tokens``, document lengths,
-    chunk spans), ``prefill_chunk_tokens``, the time taken and, for calibrated methods, the held-out relative loss per
-    layer (mean over chunks and KV heads, each measured against its chunk's keys).
+    budget source (with the per-chunk counts of a non-uniform one), the chunking (``chunk_tokens``, the prefix's
+    tokens, document lengths, chunk spans in cache positions), ``prefill_chunk_tokens``, the time taken and, for
+    calibrated methods, the held-out relative loss per layer (mean over chunks and KV heads, each measured against its
+    chunk's keys).
 
     Args:
         tokenizer: tokenizes a text context (as is, no special tokens added) and the calibration prompts; its hash
@@ -271,6 +280,12 @@ def compact(
         block_replay: capture on-policy queries by `BlockReplay` where the model's blocks allow it; ``False``: one
             forward per layer always (the same queries up to rounding, more compute; for a model whose replay is in
             doubt). The metadata's ``calibration.on_policy_capture`` says which path ran.
+        prefix: text (or ids ``[1, P]``, or a list of either) kept whole before the context, e.g. the system turn
+            and user-turn header of a chat template: prefilled first, served with its ``P`` entries as they are in
+            every layer (bias 0, original values), and never compacted or counted in the ratio (the chunks' budgets
+            come from the context's tokens alone); the calibration conversations run after prefix + context. The
+            seed serves a system prompt uncompacted next to the compacted context; compacting the chat scaffold with
+            the text costs the model its attention sinks and turn markers. ``None``: no prefix.
         **hparams: the method's hyper-parameters (e.g. ``sink_tokens=4`` for StreamingLLM, ``pool_factor`` for
             KV-Surgeon); refitting methods get ``refit_guard=DEFAULT_REFIT_GUARD`` unless given (``0``: the paper's
             unconditional refit). They are recorded in the metadata.
@@ -295,7 +310,10 @@ def compact(
     self_study = SelfStudy() if self_study is None else self_study
     budget_source, budget_record = resolve_budgets(budgets, model, ratio)
     context_ids, document_lengths = context_documents(tokenizer, context)
-    spans = chunk_spans(document_lengths, chunk_tokens)
+    prefix_ids = context_ids[:, :0] if prefix is None else context_documents(tokenizer, prefix, "prefix")[0]
+    prefix_tokens = prefix_ids.shape[1]
+    context_ids = torch.cat([prefix_ids.to(context_ids), context_ids], dim=1)
+    spans = [(begin + prefix_tokens, end + prefix_tokens) for begin, end in chunk_spans(document_lengths, chunk_tokens)]
     start = time.perf_counter()
     cache = prefill_context(model, context_ids, prefill_chunk_tokens=prefill_chunk_tokens, progress=progress)
     chunk_budgets = [_token_budgets(budget_source, ratio, end - begin, cache) for begin, end in spans]
@@ -342,7 +360,9 @@ def compact(
                     loss = relative_loss(heads[-1], keys, heldout[h], values, scaling)
                     heldout_losses.setdefault(layer_idx, []).append(loss)
             per_chunk.append(heads)
-        selection.set_layer(layer_idx, [_in_context(list(chunk_heads), spans) for chunk_heads in zip(*per_chunk)])
+        whole = [_kept_whole(layer.values[0, h, :prefix_tokens]) for h in range(layer.keys.shape[1])]
+        in_context = [_in_context(list(heads), spans, whole[h]) for h, heads in enumerate(zip(*per_chunk))]
+        selection.set_layer(layer_idx, in_context)
     if not isinstance(budget_source, UniformBudgets):  # the uniform rule is in the record already
         budget_record["kept_per_chunk"] = [{str(k): v for k, v in counts.items()} for counts in chunk_budgets]
     metadata = {
@@ -362,6 +382,7 @@ def compact(
         "budgets": budget_record,
         "chunking": {
             "chunk_tokens": chunk_tokens,
+            "prefix_tokens": prefix_tokens,
             "document_lengths": document_lengths,
             "chunk_spans": [list(span) for span in spans],
         },
