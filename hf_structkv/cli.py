@@ -47,6 +47,7 @@ def compaction_kwargs(args) -> dict:
         "chunk_tokens": args.chunk_tokens,
         "on_policy": args.on_policy,
         "query_cap": args.query_cap,
+        "keep_template": args.keep_template,
     }
 
 
@@ -220,6 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
             type=int,
             default=None,
             help="compact the context in chunks of at most this many tokens (default: one chunk)",
+        )
+        p.add_argument(
+            "--keep-template",
+            action="store_true",
+            help="keep the chat scaffold before the document (system turn, user-turn header) whole; compact the "
+            "document only",
         )
 
     compact_p = sub.add_parser("compact", help="read a context once and save its compacted cache")

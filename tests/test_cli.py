@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hf_structkv import CompactedCache
-from hf_structkv.cli import DTYPES, build_parser, load_model, main, read_context
+from hf_structkv.cli import DTYPES, build_parser, compaction_kwargs, load_model, main, read_context
 from hf_structkv.compaction import prefill_context
 from hf_structkv.compaction.budgets import default_head_budgets
 from hf_structkv.eval.squad import squad_document
@@ -122,8 +122,10 @@ def test_parser_defaults():
     assert (args.model, args.dtype, args.squad_article, args.squad_paragraphs) == ("default", "float32", "Normans", 20)
     assert (args.ratio, args.method, args.context_file) == (8.0, "kv_surgeon", None)
     assert (args.on_policy, args.query_cap) == (False, 4096)
-    assert (args.queries, args.budgets, args.chunk_tokens) == ("repeat", "auto", None)
+    assert (args.queries, args.budgets, args.chunk_tokens, args.keep_template) == ("repeat", "auto", None, False)
     assert (args.push, args.private) == (None, False)
+    kept = build_parser().parse_args(["compact-dataset", "--data", "d", "--out", "o", "--keep-template"])
+    assert compaction_kwargs(kept)["keep_template"] is True
     args = build_parser().parse_args(["generate", "--cache", "c", "--question", "a", "--question", "b"])
     assert args.question == ["a", "b"] and args.max_new_tokens == 48
     assert sorted(DTYPES) == ["bfloat16", "float16", "float32"] and DTYPES["bfloat16"] is torch.bfloat16

@@ -30,7 +30,7 @@ from hf_structkv.compaction.dataset import (
 )
 from hf_structkv.hub import CACHE_FILES
 from hf_structkv.models import tiny_model
-from hf_structkv.prompts import document_chat_prompt
+from hf_structkv.prompts import document_chat_parts, document_chat_prompt
 
 SPECIAL_TOKENS = ["<pad>", "</s>", "<s>", "<unk>", "<|user|>", "<|assistant|>", "<|end|>"]  # ids 0, 1, 2 as tiny_model
 CHAT_TEMPLATE = (
@@ -196,6 +196,24 @@ def test_compact_document_uses_the_chat_template(llama):
     for mine, theirs in zip(cache.layers, reference.layers, strict=True):
         for name in ("prefix_keys", "prefix_values", "prefix_bias", "prefix_offsets"):
             torch.testing.assert_close(getattr(mine, name), getattr(theirs, name))
+
+
+def test_compact_document_keeps_the_chat_scaffold_whole_with_keep_template(llama):
+    model, tokenizer = llama
+    cache = compact_document(model, tokenizer, document(0), keep_template=True, ratio=4.0, method="streaming_llm")
+    opening, body, suffix = document_chat_parts(tokenizer, document(0))
+    reference = compact(model, tokenizer, body, ratio=4.0, method="streaming_llm", prefix=opening)
+    assert cache.metadata["chunking"]["prefix_tokens"] == len(opening) - len("<|user|>") + 1 > 0
+    assert cache.metadata["question_suffix"] == suffix and cache.original_length == reference.original_length
+    for mine, theirs in zip(cache.layers, reference.layers, strict=True):
+        for name in ("prefix_keys", "prefix_values", "prefix_bias", "prefix_offsets"):
+            torch.testing.assert_close(getattr(mine, name), getattr(theirs, name))
+    with pytest.raises(ValueError, match="pass it or prefix=, not both"):
+        compact_document(model, tokenizer, document(0), keep_template=True, prefix="x", ratio=4.0)
+    with pytest.raises(TypeError, match="keep_template must be True or False"):
+        compact_document(model, tokenizer, document(0), keep_template="yes", ratio=4.0)
+    with pytest.raises(ValueError, match="keep_template=True needs a tokenizer with a chat template"):
+        compact_document(model, chat_tokenizer(chat_template=None), document(0), keep_template=True, ratio=4.0)
 
 
 def test_compact_document_without_a_chat_template_compacts_the_text():

@@ -27,7 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..cache.compacted import CompactedCache
 from ..hub import CACHE_FILES, CONFIG_NAME, STRUCTURE_FIELDS, model_fingerprint
-from ..prompts import document_chat_prompt
+from ..prompts import document_chat_parts
 from ..validation import check_int
 from .pipeline import compact
 from .self_study import SelfStudy
@@ -153,20 +153,37 @@ def _folder_name(identifier: Any, row: int, id_column: str) -> str:
 
 # ---------------------------------------------------------------------------------------------------- one document
 def compact_document(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, document: str, **compact_kwargs
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    document: str,
+    keep_template: bool = False,
+    **compact_kwargs,
 ) -> CompactedCache:
     """`compact` a document as the user turn of the tokenizer's chat template, ready for questions.
 
-    With a chat template the context is everything up to the question (`document_chat_prompt`); the rest of the
+    With a chat template the context is everything up to the question (`document_chat_parts`); the rest of the
     turn is saved as ``metadata["question_suffix"]`` (which ``hf-structkv generate`` appends to each question) and,
-    unless ``self_study`` is given, closes each self-study prompt. Without a chat template the text is compacted as
-    it is. ``compact_kwargs`` go to `compact`.
+    unless ``self_study`` is given, closes each self-study prompt. ``keep_template=True`` keeps the chat scaffold
+    before the document (system turn, user-turn header) whole and compacts the document only (`compact`'s
+    ``prefix=``). Without a chat template the text is compacted as it is. ``compact_kwargs`` go to `compact`.
+
+    Raises:
+        ValueError: ``keep_template=True`` with a tokenizer that has no chat template, or together with ``prefix=``.
     """
+    if not isinstance(keep_template, bool):
+        raise TypeError(f"keep_template must be True or False, got {keep_template!r}")
+    if keep_template and "prefix" in compact_kwargs:
+        raise ValueError("keep_template=True makes the chat scaffold the prefix; pass it or prefix=, not both")
     if not getattr(tokenizer, "chat_template", None):
+        if keep_template:
+            raise ValueError("keep_template=True needs a tokenizer with a chat template; drop it to compact the text")
         return compact(model, tokenizer, document, **compact_kwargs)
-    context_text, question_suffix = document_chat_prompt(tokenizer, document)
+    opening, body, question_suffix = document_chat_parts(tokenizer, document)
     compact_kwargs.setdefault("self_study", SelfStudy(turn_suffix=question_suffix))
-    cache = compact(model, tokenizer, context_text, **compact_kwargs)
+    if keep_template:
+        cache = compact(model, tokenizer, body, prefix=opening, **compact_kwargs)
+    else:
+        cache = compact(model, tokenizer, opening + body, **compact_kwargs)
     cache.metadata["question_suffix"] = question_suffix
     return cache
 
