@@ -168,6 +168,7 @@ def compact_document(
     ``prefix=``). Without a chat template the text is compacted as it is. ``compact_kwargs`` go to `compact`.
 
     Raises:
+        TypeError: ``keep_template`` is not a bool.
         ValueError: ``keep_template=True`` with a tokenizer that has no chat template, or together with ``prefix=``.
     """
     if not isinstance(keep_template, bool):
