@@ -159,7 +159,12 @@ def test_compact_metadata(llama):
         "rule": "max(1, floor(chunk_length / ratio)) per KV head",
         "requested": "auto",
     }
-    assert metadata["chunking"] == {"chunk_tokens": None, "document_lengths": [16], "chunk_spans": [[0, 16]]}
+    assert metadata["chunking"] == {
+        "chunk_tokens": None,
+        "prefix_tokens": 0,
+        "document_lengths": [16],
+        "chunk_spans": [[0, 16]],
+    }
     assert metadata["prefill_chunk_tokens"] == 1024
     assert 0 <= metadata["compaction_seconds"] < 60
 
