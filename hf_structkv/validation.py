@@ -1,5 +1,5 @@
-"""Integer-argument checks shared by the whole package, so every integer argument is validated the same way and
-its error says the same thing: the argument's name, the allowed range, what the number counts, and the bad value.
+"""Integer- and flag-argument checks shared by the whole package, so every such argument is validated the same way
+and its error says the same thing: the argument's name, the allowed range, what the number counts, and the bad value.
 
 ``bool`` is not an integer here (``True`` is never a token count); NumPy and other ``numbers.Integral`` integers are.
 A value that is not an integer raises ``TypeError``; an integer outside the range raises ``ValueError``.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-__all__ = ["check_int", "is_int"]
+__all__ = ["check_bool", "check_int", "is_int"]
 
 
 def is_int(value: Any) -> bool:
@@ -55,3 +55,14 @@ def check_int(
         allowed += " or None"
     message = f"{name} must be {allowed}, got {value!r}"
     raise ValueError(message) if is_int(value) else TypeError(message)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` after checking it is ``True`` or ``False`` (not ``0``/``1``, ``None`` or a string).
+
+    Raises:
+        TypeError: ``value`` is not a ``bool``; the error starts with ``name``.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value

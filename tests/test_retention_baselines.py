@@ -229,7 +229,7 @@ def test_attention_mass_accumulator_rows_and_validation():
         stats.add(0, torch.ones(3, 5), torch.ones(3, 5))
     with pytest.raises(ValueError, match="no value-weighted mass"):
         stats.weighted_row_mass(0, 5)
-    with pytest.raises(TypeError, match="value_weighted must be a bool"):
+    with pytest.raises(TypeError, match="value_weighted must be True or False"):
         AttentionMass(value_weighted=1)
     weighted = AttentionMass(value_weighted=True)
     weighted.add(1, torch.ones(2, 3), torch.full((2, 3), 2.0))

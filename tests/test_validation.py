@@ -1,9 +1,9 @@
-"""`hf_structkv.validation`: the shared integer-argument check."""
+"""`hf_structkv.validation`: the shared integer- and flag-argument checks."""
 
 import numpy as np
 import pytest
 
-from hf_structkv.validation import check_int, is_int
+from hf_structkv.validation import check_bool, check_int, is_int
 
 
 @pytest.mark.parametrize("value", [0, 7, -3, np.int64(5), np.int32(0)])
@@ -44,3 +44,14 @@ def test_check_int_returns_a_python_int_in_range():
 def test_check_int_names_the_argument_the_range_and_the_value(value, kwargs, error, message):
     with pytest.raises(error, match=message):
         check_int("n", value, **kwargs)
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_check_bool_returns_the_flag(value):
+    assert check_bool("flag", value) is value
+
+
+@pytest.mark.parametrize("value", [0, 1, None, "yes", np.bool_(True)])
+def test_check_bool_names_the_argument_and_the_bad_value(value):
+    with pytest.raises(TypeError, match=rf"^flag must be True or False, got {value!r}$"):
+        check_bool("flag", value)

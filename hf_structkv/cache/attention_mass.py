@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..validation import check_int
+from ..validation import check_bool, check_int
 
 
 class TokenStatistics(NamedTuple):
@@ -44,9 +44,7 @@ class AttentionMass:
     def __init__(self, num_groups: int = 3, observation_window: int | None = None, value_weighted: bool = False):
         self.num_groups = check_int("num_groups", num_groups, 1)
         self.observation_window = check_int("observation_window", observation_window, 0, none_ok=True)
-        if not isinstance(value_weighted, bool):
-            raise TypeError(f"value_weighted must be a bool, got {type(value_weighted).__name__}")
-        self.value_weighted = value_weighted
+        self.value_weighted = check_bool("value_weighted", value_weighted)
         self.mass: list[torch.Tensor | None] = [None] * num_groups
         self.weighted: list[torch.Tensor | None] = [None] * num_groups
         self.prompt_real: torch.Tensor | None = None

@@ -28,7 +28,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..cache.compacted import CompactedCache
 from ..hub import CACHE_FILES, CONFIG_NAME, STRUCTURE_FIELDS, model_fingerprint
 from ..prompts import document_chat_parts
-from ..validation import check_int
+from ..validation import check_bool, check_int
 from .pipeline import compact
 from .self_study import SelfStudy
 
@@ -171,9 +171,7 @@ def compact_document(
         TypeError: ``keep_template`` is not a bool.
         ValueError: ``keep_template=True`` with a tokenizer that has no chat template, or together with ``prefix=``.
     """
-    if not isinstance(keep_template, bool):
-        raise TypeError(f"keep_template must be True or False, got {keep_template!r}")
-    if keep_template and "prefix" in compact_kwargs:
+    if check_bool("keep_template", keep_template) and "prefix" in compact_kwargs:
         raise ValueError("keep_template=True makes the chat scaffold the prefix; pass it or prefix=, not both")
     if not getattr(tokenizer, "chat_template", None):
         if keep_template:

@@ -25,7 +25,7 @@ from ..attention.modules import attention_scalings
 from ..attention.registry import enable
 from ..cache.compacted import CompactedCache
 from ..hub import model_fingerprint
-from ..validation import is_int
+from ..validation import check_bool, is_int
 from .block_replay import BlockReplay
 from .budgets import CAP_FRACTION, HeadBudgets, UniformBudgets, default_head_budgets
 from .chunks import Context, chunk_spans, context_documents
@@ -304,8 +304,7 @@ def compact(
         raise ValueError(f"method {method!r} needs the tokenizer for its calibration prompts; pass tokenizer=")
     if not 0 <= heldout_fraction < 1:
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction!r}")
-    if not isinstance(block_replay, bool):
-        raise TypeError(f"block_replay must be True or False, got {block_replay!r}")
+    check_bool("block_replay", block_replay)
     if self_study is not None and not isinstance(self_study, SelfStudy):
         raise TypeError(f"self_study must be a SelfStudy or None, got {type(self_study).__name__}")
     self_study = SelfStudy() if self_study is None else self_study
