@@ -4,7 +4,8 @@ mixed-precision cache, the same ledger (B.3) and the same held-out cases (PASK T
 1. Development split only: Full KV answers the first ``--dev-cases`` cases of each category; their prompt and decoded
    lengths fix each baseline's budget knob by its knob arithmetic (`for_budget`: StreamingLLM's recent prompt tokens,
    SnapKV's and CriticalKV's prompt ratio, H2O's and MiKV's heavy ratio; the other Table 8 knobs at the stated
-   defaults, the recent window equal to PASK's). Nothing is chosen on the test split.
+   defaults, the recent window equal to PASK's). Nothing is chosen on the test split. A run of Full KV and PASK at
+   equal stage budgets alone uses no lengths and skips this step (``dev_cases_per_category`` 0 in its JSON).
 2. Test split: every method answers the first ``--cases`` test cases of each category greedily under the tools' JSON
    schema (`evaluate_bfcl`, batch 1), scored by BFCL's AST checker, at each target B < 1 (B = 1 keeps everything:
    that row is Full KV, run once). PASK runs its decode table and prefill policy with both budgets (``B_D``, ``B_P``)
@@ -379,9 +380,10 @@ def run_methods(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
     run = dict(max_new_tokens=args.max_new_tokens, progress=not args.tiny)
     window = PolicyTable.all_high(model).window
 
-    dev_entries = bfcl_split(categories, "development", seed=args.seed, limit=args.dev_cases)
-    dev = evaluate_bfcl(model, tokenizer, dev_entries, PolicyTable.all_high(model), **run)
-    lengths = development_lengths(dev.records, costs)
+    needs_lengths = any(m in BASELINES for m in args.methods) or args.pask_stage_split != "equal"
+    dev_entries = bfcl_split(categories, "development", seed=args.seed, limit=args.dev_cases) if needs_lengths else ()
+    dev = evaluate_bfcl(model, tokenizer, dev_entries, PolicyTable.all_high(model), **run) if dev_entries else None
+    lengths = development_lengths(dev.records, costs) if dev else []
     test_entries = bfcl_split(categories, "test", seed=args.seed, limit=limit, start=args.first_case)
 
     def evaluate(method: str, label: str, target: float, policy, prefill=None, provenance=None) -> dict:
@@ -428,9 +430,9 @@ def run_methods(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
         "seed": args.seed,
         "cases_per_category": limit,
         "first_case": args.first_case,
-        "dev_cases_per_category": args.dev_cases,
+        "dev_cases_per_category": args.dev_cases if dev else 0,
         "dev_lengths": lengths,
-        "dev_full_kv_accuracy": dev.summary["accuracy"],
+        "dev_full_kv_accuracy": dev.summary["accuracy"] if dev else None,
         "window": window,
         "baseline_knobs": BASELINE_KNOBS,
         "max_new_tokens": args.max_new_tokens,

@@ -627,6 +627,21 @@ def test_bfcl_budget_tiny_run_writes_records_and_plot(tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bfcl_budget_skips_the_development_split_when_no_method_uses_its_lengths(tmp_path):
+    pytest.importorskip("bfcl_eval")
+    script = load_script(BENCHMARKS / "bfcl_budget.py")
+    common = ["--tiny", "--categories", "simple_python", "--max-new-tokens", "4", "--budgets", "0.5"]
+    alone = script.main([*common, "--methods", "full_kv", "pask", "--out", str(tmp_path / "a.json")])
+    assert alone["dev_cases_per_category"] == 0 and alone["dev_lengths"] == [] and alone["dev_full_kv_accuracy"] is None
+    with_baseline = script.main([*common, "--methods", "mikv", "--dev-cases", "1", "--out", str(tmp_path / "b.json")])
+    assert with_baseline["dev_cases_per_category"] == 1 and len(with_baseline["dev_lengths"]) == 1
+    split = script.main(
+        [*common, "--methods", "pask", "--dev-cases", "1", "--pask-stage-split", "calibrated_decode"]
+        + ["--out", str(tmp_path / "c.json")]
+    )
+    assert len(split["dev_lengths"]) == 1
+
+
 def test_bfcl_budget_serves_the_shipped_calibrated_pair_at_the_target_budgets():
     pytest.importorskip("bfcl_eval")
     from hf_structkv.policy import calibrated_policy, calibrated_prefill_policy
