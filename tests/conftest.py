@@ -1,6 +1,7 @@
-"""Shared test setup: offline Hugging Face, at most two CPU threads, the default model."""
+"""Shared test setup: offline Hugging Face, at most two CPU threads, the default model, a mocked Hub."""
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Triton decides interpreted vs compiled when triton.language is first imported (transformers imports it early),
@@ -20,3 +21,43 @@ def default_model():
     from hf_structkv.models import load_default_model
 
     return load_default_model()
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    """A factory of mocked Hubs (no network). ``fake_hub(served=folder, load=Cls.load)`` makes
+    ``huggingface_hub.snapshot_download`` return ``folder`` and ``HfApi.create_repo`` / ``create_branch`` /
+    ``upload_folder`` record their arguments (an upload returns commit ``abc123``), and returns the dict they record
+    into: ``downloads`` (each ``(repo_id, kwargs)``), ``create_repo`` / ``create_branch`` (``(repo_id, kwargs)``),
+    ``token`` (the ``HfApi``'s), ``upload_folder`` (its kwargs) and, of the uploaded folder, ``files`` (names),
+    ``readme`` (text) and ``loaded`` (``load(folder)``, read before the folder is gone)."""
+    import huggingface_hub
+    from huggingface_hub import CommitInfo, HfApi
+
+    def make(served: Path | None = None, load=None) -> dict:
+        calls: dict = {"downloads": []}
+
+        def snapshot_download(repo_id, **kwargs):
+            calls["downloads"].append((repo_id, kwargs))
+            return str(served)
+
+        def create_repo(self, repo_id, **kwargs):
+            calls.update(token=self.token, create_repo=(repo_id, kwargs))
+
+        def create_branch(self, repo_id, **kwargs):
+            calls["create_branch"] = (repo_id, kwargs)
+
+        def upload_folder(self, **kwargs):
+            folder = Path(kwargs["folder_path"])
+            calls.update(upload_folder=kwargs, files={p.name for p in folder.iterdir()})
+            calls.update(readme=(folder / "README.md").read_text(), loaded=None if load is None else load(folder))
+            url = f"https://huggingface.co/{kwargs['repo_id']}/commit/abc123"
+            return CommitInfo(commit_url=url, commit_message="m", commit_description="", oid="abc123")
+
+        monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+        monkeypatch.setattr(HfApi, "create_repo", create_repo)
+        monkeypatch.setattr(HfApi, "create_branch", create_branch)
+        monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+        return calls
+
+    return make

@@ -10,10 +10,8 @@ import json
 import math
 from pathlib import Path
 
-import huggingface_hub
 import pytest
 import torch
-from huggingface_hub import CommitInfo, HfApi
 
 from hf_structkv.cli import main
 from hf_structkv.compaction.budgets import (
@@ -233,40 +231,23 @@ def test_load_errors_name_the_problem(saved, tmp_path):
         HeadBudgets.load(folder)
 
 
-def test_load_from_repo_id_downloads_only_the_budget_files(saved, tmp_path, monkeypatch):
+def test_load_from_repo_id_downloads_only_the_budget_files(saved, tmp_path, monkeypatch, fake_hub):
     _, budgets, folder = saved
-    calls = []
-
-    def fake_snapshot_download(repo_id, **kwargs):
-        calls.append((repo_id, kwargs))
-        return str(folder)
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    calls = fake_hub(served=folder)
     monkeypatch.chdir(tmp_path)
     assert HeadBudgets.load("someone/budgets", revision="v1", token="hf_test") == budgets
-    [(repo_id, kwargs)] = calls
+    [(repo_id, kwargs)] = calls["downloads"]
     assert repo_id == "someone/budgets" and kwargs["revision"] == "v1" and kwargs["token"] == "hf_test"
     assert set(kwargs["allow_patterns"]) == {"config.json", "README.md"}
 
 
-def test_push_to_hub_uploads_the_config_and_card(saved, monkeypatch):
+def test_push_to_hub_uploads_the_config_and_card(saved, fake_hub):
     _, budgets, _ = saved
-    calls = {}
-
-    def fake_upload_folder(self, **kwargs):
-        folder = Path(kwargs["folder_path"])
-        calls.update(kwargs, files={p.name for p in folder.iterdir()}, loaded=HeadBudgets.load(folder))
-        calls["readme"] = (folder / "README.md").read_text()
-        url = f"https://huggingface.co/{kwargs['repo_id']}/commit/abc"
-        return CommitInfo(commit_url=url, commit_message="m", commit_description="", oid="abc")
-
-    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.update(create=(repo_id, kw)))
-    monkeypatch.setattr(HfApi, "create_branch", lambda self, repo_id, **kw: calls.update(branch=(repo_id, kw)))
-    monkeypatch.setattr(HfApi, "upload_folder", fake_upload_folder)
+    calls = fake_hub(load=HeadBudgets.load)
     url = budgets.push_to_hub("someone/budgets", private=True, token="hf_test", revision="v1")
-    assert url == "https://huggingface.co/someone/budgets/commit/abc"
-    assert calls["create"] == ("someone/budgets", {"private": True, "exist_ok": True})
-    assert calls["branch"] == ("someone/budgets", {"branch": "v1", "exist_ok": True})
+    assert url == "https://huggingface.co/someone/budgets/commit/abc123"
+    assert calls["create_repo"] == ("someone/budgets", {"private": True, "exist_ok": True})
+    assert calls["create_branch"] == ("someone/budgets", {"branch": "v1", "exist_ok": True})
     assert calls["files"] == {"config.json", "README.md"} and calls["loaded"] == budgets
     assert 'HeadBudgets.load("someone/budgets", model=model)' in calls["readme"]
 

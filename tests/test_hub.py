@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import huggingface_hub
 import pytest
 import torch
-from huggingface_hub import CommitInfo, HfApi
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache, LlamaForCausalLM
 
@@ -373,46 +371,21 @@ def test_failed_overwrite_leaves_no_loadable_mix(saved, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------- Hub (mocked)
-def test_load_from_repo_id_downloads_only_the_cache_files(saved, tmp_path, monkeypatch):
+def test_load_from_repo_id_downloads_only_the_cache_files(saved, tmp_path, monkeypatch, fake_hub):
     _, cache, folder = saved
-    calls = []
-
-    def fake_snapshot_download(repo_id, **kwargs):
-        calls.append((repo_id, kwargs))
-        return str(folder)
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    calls = fake_hub(served=folder)
     monkeypatch.chdir(tmp_path)
     loaded = CompactedCache.load("someone/context-cache", revision="v1", token="hf_test")
     assert_same_context(cache, loaded)
-    [(repo_id, kwargs)] = calls
+    [(repo_id, kwargs)] = calls["downloads"]
     assert repo_id == "someone/context-cache"
     assert kwargs["revision"] == "v1" and kwargs["token"] == "hf_test"
     assert set(kwargs["allow_patterns"]) == CACHE_FILES
 
 
-def test_push_to_hub_uploads_the_three_files(saved, monkeypatch):
+def test_push_to_hub_uploads_the_three_files(saved, fake_hub):
     _, cache, _ = saved
-    calls = {}
-
-    def fake_create_repo(self, repo_id, **kwargs):
-        calls["create_repo"] = (repo_id, kwargs)
-
-    def fake_create_branch(self, repo_id, **kwargs):
-        calls["create_branch"] = (repo_id, kwargs)
-
-    def fake_upload_folder(self, **kwargs):
-        folder = Path(kwargs["folder_path"])
-        calls["upload_folder"] = kwargs
-        calls["files"] = {p.name for p in folder.iterdir()}
-        calls["readme"] = (folder / "README.md").read_text()
-        calls["loaded"] = CompactedCache.load(folder)
-        url = f"https://huggingface.co/{kwargs['repo_id']}/commit/abc123"
-        return CommitInfo(commit_url=url, commit_message="m", commit_description="", oid="abc123")
-
-    monkeypatch.setattr(HfApi, "create_repo", fake_create_repo)
-    monkeypatch.setattr(HfApi, "create_branch", fake_create_branch)
-    monkeypatch.setattr(HfApi, "upload_folder", fake_upload_folder)
+    calls = fake_hub(load=CompactedCache.load)
     url = cache.push_to_hub("someone/context-cache", private=True, token="hf_test", revision="v1")
     assert url == "https://huggingface.co/someone/context-cache/commit/abc123"
     assert calls["create_repo"] == ("someone/context-cache", {"private": True, "exist_ok": True})

@@ -9,9 +9,7 @@ import json
 from itertools import product
 from pathlib import Path
 
-import huggingface_hub
 import pytest
-from huggingface_hub import CommitInfo, HfApi
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -429,44 +427,18 @@ def test_failed_overwrite_leaves_no_loadable_mix(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------- Hub (mocked)
-def test_load_from_repo_id_downloads_only_the_table_files(tmp_path, monkeypatch):
+def test_load_from_repo_id_downloads_only_the_table_files(tmp_path, monkeypatch, fake_hub):
     GOLDEN.save_pretrained(tmp_path / "saved")
-    calls = []
-
-    def fake_snapshot_download(repo_id, **kwargs):
-        calls.append((repo_id, kwargs))
-        return str(tmp_path / "saved")
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    calls = fake_hub(served=tmp_path / "saved")
     monkeypatch.chdir(tmp_path)
     assert PolicyTable.from_pretrained("someone/pask-policy", revision="v1", token="hf_test") == GOLDEN
-    [(repo_id, kwargs)] = calls
+    [(repo_id, kwargs)] = calls["downloads"]
     assert repo_id == "someone/pask-policy" and kwargs["revision"] == "v1" and kwargs["token"] == "hf_test"
     assert set(kwargs["allow_patterns"]) == POLICY_FILES
 
 
-def test_push_to_hub_uploads_the_table_and_its_card(monkeypatch):
-    calls = {}
-
-    def fake_create_repo(self, repo_id, **kwargs):
-        calls["token"] = self.token
-        calls["create_repo"] = (repo_id, kwargs)
-
-    def fake_create_branch(self, repo_id, **kwargs):
-        calls["create_branch"] = (repo_id, kwargs)
-
-    def fake_upload_folder(self, **kwargs):
-        folder = Path(kwargs["folder_path"])
-        calls["upload_folder"] = kwargs
-        calls["files"] = {p.name for p in folder.iterdir()}
-        calls["readme"] = (folder / "README.md").read_text()
-        calls["loaded"] = PolicyTable.from_pretrained(folder)
-        url = f"https://huggingface.co/{kwargs['repo_id']}/commit/abc123"
-        return CommitInfo(commit_url=url, commit_message="m", commit_description="", oid="abc123")
-
-    monkeypatch.setattr(HfApi, "create_repo", fake_create_repo)
-    monkeypatch.setattr(HfApi, "create_branch", fake_create_branch)
-    monkeypatch.setattr(HfApi, "upload_folder", fake_upload_folder)
+def test_push_to_hub_uploads_the_table_and_its_card(fake_hub):
+    calls = fake_hub(load=PolicyTable.from_pretrained)
     url = GOLDEN.push_to_hub("someone/pask-policy", private=True, token="hf_test", revision="v1")
     assert url == "https://huggingface.co/someone/pask-policy/commit/abc123"
     assert calls["token"] == "hf_test"
