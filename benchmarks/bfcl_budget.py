@@ -380,10 +380,11 @@ def run_methods(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
     run = dict(max_new_tokens=args.max_new_tokens, progress=not args.tiny)
     window = PolicyTable.all_high(model).window
 
-    needs_lengths = any(m in BASELINES for m in args.methods) or args.pask_stage_split != "equal"
-    dev_entries = bfcl_split(categories, "development", seed=args.seed, limit=args.dev_cases) if needs_lengths else ()
-    dev = evaluate_bfcl(model, tokenizer, dev_entries, PolicyTable.all_high(model), **run) if dev_entries else None
-    lengths = development_lengths(dev.records, costs) if dev else []
+    dev_entries, dev, lengths = (), None, []
+    if any(m in BASELINES for m in args.methods) or args.pask_stage_split != "equal":  # a method uses the lengths
+        dev_entries = bfcl_split(categories, "development", seed=args.seed, limit=args.dev_cases)
+        dev = evaluate_bfcl(model, tokenizer, dev_entries, PolicyTable.all_high(model), **run)
+        lengths = development_lengths(dev.records, costs)
     test_entries = bfcl_split(categories, "test", seed=args.seed, limit=limit, start=args.first_case)
 
     def evaluate(method: str, label: str, target: float, policy, prefill=None, provenance=None) -> dict:

@@ -186,7 +186,7 @@ def test_dataset_contexts_needs_a_dataset(rows):
 
 
 # ---------------------------------------------------------------------------------------------------- one document
-def assert_same_context(cache, reference) -> None:
+def assert_same_kept_entries(cache, reference) -> None:
     """Two compacted caches store the same kept keys, values, biases and per-head offsets in every layer."""
     for mine, theirs in zip(cache.layers, reference.layers, strict=True):
         for name in ("prefix_keys", "prefix_values", "prefix_bias", "prefix_offsets"):
@@ -200,7 +200,7 @@ def test_compact_document_uses_the_chat_template(llama):
     assert suffix == "<|end|><|assistant|>" and cache.metadata["question_suffix"] == suffix
     reference = compact(model, tokenizer, context_text, self_study=SelfStudy(turn_suffix=suffix), **SETTINGS)
     assert cache.original_length == reference.original_length == len(context_text) - len("<|user|>") + 1
-    assert_same_context(cache, reference)
+    assert_same_kept_entries(cache, reference)
 
 
 def test_compact_document_keeps_the_chat_scaffold_whole_with_keep_template(llama):
@@ -210,7 +210,7 @@ def test_compact_document_keeps_the_chat_scaffold_whole_with_keep_template(llama
     reference = compact(model, tokenizer, body, ratio=4.0, method="streaming_llm", prefix=opening)
     assert cache.metadata["chunking"]["prefix_tokens"] == len(opening) - len("<|user|>") + 1 > 0
     assert cache.metadata["question_suffix"] == suffix and cache.original_length == reference.original_length
-    assert_same_context(cache, reference)
+    assert_same_kept_entries(cache, reference)
     with pytest.raises(ValueError, match="pass it or prefix=, not both"):
         compact_document(model, tokenizer, document(0), keep_template=True, prefix="x", ratio=4.0)
     with pytest.raises(TypeError, match="keep_template must be True or False"):

@@ -66,8 +66,10 @@ def test_self_study_settings():
     assert SelfStudy().describe()["tasks"][3]["max_new_tokens"] == 96
     with pytest.raises(ValueError, match=r"SelfStudy.answer_tokens must be an integer >= 1 \(max new tokens\)"):
         SelfStudy(answer_tokens=0)
-    with pytest.raises(TypeError, match="SelfStudy.greedy must be a bool"):
+    with pytest.raises(TypeError, match="SelfStudy.greedy must be True or False"):
         SelfStudy(greedy="yes")
+    with pytest.raises(TypeError, match="SelfStudy.turn_suffix must be a str, got int"):
+        SelfStudy(turn_suffix=3)
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0"):
         SelfStudyTask("t", "p", -1, 0.0, 1.0, 1)
     with pytest.raises(ValueError, match="need temperature >= 0, 0 < top_p <= 1 and top_k >= 1"):

@@ -22,7 +22,7 @@ from transformers.generation.logits_process import (
 )
 
 from ..generation import context_copy
-from ..validation import check_int
+from ..validation import check_bool, check_int
 from .prefill import prefill_context
 from .queries import (
     DEFAULT_CAP,
@@ -90,8 +90,9 @@ class SelfStudy:
     def __post_init__(self):
         for name in ("answer_tokens", "question_tokens"):
             check_int(f"SelfStudy.{name}", getattr(self, name), 1, counts="max new tokens")
-        if not isinstance(self.greedy, bool) or not isinstance(self.turn_suffix, str):
-            raise TypeError("SelfStudy.greedy must be a bool and SelfStudy.turn_suffix a str")
+        check_bool("SelfStudy.greedy", self.greedy)
+        if not isinstance(self.turn_suffix, str):
+            raise TypeError(f"SelfStudy.turn_suffix must be a str, got {type(self.turn_suffix).__name__}")
 
     @classmethod
     def paper(cls, turn_suffix: str = "") -> SelfStudy:
