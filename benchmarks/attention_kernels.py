@@ -73,10 +73,10 @@ CPU smoke run (the same code paths, tiny sizes, kernels under the Triton interpr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -102,6 +102,9 @@ from hf_structkv.quant.int4 import quantize_int4
 from triton_ops.biased_attention import triton_compacted_attention
 from triton_ops.mixed_attention import triton_mixed_precision_attention
 from triton_ops.runtime import interpreter_ready
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helpers, also when imported by path
+from results_json import write_json  # noqa: E402
 
 H200_PEAK_HBM_BYTES_PER_S = 4.8e12
 """NVIDIA's datasheet HBM3e bandwidth of the H200 (141 GB)."""
@@ -656,6 +659,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", help="batch sizes of the kernel grid")
     parser.add_argument("--out", default="benchmarks/results/attention_kernels.json")
     args = parser.parse_args(argv)
+    started = time.perf_counter()
 
     settings = SMOKE if args.smoke else FULL
     settings = replace(
@@ -692,8 +696,7 @@ def main(argv: list[str] | None = None) -> None:
     if "e2e" in args.parts:
         result["end_to_end"] = benchmark_end_to_end("random" if args.smoke else args.weights, settings, device)
         print_end_to_end_table(result["end_to_end"])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_json(args.out, result, started=started)
     print(f"wrote {args.out}")
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +29,9 @@ import transformers
 from hf_structkv.eval.bfcl import CATEGORIES, SPLITS, bfcl_split, evaluate_bfcl
 from hf_structkv.models import load_default_model
 from hf_structkv.policy import PolicyTable, calibrated_policy, illustrative_policy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helpers, also when imported by path
+from results_json import write_json  # noqa: E402
 
 
 def load_policy(name: str, model) -> PolicyTable:
@@ -103,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = build_parser().parse_args()
+    started = time.perf_counter()
 
     torch.set_num_threads(args.threads)
     entries = bfcl_split(args.categories, args.split, seed=args.seed, limit=args.limit)
@@ -128,8 +133,7 @@ def main() -> None:
         "transformers": transformers.__version__,
         "results": results,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(payload, indent=2))
+    write_json(args.out, payload, started=started)
     print(f"wrote {args.out}")
 
 

@@ -60,6 +60,7 @@ from hf_structkv.policy.prefill import PREFILL_POLICY_NAME
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bfcl_accuracy import print_table  # noqa: E402
+from results_json import write_json  # noqa: E402
 
 BUDGETS = (0.25, 0.33, 0.5, 1.0)
 BASELINES = {"streaming_llm": StreamingLLM, "h2o": H2O, "snapkv": SnapKV, "mikv": MiKV, "criticalkv": CriticalKV}
@@ -232,7 +233,10 @@ def merge_runs(payloads: list[dict]) -> dict:
         "categories": categories,
         "baseline_knobs": baseline_knobs,
         "merged_from": [
-            {key: p.get(key) for key in ("categories", "first_case", "cases_per_category", "dev_lengths", "threads")}
+            {
+                key: p.get(key)
+                for key in ("categories", "first_case", "cases_per_category", "dev_lengths", "threads", "provenance")
+            }
             for p in payloads
         ],
         "records": [method_record(row, row["records"], row["seconds"]) for row in joined.values()],
@@ -329,12 +333,13 @@ def main(argv: list[str] | None = None) -> dict:
         "same replies, exact McNemar p-value)",
     )
     args = parser.parse_args(argv)
+    started = time.perf_counter()
     if args.drop and not args.merge:
         parser.error("--drop only applies with --merge")
     if args.compare:
         if args.merge or len(args.compare) < 2:
             parser.error("--compare takes at least two FILE:LABEL rows and no --merge")
-        return compare_rows(parser, args.compare, args.out)
+        return compare_rows(parser, args.compare, args.out, started)
     args.out = args.out or "benchmarks/results/bfcl_budget.json"
     if args.merge:
         payloads = {path: json.loads(Path(path).read_text()) for path in args.merge}
@@ -352,8 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
         payload = run_methods(parser, args)
     records, categories = payload["records"], payload["categories"]
     print_table([{"policy": f"{r['label']} @{r['target_B']}", "summary": _row_summary(r)} for r in records], categories)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(payload, indent=2))
+    payload = write_json(args.out, payload, started=started)
     print(f"wrote {args.out}")
     if args.plot:
         plot(records, args.plot)
@@ -459,9 +463,9 @@ def find_row(path: str, payload: dict, spec: str) -> dict:
     return rows[0]
 
 
-def compare_rows(parser: argparse.ArgumentParser, specs: list[str], out: str | None) -> dict:
+def compare_rows(parser: argparse.ArgumentParser, specs: list[str], out: str | None, started: float) -> dict:
     """``--compare``: every row against the first, case for case (module docstring); printed, and written to ``out``
-    when given."""
+    when given (``started``: the run's ``time.perf_counter()`` start, for the file's provenance)."""
     rows = []
     for spec in specs:
         path, sep, name = spec.rpartition(":")
@@ -502,8 +506,7 @@ def compare_rows(parser: argparse.ArgumentParser, specs: list[str], out: str | N
         )
     result = {"reference": reference_spec, "comparisons": comparisons}
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=2))
+        result = write_json(out, result, started=started)
         print(f"wrote {out}")
     return result
 

@@ -26,11 +26,11 @@ subsample the heads, ``--query-cap`` / ``--heldout-cap`` cap the queries, ``--me
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import statistics
 import string
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +54,9 @@ from hf_structkv.eval.squad import squad_document, squad_titles
 from hf_structkv.generation import context_copy
 from hf_structkv.models import load_default_model, tiny_byte_tokenizer, tiny_model
 from hf_structkv.prompts import document_chat_prompt, question_text
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helpers, also when imported by path
+from results_json import write_json  # noqa: E402
 
 TIERS = ("repeat", "self_study")
 TARGET_BEATS_LOO = 0.9  # at 10x, kv_surgeon beats loo on >= 90% of heads
@@ -432,8 +435,7 @@ def main(argv: list[str] | None = None) -> dict:
         "targets": verdicts,
         "records": records,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(payload, indent=2))
+    payload = write_json(args.out, payload, started=started)
     print(f"wrote {args.out}")
     if args.plot:
         title = f"{payload['environment']['model']}, {length}-token context, {len(heads)} KV heads"

@@ -69,6 +69,7 @@ import math
 import random
 import re
 import statistics
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -95,6 +96,9 @@ from hf_structkv.eval.squad import SquadQuestion, contains_answer, normalize_ans
 from hf_structkv.generation import context_copy, generation_inputs
 from hf_structkv.models import tiny_byte_tokenizer, tiny_model
 from hf_structkv.prompts import document_chat_parts, question_text
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helpers, also when imported by path
+from results_json import write_json  # noqa: E402
 
 TASKS = ("squad", "hotpotqa", "needle")
 KV_SURGEON = "kv_surgeon"
@@ -859,8 +863,7 @@ def write_results(
         "seconds_total": time.perf_counter() - started,
         "runs": runs,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(payload, indent=2))
+    write_json(args.out, payload, started=started)
     return summary, verdicts
 
 

@@ -19,6 +19,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +30,9 @@ from hf_structkv.models import ensure_default_snapshot
 from hf_structkv.policy import PolicyController, illustrative_policy
 from hf_structkv.structure.function_calls import function_call_schema
 from hf_structkv.structure.lmfe import JsonSchemaAdapter
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helpers, also when imported by path
+from results_json import write_json  # noqa: E402
 
 TOOLS = [
     {
@@ -156,6 +160,7 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     args = parser.parse_args()
+    started = time.perf_counter()
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(ensure_default_snapshot())
     start = time.perf_counter()
@@ -173,7 +178,6 @@ def main() -> None:
     flat = max(row["ratio_to_shortest"] for row in rows) <= 1.1
     print(f"target: tagging + controller flat (ratio <= 1.1): {'met' if flat else 'NOT met'}; {seconds:.0f} s")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         record = {
             "command": f"benchmarks/controller_overhead.py --histories {' '.join(map(str, args.histories))} "
             f"--window {args.window} --mask-histories {' '.join(map(str, args.mask_histories))}",
@@ -183,7 +187,7 @@ def main() -> None:
             "threads": torch.get_num_threads(),
             "machine": platform.processor() or platform.machine(),
         }
-        args.out.write_text(json.dumps(record, indent=2) + "\n")
+        write_json(args.out, record, started=started)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ times measured side by side.
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +29,9 @@ import transformers
 from hf_structkv.attention.backend import BACKEND_ENV
 from hf_structkv.compaction import compact
 from hf_structkv.models import load_default_model, tiny_byte_tokenizer, tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helpers, also when imported by path
+from results_json import write_json  # noqa: E402
 
 VARIANTS = ("block replay", "forward per layer", "block replay, reference attention")
 
@@ -81,6 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS[:2]))
     parser.add_argument("--out", default="benchmarks/results/on_policy_cost.json")
     args = parser.parse_args(argv)
+    started = time.perf_counter()
     torch.set_num_threads(args.threads)
     if args.tiny:
         model, tokenizer = tiny_model("qwen2", vocab_size=300), tiny_byte_tokenizer()
@@ -112,9 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
         "environment": {"torch": torch.__version__, "transformers": transformers.__version__},
         "rows": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
-    return payload
+    return write_json(args.out, payload, started=started)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ verdict). ``--stage decode``: decode buckets that reach generation, spread over 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -33,6 +32,7 @@ from hf_structkv.structure.prompt_spans import PROMPT_LABELS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bfcl_budget import load_model  # noqa: E402
+from results_json import write_json  # noqa: E402
 
 
 def spread(items: list, count: int) -> list:
@@ -58,6 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    started = time.perf_counter()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.tiny)
     entry = bfcl_split([args.category], "calibration", limit=args.case_index + 1)[args.case_index]
@@ -130,9 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"{entry.id}: {len(rows)} interventions, all equal: {result['all_equal']}; full {fresh_total:.1f} s, resumed "
         f"{resumed_total:.1f} s + one recording {record_seconds:.1f} s"
     )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    return result
+    return write_json(args.out, result, started=started)
 
 
 if __name__ == "__main__":

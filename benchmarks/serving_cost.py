@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -25,6 +25,9 @@ from hf_structkv.eval.squad import squad_document
 from hf_structkv.generation import generation_inputs
 from hf_structkv.models import load_default_model
 from hf_structkv.prompts import document_chat_prompt, question_text
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helpers, also when imported by path
+from results_json import write_json  # noqa: E402
 
 
 def seconds_per_token(model, make_cache, question_ids, new_tokens: int, repeats: int) -> float:
@@ -50,6 +53,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/serving_cost.json")
     args = parser.parse_args()
+    started = time.perf_counter()
 
     model, tokenizer = load_default_model()
     document = squad_document("Normans", args.paragraphs)
@@ -101,8 +105,7 @@ def main() -> None:
         "transformers": transformers.__version__,
         "rows": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_json(args.out, result, started=started)
     print(f"wrote {args.out}")
 
 

