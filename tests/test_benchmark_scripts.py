@@ -5,6 +5,7 @@ import importlib.util
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -556,9 +557,33 @@ def test_compaction_loss_tiny_run_writes_json_and_plot(tmp_path):
     for tier in ("repeat", "self_study"):
         for per_rival in payload["kv_surgeon_beats"][tier].values():
             assert sorted(per_rival) == ["am_hak", "loo"] and all(0 <= v <= 1 for v in per_rival.values())
-    assert [v["met"] in (True, False) for v in payload["targets"]] == [True, True, True]
+    assert_loss_targets_follow_the_records(benchmark, payload)
     # query-free methods ignore the calibration tier: identical losses on both tiers
     assert self_study["50"]["streaming_llm"]["median_loss"] == repeat["50"]["streaming_llm"]["median_loss"]
+
+
+def assert_loss_targets_follow_the_records(benchmark, payload):
+    """Each verdict's ``met`` is what its target says of the per-head records (repeat tier), recomputed here."""
+    repeat = [r for r in payload["records"] if r["tier"] == "repeat"]
+
+    def per_head(ratio, method, field="heldout_loss"):
+        return {(r["layer"], r["kv_head"]): r[field] for r in repeat if r["ratio"] == ratio and r["method"] == method}
+
+    beats, lowest, time_factor = payload["targets"]
+    surgeon, loo = per_head(10, "kv_surgeon"), per_head(10, "loo")
+    share = sum(surgeon[head] < loo[head] for head in surgeon) / len(surgeon)
+    assert payload["kv_surgeon_beats"]["repeat"]["10"]["loo"] == pytest.approx(share)
+    assert beats["measured"] == f"{share:.1%} of heads" and beats["met"] == (share >= benchmark.TARGET_BEATS_LOO)
+    medians = {
+        (ratio, method): statistics.median(per_head(ratio, method).values())
+        for ratio in {r["ratio"] for r in repeat if r["ratio"] >= 10}
+        for method in {r["method"] for r in repeat}
+    }
+    assert lowest["met"] == all(
+        medians[(ratio, "kv_surgeon")] < value for (ratio, method), value in medians.items() if method != "kv_surgeon"
+    )
+    seconds = [statistics.fmean(per_head(50, m, "seconds").values()) for m in ("kv_surgeon", "loo")]
+    assert time_factor["met"] == (seconds[0] / seconds[1] <= benchmark.TARGET_TIME_FACTOR)
 
 
 def test_compaction_loss_reductions_match_hand_counts():
