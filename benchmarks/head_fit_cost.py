@@ -24,8 +24,11 @@ from pathlib import Path
 
 import torch
 
-from hf_structkv.compaction.methods import HeadProblem, KVSurgeon, compact_head, eliminate_block, saliency
+from hf_structkv.compaction.head_compaction import compact_head
+from hf_structkv.compaction.head_statistics import HeadProblem
+from hf_structkv.compaction.kv_surgeon import KVSurgeon
 from hf_structkv.compaction.pipeline import DEFAULT_REFIT_GUARD
+from hf_structkv.compaction.surrogate import eliminate_block, saliency
 
 
 def per_block_copies(rule: KVSurgeon, coefficients: torch.Tensor, inverse: torch.Tensor, budget: int) -> torch.Tensor:

@@ -5,19 +5,11 @@ import math
 import pytest
 import torch
 
-from hf_structkv.compaction.methods import (
-    HEAD_METHODS,
-    CompactedHead,
-    KVSurgeon,
-    compact_head,
-    downdate_,
-    eliminate_block,
-    loo_scores,
-    relative_loss,
-    ridge_solve,
-    saliency,
-)
+from hf_structkv.compaction.head_compaction import HEAD_METHODS, compact_head, relative_loss
+from hf_structkv.compaction.head_statistics import CompactedHead, loo_scores
+from hf_structkv.compaction.kv_surgeon import KVSurgeon
 from hf_structkv.compaction.refit import fit_multipliers, fit_values
+from hf_structkv.compaction.surrogate import downdate_, eliminate_block, ridge_solve, saliency
 
 F64 = torch.float64
 
@@ -330,7 +322,7 @@ def test_bad_input_raises_naming_the_argument(kwargs, error, match):
 
 
 def test_problem_split_is_a_seeded_disjoint_partition_of_the_queries():
-    from hf_structkv.compaction.methods import HeadProblem
+    from hf_structkv.compaction.head_statistics import HeadProblem
 
     keys, values, queries, _ = random_head(11, queries=25)
     problem = HeadProblem.build(keys, values, queries)
@@ -346,7 +338,7 @@ def test_problem_split_is_a_seeded_disjoint_partition_of_the_queries():
 
 
 def test_split_problems_carry_the_row_statistics_of_a_fresh_problem_over_their_queries():
-    from hf_structkv.compaction.methods import HeadProblem
+    from hf_structkv.compaction.head_statistics import HeadProblem
 
     keys, values, queries, _ = random_head(12, queries=30)
     problem = HeadProblem.build(keys, values, queries)
@@ -358,7 +350,7 @@ def test_split_problems_carry_the_row_statistics_of_a_fresh_problem_over_their_q
 
 
 def test_attention_columns_are_the_softmax_over_every_entry():
-    from hf_structkv.compaction.methods import HeadProblem
+    from hf_structkv.compaction.head_statistics import HeadProblem
 
     keys, values, queries, _ = random_head(13, queries=20)
     problem = HeadProblem.build(keys, values, queries)
@@ -372,7 +364,7 @@ def test_attention_columns_are_the_softmax_over_every_entry():
 
 
 def test_surrogate_accumulated_over_query_blocks_is_the_ridge_solve_on_the_pool_columns(monkeypatch):
-    from hf_structkv.compaction.methods import HeadProblem
+    from hf_structkv.compaction.head_statistics import HeadProblem
 
     keys, values, queries, _ = random_head(15, length=40, queries=24)
     monkeypatch.setattr(HeadProblem, "BLOCK_ELEMENTS", 50)  # 5 queries of the 10 pool columns per block
@@ -391,7 +383,7 @@ def test_surrogate_accumulated_over_query_blocks_is_the_ridge_solve_on_the_pool_
 @pytest.mark.parametrize("method", sorted(HEAD_METHODS))
 def test_query_blocks_give_the_same_compaction_as_one_block(method, monkeypatch):
     """Statistics and scores folded over blocks of 1-2 queries (`BLOCK_ELEMENTS`) select and fit as one block."""
-    from hf_structkv.compaction.methods import HeadProblem
+    from hf_structkv.compaction.head_statistics import HeadProblem
 
     keys, values, queries, _ = random_head(14, length=40, queries=24)
     whole = compact_head(keys, values, queries, 7, method=method)
@@ -404,7 +396,7 @@ def test_query_blocks_give_the_same_compaction_as_one_block(method, monkeypatch)
 
 
 def test_column_scores_over_query_blocks_equal_those_of_one_block(monkeypatch):
-    from hf_structkv.compaction.methods import HeadProblem
+    from hf_structkv.compaction.head_statistics import HeadProblem
 
     keys, values, queries, _ = random_head(14, length=40, queries=24)
     one_block = HeadProblem.build(keys, values, queries)
@@ -419,7 +411,8 @@ def test_column_scores_over_query_blocks_equal_those_of_one_block(monkeypatch):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_refit_guard_returns_the_refit_or_the_eviction_that_wins_on_the_check_split(seed):
-    from hf_structkv.compaction.methods import HeadProblem, evict, refit_head
+    from hf_structkv.compaction.head_method import evict, refit_head
+    from hf_structkv.compaction.head_statistics import HeadProblem
 
     # Few queries (N = 12 < 16 kept entries): the value solve interpolates them and can overfit.
     keys, values, queries, _ = random_head(seed, length=40, queries=12)

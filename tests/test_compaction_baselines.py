@@ -5,15 +5,10 @@ import math
 import pytest
 import torch
 
-from hf_structkv.compaction.methods import (
-    HEAD_METHODS,
-    HeadProblem,
-    compact_head,
-    loo_scores,
-    obcache_scores,
-    omp_select,
-    relative_loss,
-)
+from hf_structkv.compaction.attention_matching import omp_select
+from hf_structkv.compaction.head_compaction import HEAD_METHODS, compact_head, relative_loss
+from hf_structkv.compaction.head_statistics import HeadProblem, loo_scores
+from hf_structkv.compaction.score_eviction import obcache_scores
 
 F64 = torch.float64
 CALIBRATED = ["am_hak", "am_omp", "h2o", "obcache", "kvzip", "kvmerger"]

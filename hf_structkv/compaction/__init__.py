@@ -2,9 +2,12 @@
 
 from .budgets import HeadBudgets, UniformBudgets, compute_head_budgets, default_head_budgets
 from .chunks import chunk_spans, context_documents
+from .context_prefill import prefill_context
 from .dataset import compact_dataset, compact_document
-from .methods import HEAD_METHODS, CompactedHead, HeadMethod, compact_head, register, relative_loss
-from .pipeline import METHODS, QUERY_TIERS, compact, prefill_context, resolve_budgets
+from .head_compaction import HEAD_METHODS, compact_head, register_head_method, relative_loss
+from .head_method import HeadMethod
+from .head_statistics import CompactedHead
+from .pipeline import METHODS, QUERY_TIERS, compact, resolve_budgets
 from .queries import Conversation, capture_queries, conversation_queries, repeat_pass_queries, subsample_queries
 from .self_study import SelfStudy, self_study_conversations, self_study_queries
 
@@ -29,7 +32,7 @@ __all__ = [
     "conversation_queries",
     "compact_head",
     "prefill_context",
-    "register",
+    "register_head_method",
     "relative_loss",
     "repeat_pass_queries",
     "resolve_budgets",

@@ -55,8 +55,8 @@ from ..hub import (
 )
 from ..prompts import document_chat_prompt
 from ..validation import check_int
-from .methods import HEAD_METHODS, compact_head
-from .prefill import prefill_context
+from .context_prefill import prefill_context
+from .head_compaction import HEAD_METHODS, compact_head
 from .queries import repeat_pass_queries
 
 __all__ = [

@@ -29,12 +29,14 @@ from ..validation import check_bool, is_int
 from .block_replay import BlockReplay
 from .budgets import CAP_FRACTION, HeadBudgets, UniformBudgets, default_head_budgets
 from .chunks import Context, chunk_spans, context_documents
-from .methods import HEAD_METHODS, CalibratedMethod, CompactedHead, compact_head, relative_loss
-from .prefill import prefill_context
+from .context_prefill import prefill_context
+from .head_compaction import HEAD_METHODS, compact_head, relative_loss
+from .head_method import CalibratedMethod
+from .head_statistics import CompactedHead
 from .queries import DEFAULT_CAP, DEFAULT_INSTRUCTION, Conversation, conversation_queries, repetition_conversation
 from .self_study import SelfStudy, self_study_conversations
 
-__all__ = ["METHODS", "QUERY_TIERS", "compact", "prefill_context", "resolve_budgets"]
+__all__ = ["METHODS", "QUERY_TIERS", "compact", "resolve_budgets"]
 
 METHODS = tuple(sorted(HEAD_METHODS))
 QUERY_TIERS = ("repeat", "self_study")

@@ -23,7 +23,7 @@ from transformers.generation.logits_process import (
 
 from ..generation import context_copy
 from ..validation import check_bool, check_int
-from .prefill import prefill_context
+from .context_prefill import prefill_context
 from .queries import (
     DEFAULT_CAP,
     DEFAULT_INSTRUCTION,

@@ -1,0 +1,103 @@
+"""Per-KV-head compaction by name: ``compact_head(K, V, Q, t, method=...)`` -> `CompactedHead` (positions, biases,
+values).
+
+Every method is one small class behind the `HeadMethod` interface (`head_method.py`), in the module of its family
+(``design/ALGORITHMS.md`` §1): `kv_surgeon` (KV-Surgeon and its no-compensation ablation), `score_eviction` (LOO,
+H2O, OBCache, KVzip), `attention_matching` (AM-HAK, AM-OMP), `kv_merger` (KVMerger) and `query_free` (StreamingLLM,
+key norm, random, Q-Filters). `HEAD_METHODS` maps each method's name to its class; `register_head_method` adds one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..validation import check_int
+from .attention_matching import AttentionMatchingHAK, AttentionMatchingOMP
+from .head_method import HeadMethod, evict
+from .head_statistics import CompactedHead, HeadProblem
+from .kv_merger import KVMerger
+from .kv_surgeon import KVSurgeon, KVSurgeonNoCompensation
+from .query_free import KeyNorm, QFilters, RandomSelection, StreamingLLMCompaction
+from .score_eviction import H2OCompaction, KVzip, LeaveOneOut, OBCache
+
+HEAD_METHODS: dict[str, type[HeadMethod]] = {
+    method.name: method
+    for method in (
+        LeaveOneOut,
+        KVSurgeon,
+        KVSurgeonNoCompensation,
+        RandomSelection,
+        StreamingLLMCompaction,
+        KeyNorm,
+        AttentionMatchingHAK,
+        AttentionMatchingOMP,
+        H2OCompaction,
+        OBCache,
+        KVzip,
+        KVMerger,
+        QFilters,
+    )
+}
+
+
+def register_head_method(cls: type[HeadMethod]) -> type[HeadMethod]:
+    """Class decorator adding a method to `HEAD_METHODS` under its ``name``."""
+    HEAD_METHODS[cls.name] = cls
+    return cls
+
+
+def compact_head(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor | None,
+    budget: int,
+    method: str = "kv_surgeon",
+    scaling: float | None = None,
+    seed: int = 0,
+    **hparams: object,
+) -> CompactedHead:
+    """Compact one KV head to ``min(budget, T)`` entries.
+
+    Args:
+        keys: ``[T, D]`` post-RoPE keys of the head.
+        values: ``[T, D_v]``.
+        queries: ``[N, D]`` post-RoPE calibration queries (for GQA the stacked queries of the group); may be None
+            for query-free methods (then ``train_loss`` is None).
+        budget: kept entries ``t >= 1``; ``t >= T`` keeps everything (bias 0, values unchanged).
+        method: a key of `HEAD_METHODS`.
+        scaling: logit scale, default ``1/sqrt(D)``.
+        seed: for randomised methods.
+        **hparams: the method's hyperparameters (fields of its class, e.g. ``pool_factor=4`` or ``refit=False``).
+
+    Returns:
+        `CompactedHead` with float32 bias and values in ``values.dtype``, on the inputs' device.
+    """
+    if method not in HEAD_METHODS:
+        raise ValueError(f"method must be one of {sorted(HEAD_METHODS)}, got {method!r}")
+    rule = HEAD_METHODS[method](**hparams)
+    budget = check_int("budget", budget, 1, counts="kept entries")
+    if queries is None and rule.needs_queries:
+        raise ValueError(f"method {method!r} needs calibration queries, got queries=None")
+    problem = HeadProblem.build(keys, values, queries, scaling)
+    if budget >= problem.length:
+        head = evict(problem, torch.arange(problem.length, device=problem.keys.device))
+    else:
+        head = rule.compact(problem, budget, seed)
+    head = CompactedHead(head.indices, head.bias.float(), head.values.to(values.dtype))
+    return replace(head, train_loss=None if problem.queries is None else problem.relative_loss(head))
+
+
+def relative_loss(
+    head: CompactedHead,
+    keys: torch.Tensor,
+    queries: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float | None = None,
+) -> float:
+    """``L(S, w, V̂) / ‖O‖_F²`` (4) of ``head`` on ``queries [N, D]`` (e.g. held out), against the full ``keys [T, D]``
+    and ``values [T, D_v]`` the head was compacted from."""
+    if not isinstance(head, CompactedHead):
+        raise TypeError(f"head must be a CompactedHead, got {type(head).__name__}")
+    return HeadProblem.build(keys, values, queries, scaling).relative_loss(head)
