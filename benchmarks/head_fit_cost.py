@@ -17,8 +17,8 @@ positions. Speed claims are ratios of the two paths measured side by side.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +29,9 @@ from hf_structkv.compaction.head_statistics import HeadProblem
 from hf_structkv.compaction.kv_surgeon import KVSurgeon
 from hf_structkv.compaction.pipeline import DEFAULT_REFIT_GUARD
 from hf_structkv.compaction.surrogate import eliminate_block, saliency
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helpers, also when imported by path
+from results_json import write_json  # noqa: E402
 
 
 def per_block_copies(rule: KVSurgeon, coefficients: torch.Tensor, inverse: torch.Tensor, budget: int) -> torch.Tensor:
@@ -76,6 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/head_fit_cost.json")
     args = parser.parse_args(argv)
+    started = time.perf_counter()
     torch.set_num_threads(args.threads)
     keys, values, queries = random_head(args.length, args.queries, args.head_dim, seed=0)
     fits = []
@@ -114,9 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
         "fits": fits,
         "eliminations": eliminations,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
-    return payload
+    return write_json(args.out, payload, started=started)
 
 
 if __name__ == "__main__":
