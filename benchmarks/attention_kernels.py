@@ -92,6 +92,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
 import hf_structkv
 from hf_structkv import CompactedCache
 from hf_structkv.attention.backend import BACKEND_ENV
+from hf_structkv.attention.compacted_inputs import AppendedTokens, CompactedPrefix
 from hf_structkv.attention.compacted_reference import compacted_attention
 from hf_structkv.attention.mixed_reference import DensePartition, Int4Partition, mixed_precision_attention
 from hf_structkv.cache.mixed_precision import StructuredMixedPrecisionCache
@@ -371,7 +372,8 @@ def compacted_case(shape: AttentionShape, batch: int, history: int, ratio: int, 
     appended_keys = torch.randn(batch, shape.kv_heads, APPENDED_TOKENS, shape.head_dim, **bf16)
     appended_values = torch.randn_like(appended_keys)
     query = torch.randn(batch, shape.q_heads, 1, shape.head_dim, **bf16)
-    args = (query, prefix_keys, prefix_values, prefix_bias, offsets, appended_keys, appended_values, None)
+    prefix = CompactedPrefix(prefix_keys, prefix_values, prefix_bias, offsets)
+    args = (query, prefix, AppendedTokens(appended_keys, appended_values))
     scaling = shape.head_dim**-0.5
     return KernelCase(
         "compacted",

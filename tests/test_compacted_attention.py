@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
 
+from hf_structkv.attention.compacted_inputs import AppendedTokens, CompactedPrefix
 from hf_structkv.attention.compacted_reference import compacted_attention
 from hf_structkv.attention.compacted_sdpa import fused_compacted_attention
 from hf_structkv.attention.masks import structkv_mask
@@ -12,18 +13,7 @@ from hf_structkv.attention.masks import structkv_mask
 
 def dense_reference(problem, visible, scaling, softcap=None):
     """float64 softmax over [prefix of head h ‖ appended], head by head, query head by query head."""
-    query, keys, values, bias, offsets, app_k, app_v = (
-        problem[name]
-        for name in (
-            "query",
-            "prefix_keys",
-            "prefix_values",
-            "prefix_bias",
-            "prefix_offsets",
-            "appended_keys",
-            "appended_values",
-        )
-    )
+    query, (keys, values, bias, offsets), (app_k, app_v, _) = problem
     batch, n_q, q_len, _ = query.shape
     n_kv = len(offsets) - 1
     group = n_q // n_kv
@@ -46,20 +36,25 @@ def dense_reference(problem, visible, scaling, softcap=None):
 TORCH_PATHS = pytest.mark.parametrize("attention", [compacted_attention, fused_compacted_attention])
 
 
-def random_problem(lengths, n_q=6, q_len=3, n_app=5, batch=2, d=8, dtype=torch.float32, seed=0):
+def random_problem(lengths, mask=None, n_q=6, q_len=3, n_app=5, batch=2, d=8, dtype=torch.float32, seed=0):
+    """``(query, CompactedPrefix, AppendedTokens with mask)`` of random tensors, ``lengths[h]`` entries for head h."""
     g = torch.Generator().manual_seed(seed)
     n_kv = len(lengths)
     offsets = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     total = offsets[-1]
-    return dict(
-        query=torch.randn(batch, n_q, q_len, d, generator=g).to(dtype),
-        prefix_keys=torch.randn(total, d, generator=g).to(dtype),
-        prefix_values=torch.randn(total, d, generator=g).to(dtype),
-        prefix_bias=torch.randn(total, generator=g),
-        prefix_offsets=offsets,
-        appended_keys=torch.randn(batch, n_kv, n_app, d, generator=g).to(dtype),
-        appended_values=torch.randn(batch, n_kv, n_app, d, generator=g).to(dtype),
+    query = torch.randn(batch, n_q, q_len, d, generator=g).to(dtype)
+    prefix = CompactedPrefix(
+        torch.randn(total, d, generator=g).to(dtype),
+        torch.randn(total, d, generator=g).to(dtype),
+        torch.randn(total, generator=g),
+        offsets,
     )
+    appended = AppendedTokens(
+        torch.randn(batch, n_kv, n_app, d, generator=g).to(dtype),
+        torch.randn(batch, n_kv, n_app, d, generator=g).to(dtype),
+        mask,
+    )
+    return query, prefix, appended
 
 
 def causal_visible(batch, q_len, n_app):
@@ -72,22 +67,20 @@ def causal_visible(batch, q_len, n_app):
 @pytest.mark.parametrize("use_none_mask", [True, False])
 @TORCH_PATHS
 def test_matches_dense_softmax(attention, lengths, use_none_mask):
-    n_q = 2 * len(lengths)
-    p = random_problem(lengths, n_q=n_q)
     visible = causal_visible(2, 3, 5)
     if not use_none_mask:
         visible[1, 0, :, :2] = False  # padding of row 1
-    got = attention(**p, appended_mask=None if use_none_mask else visible, scaling=0.3)
+    p = random_problem(lengths, mask=None if use_none_mask else visible, n_q=2 * len(lengths))
+    got = attention(*p, scaling=0.3)
     expected = dense_reference(p, visible, 0.3)
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 @TORCH_PATHS
 def test_additive_mask_and_softcap(attention):
-    p = random_problem((3, 4))
     visible = causal_visible(2, 3, 5)
-    additive = torch.where(visible, 0.0, float("-inf"))
-    got = attention(**p, appended_mask=additive, scaling=0.5, softcap=2.0)
+    p = random_problem((3, 4), mask=torch.where(visible, 0.0, float("-inf")))
+    got = attention(*p, scaling=0.5, softcap=2.0)
     expected = dense_reference(p, visible, 0.5, softcap=2.0)
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
 
@@ -95,9 +88,9 @@ def test_additive_mask_and_softcap(attention):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @TORCH_PATHS
 def test_low_precision_inputs_keep_fp32_statistics(attention, dtype):
-    p = random_problem((5, 2), dtype=dtype)
     visible = causal_visible(2, 3, 5)
-    got = attention(**p, appended_mask=visible, scaling=0.35)
+    p = random_problem((5, 2), mask=visible, dtype=dtype)
+    got = attention(*p, scaling=0.35)
     assert got.dtype == dtype
     expected = dense_reference(p, visible, 0.35)
     # Only the final cast to the input dtype loses precision.
@@ -106,15 +99,18 @@ def test_low_precision_inputs_keep_fp32_statistics(attention, dtype):
 
 @TORCH_PATHS
 def test_bad_shapes_are_named(attention):
-    p = random_problem((3, 4), n_q=5)
     with pytest.raises(ValueError, match="5 query heads cannot be grouped over 2 KV heads"):
-        attention(**p, appended_mask=None, scaling=1.0)
-    p = random_problem((3, 4))
+        attention(*random_problem((3, 4), n_q=5), scaling=1.0)
+    query, prefix, appended = random_problem((3, 4), mask=torch.ones(2, 1, 3, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="attention mask covers 4 keys but 5 tokens are appended"):
-        attention(**p, appended_mask=torch.ones(2, 1, 3, 4, dtype=torch.bool), scaling=1.0)
-    p["appended_keys"] = p["appended_keys"][:, :1]
+        attention(query, prefix, appended, scaling=1.0)
+    appended = AppendedTokens(appended.keys[:, :1], appended.values[:, :1])
     with pytest.raises(ValueError, match="appended keys have 1 KV heads, the prefix has 2"):
-        attention(**p, appended_mask=None, scaling=1.0)
+        attention(query, prefix, appended, scaling=1.0)
+    with pytest.raises(TypeError, match="prefix must be given as CompactedPrefix"):
+        attention(query, tuple(prefix), appended, scaling=1.0)
+    with pytest.raises(TypeError, match="appended must be given as AppendedTokens"):
+        attention(query, prefix, tuple(appended), scaling=1.0)
 
 
 def test_mask_equals_sdpa_mask_without_padding_or_window():
@@ -162,12 +158,14 @@ def test_sliding_window_over_padding_counts_positions():
     ("lengths", "n_q", "q_len", "batch"), [((5, 9), 14, 1, 3), ((17,), 7, 6, 2), ((1, 2, 3, 4), 8, 4, 1)]
 )
 def test_fused_path_equals_the_reference_with_left_padding(lengths, n_q, q_len, batch):
-    p = random_problem(lengths, n_q=n_q, q_len=q_len, n_app=q_len + 4, batch=batch, seed=3)
-    p["prefix_bias"] = p["prefix_bias"] * 3  # multipliers in [e^-3, e^3] and beyond
     visible = causal_visible(batch, q_len, q_len + 4)
     visible[0, 0, :, :3] = False  # row 0 left-padded by 3
-    want = compacted_attention(**p, appended_mask=visible, scaling=0.25)
-    got = fused_compacted_attention(**p, appended_mask=visible, scaling=0.25)
+    query, prefix, appended = random_problem(
+        lengths, visible, n_q=n_q, q_len=q_len, n_app=q_len + 4, batch=batch, seed=3
+    )
+    prefix = prefix._replace(bias=prefix.bias * 3)  # multipliers in [e^-3, e^3] and beyond
+    want = compacted_attention(query, prefix, appended, scaling=0.25)
+    got = fused_compacted_attention(query, prefix, appended, scaling=0.25)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -182,12 +180,12 @@ def test_fused_path_runs_sdpa_and_leaves_only_softcap_and_empty_heads_to_the_ref
 
     monkeypatch.setattr(fused, "compacted_attention", reference)
     visible = causal_visible(2, 3, 5)
-    out = fused_compacted_attention(**random_problem((3, 4)), appended_mask=visible, scaling=0.5)
+    out = fused_compacted_attention(*random_problem((3, 4), visible), scaling=0.5)
     assert out.shape == (2, 3, 6, 8) and not calls
-    fused_compacted_attention(**random_problem((3, 4)), appended_mask=visible, scaling=0.5, softcap=2.0)
+    fused_compacted_attention(*random_problem((3, 4), visible), scaling=0.5, softcap=2.0)
     assert len(calls) == 1 and calls[0][0].shape[1] == 6  # every query head
-    p = random_problem((0, 4, 2), n_q=6)
     visible[1, 0, :, :2] = False  # row 1 padded: its first query sees no key of head 0
-    got = fused_compacted_attention(**p, appended_mask=visible, scaling=0.5)
+    p = random_problem((0, 4, 2), visible, n_q=6)
+    got = fused_compacted_attention(*p, scaling=0.5)
     assert len(calls) == 2 and calls[1][0].shape[1] == 2  # the query heads of the empty KV head only
-    torch.testing.assert_close(got, compacted_attention(**p, appended_mask=visible, scaling=0.5), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, compacted_attention(*p, scaling=0.5), atol=1e-5, rtol=0)

@@ -16,13 +16,15 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from hf_structkv.attention.compacted_inputs import AppendedTokens, CompactedPrefix  # noqa: E402
 from hf_structkv.attention.compacted_reference import compacted_attention  # noqa: E402
 
 try:
     import triton.language as tl
 
     from triton_ops import runtime
-    from triton_ops.biased_attention import BLOCK_N, triton_compacted_attention
+    from triton_ops.biased_attention import triton_compacted_attention
+    from triton_ops.softmax_stats import BLOCK_N
 except ImportError as error:  # only where triton cannot be installed
     pytest.skip(f"triton cannot be imported ({error}); pip install 'hf-structkv[triton]'", allow_module_level=True)
 
@@ -71,15 +73,17 @@ def make_inputs(
         appended_mask[-1, 0, 0, :2] = float("-inf")
     return dict(
         query=query,
-        prefix_keys=rand(n, head_dim),
-        prefix_values=rand(n, value_dim),
-        prefix_bias=torch.randn(n, generator=g),
-        prefix_offsets=offsets,
-        appended_keys=rand(batch, n_kv, n_appended, head_dim),
-        appended_values=rand(batch, n_kv, n_appended, value_dim),
-        appended_mask=appended_mask,
+        prefix=CompactedPrefix(rand(n, head_dim), rand(n, value_dim), torch.randn(n, generator=g), offsets),
+        appended=AppendedTokens(
+            rand(batch, n_kv, n_appended, head_dim), rand(batch, n_kv, n_appended, value_dim), appended_mask
+        ),
         scaling=head_dim**-0.5,
     )
+
+
+def changed(inputs, name, **fields):
+    """Replace ``fields`` of the tuple ``inputs[name]`` (``prefix`` or ``appended``) in place."""
+    inputs[name] = inputs[name]._replace(**fields)
 
 
 def assert_matches_reference(inputs, softcap=None, num_splits=None):
@@ -129,7 +133,7 @@ def test_softcap(dtype):
 def test_rows_that_see_nothing_are_zero():
     """Empty prefix and a fully masked row: the reference's convention (zeros), not NaN."""
     inputs = make_inputs((0, 0), q_len=2, mask="bool")
-    inputs["appended_mask"][:, :, 0] = False
+    inputs["appended"].mask[:, :, 0] = False
     got = triton_compacted_attention(**inputs)
     assert torch.equal(got[:, 0], torch.zeros_like(got[:, 0]))
     torch.testing.assert_close(got, compacted_attention(**inputs), atol=1e-5, rtol=1e-5)
@@ -142,7 +146,7 @@ def test_causal_mask_with_fewer_appended_than_queries():
 
 def test_mask_broadcast_over_batch_and_queries():
     inputs = make_inputs((4, 6), q_len=3, batch=2)
-    inputs["appended_mask"] = torch.tensor([True, False, True, True, False, True])  # [n], for every row
+    changed(inputs, "appended", mask=torch.tensor([True, False, True, True, False, True]))  # [n], for every row
     assert_matches_reference(inputs)
 
 
@@ -155,17 +159,19 @@ def test_empty_batch_and_no_queries():
 @pytest.mark.parametrize(
     ("change", "error", "match"),
     [
-        (lambda a: a.update(prefix_keys=a["prefix_keys"].half()), TypeError, "prefix_keys has dtype"),
+        (lambda a: changed(a, "prefix", keys=a["prefix"].keys.half()), TypeError, "prefix.keys has dtype"),
+        (lambda a: a.update(prefix=tuple(a["prefix"])), TypeError, "prefix must be given as CompactedPrefix"),
+        (lambda a: a.update(appended=tuple(a["appended"])), TypeError, "appended must be given as AppendedTokens"),
         (lambda a: a.update(query=a["query"].double()), TypeError, "query must have dtype"),
-        (lambda a: a.update(prefix_offsets=[0, 5, 3]), ValueError, "non-decreasing"),
-        (lambda a: a.update(prefix_offsets=[0, 3, 99]), ValueError, "non-decreasing"),
-        (lambda a: a.update(prefix_offsets=torch.tensor([0, 3, 5])), ValueError, "Python ints"),
+        (lambda a: changed(a, "prefix", offsets=[0, 5, 3]), ValueError, "non-decreasing"),
+        (lambda a: changed(a, "prefix", offsets=[0, 3, 99]), ValueError, "non-decreasing"),
+        (lambda a: changed(a, "prefix", offsets=torch.tensor([0, 3, 5])), ValueError, "Python ints"),
         (lambda a: a.update(query=a["query"][:, :3]), ValueError, "cannot be grouped"),
-        (lambda a: a.update(appended_mask=torch.ones(2, 1, 1, 7, dtype=torch.bool)), ValueError, "covers 7 keys"),
-        (lambda a: a.update(appended_mask=torch.ones(2, 4, 1, 4, dtype=torch.bool)), ValueError, "broadcast"),
-        (lambda a: a.update(appended_mask=torch.ones(2, 1, 1, 4, dtype=torch.long)), TypeError, "boolean"),
-        (lambda a: a.update(appended_values=a["appended_values"][..., :8]), ValueError, "appended_values must"),
-        (lambda a: a.update(prefix_bias=a["prefix_bias"][:4]), ValueError, "same number of rows"),
+        (lambda a: changed(a, "appended", mask=torch.ones(2, 1, 1, 7, dtype=torch.bool)), ValueError, "covers 7 keys"),
+        (lambda a: changed(a, "appended", mask=torch.ones(2, 4, 1, 4, dtype=torch.bool)), ValueError, "broadcast"),
+        (lambda a: changed(a, "appended", mask=torch.ones(2, 1, 1, 4, dtype=torch.long)), TypeError, "boolean"),
+        (lambda a: changed(a, "appended", values=a["appended"].values[..., :8]), ValueError, "appended.values must"),
+        (lambda a: changed(a, "prefix", bias=a["prefix"].bias[:4]), ValueError, "same number of rows"),
     ],
 )
 def test_bad_inputs_are_rejected(change, error, match):

@@ -1,6 +1,6 @@
-"""Pieces shared by the attention kernels: FP32 online-softmax steps and the merge of split statistics (eq. 15).
+"""The FP32 online-softmax pieces of `attention_kernel`, its launch options, and the merge of split statistics (eq. 15).
 
-A program of an attention kernel owns a block of ``BLOCK_M`` query rows and one split of the keys; it keeps the FP32
+A program of the attention kernel owns a block of ``BLOCK_M`` query rows and one split of the keys; it keeps the FP32
 row maximum ``m``, exp-sum and unnormalised output ``acc`` over its keys. With one split it writes the output
 itself; with several, each writes its statistics to ``[B * H_kv, n_splits, rows_padded]`` buffers (``acc`` with a
 last dim ``BLOCK_DV``) and `merge_splits_kernel` merges them exactly (ALGORITHMS.md eq. 15).
@@ -90,48 +90,6 @@ def online_softmax_step(m, exp_sum, s):
     alpha = tl.exp(m - shift)
     p = tl.exp(s - shift[:, None])
     return m_new, exp_sum * alpha + tl.sum(p, axis=1), alpha, p
-
-
-@triton.jit
-def store_result(
-    m,
-    exp_sum,
-    acc,
-    out_ptr,
-    part_m_ptr,
-    part_l_ptr,
-    part_acc_ptr,
-    b,
-    head,
-    i,
-    rows,
-    row_ok,
-    dv,
-    dv_ok,
-    stat_split,
-    n_stat_splits,
-    stride_ob,
-    stride_oq,
-    stride_oh,
-    stride_od,
-    WRITE_PARTIALS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-):
-    """Write this program's statistics to split ``stat_split`` of the buffers, or its normalised output
-    ``[B, q, H_q, D_v]`` (row ``r`` = query head ``head[r]``, query ``i[r]``)."""
-    if WRITE_PARTIALS:
-        pid_bh = tl.program_id(2)
-        stat = (pid_bh * n_stat_splits + stat_split) * (tl.num_programs(0) * BLOCK_M) + rows
-        tl.store(part_m_ptr + stat, m)
-        tl.store(part_l_ptr + stat, exp_sum)
-        tl.store(part_acc_ptr + stat[:, None] * BLOCK_DV + dv[None, :], acc)
-    else:
-        out = acc / tl.where(exp_sum > 0, exp_sum, 1.0)[:, None]
-        out_ptrs = (
-            out_ptr + b * stride_ob + i[:, None] * stride_oq + head[:, None] * stride_oh + dv[None, :] * stride_od
-        )
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
 
 
 @triton.jit

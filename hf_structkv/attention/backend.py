@@ -69,7 +69,8 @@ def choose_backend(tensor: torch.Tensor) -> str:
 def compacted_attention_for(tensor: torch.Tensor) -> Callable[..., torch.Tensor]:
     """The compacted attention function for ``tensor`` (``choose_backend``): the Triton kernel wrapper
     ``triton_ops.biased_attention.triton_compacted_attention``, torch's ``fused_compacted_attention`` or the reference
-    ``compacted_attention``; all take the same arguments."""
+    ``compacted_attention``; all take the same arguments (query, `CompactedPrefix`, `AppendedTokens`, scaling,
+    softcap)."""
     chosen = choose_backend(tensor)
     if chosen == "reference":
         return compacted_attention

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .compacted_inputs import AppendedTokens, CompactedPrefix, check_inputs
 from .partitions import merge_partitions, partition_stats
 
 
@@ -33,31 +34,24 @@ def appended_scores_mask(mask: torch.Tensor | None, q_len: int, n_appended: int,
     return mask.to(torch.float32)
 
 
-def kv_grouping(query: torch.Tensor, prefix_offsets: list[int], appended_keys: torch.Tensor) -> tuple[int, int]:
-    """``(H_kv, g)``: the number of KV heads (from the ``H_kv + 1`` offsets) and query heads per KV head.
+def kv_grouping(query: torch.Tensor, prefix: CompactedPrefix, appended: AppendedTokens) -> tuple[int, int]:
+    """``(H_kv, g)``: the number of KV heads (from the prefix's ``H_kv + 1`` offsets) and query heads per KV head.
 
     Raises:
+        TypeError: ``prefix`` is not a `CompactedPrefix` or ``appended`` not `AppendedTokens`.
         ValueError: ``H_q`` is not a multiple of ``H_kv``, or the appended keys have another number of KV heads.
     """
-    n_q_heads, n_kv_heads = query.shape[1], len(prefix_offsets) - 1
+    check_inputs(prefix, appended)
+    n_q_heads, n_kv_heads = query.shape[1], prefix.num_kv_heads
     if n_kv_heads < 1 or n_q_heads % n_kv_heads:
         raise ValueError(f"{n_q_heads} query heads cannot be grouped over {n_kv_heads} KV heads")
-    if appended_keys.shape[1] != n_kv_heads:
-        raise ValueError(f"appended keys have {appended_keys.shape[1]} KV heads, the prefix has {n_kv_heads}")
+    if appended.keys.shape[1] != n_kv_heads:
+        raise ValueError(f"appended keys have {appended.keys.shape[1]} KV heads, the prefix has {n_kv_heads}")
     return n_kv_heads, n_q_heads // n_kv_heads
 
 
 def compacted_attention(
-    query: torch.Tensor,
-    prefix_keys: torch.Tensor,
-    prefix_values: torch.Tensor,
-    prefix_bias: torch.Tensor,
-    prefix_offsets: list[int],
-    appended_keys: torch.Tensor,
-    appended_values: torch.Tensor,
-    appended_mask: torch.Tensor | None,
-    scaling: float,
-    softcap: float | None = None,
+    query: torch.Tensor, prefix: CompactedPrefix, appended: AppendedTokens, scaling: float, softcap: float | None = None
 ) -> torch.Tensor:
     """Softmax attention over [compacted prefix (with biases) ‖ appended tokens], merged with FP32 statistics.
 
@@ -66,13 +60,10 @@ def compacted_attention(
 
     Args:
         query: ``[B, H_q, q, D]`` post-RoPE queries; ``H_q`` a multiple of the number of KV heads ``H_kv``.
-        prefix_keys: ``[N, D]`` kept keys of all KV heads, head ``h`` in rows ``offsets[h]:offsets[h+1]``.
-        prefix_values: ``[N, D_v]`` kept (refit) values, same layout.
-        prefix_bias: ``[N]`` FP32 logit biases (log multipliers).
-        prefix_offsets: ``H_kv + 1`` row offsets (Python ints).
-        appended_keys: ``[B, H_kv, n, D]`` keys appended after the prefix (question, generated text, current step).
-        appended_values: ``[B, H_kv, n, D_v]``.
-        appended_mask: see ``appended_scores_mask``.
+        prefix: the compacted prefix (`CompactedPrefix`: keys ``[N, D]``, values ``[N, D_v]``, biases ``[N]``,
+            ``H_kv + 1`` row offsets).
+        appended: the tokens appended after the prefix (`AppendedTokens`: keys ``[B, H_kv, n, D]``, values
+            ``[B, H_kv, n, D_v]``, mask as in ``appended_scores_mask``).
         scaling: logit scale (``1/sqrt(D)`` for most models).
         softcap: optional tanh logit soft-capping (Gemma 2 style), applied before the bias.
 
@@ -80,9 +71,9 @@ def compacted_attention(
         ``[B, q, H_q, D_v]`` attention output in ``query.dtype`` (the layout transformers' attention functions return).
     """
     q_len = query.shape[-2]
-    n_kv_heads, group = kv_grouping(query, prefix_offsets, appended_keys)
-    n_appended = appended_keys.shape[-2]
-    add_mask = appended_scores_mask(appended_mask, q_len, n_appended, query.device)
+    n_kv_heads, group = kv_grouping(query, prefix, appended)
+    n_appended = appended.keys.shape[-2]
+    add_mask = appended_scores_mask(appended.mask, q_len, n_appended, query.device)
 
     def scores_of(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         s = (q @ k.to(torch.float32).transpose(-1, -2)) * scaling
@@ -91,12 +82,12 @@ def compacted_attention(
     outputs = []
     for h in range(n_kv_heads):
         q_h = query[:, h * group : (h + 1) * group].to(torch.float32)  # [B, g, q, D]
-        start, end = prefix_offsets[h], prefix_offsets[h + 1]
-        prefix_scores = scores_of(q_h, prefix_keys[start:end]) + prefix_bias[start:end].to(torch.float32)
-        appended_scores = scores_of(q_h, appended_keys[:, h : h + 1]) + add_mask
+        keys, values, bias = prefix.head(h)
+        prefix_scores = scores_of(q_h, keys) + bias.to(torch.float32)
+        appended_scores = scores_of(q_h, appended.keys[:, h : h + 1]) + add_mask
         parts = [
-            partition_stats(prefix_scores, prefix_values[start:end]),
-            partition_stats(appended_scores, appended_values[:, h : h + 1]),
+            partition_stats(prefix_scores, values),
+            partition_stats(appended_scores, appended.values[:, h : h + 1]),
         ]
         outputs.append(merge_partitions(parts))  # [B, g, q, D_v]
     out = torch.cat(outputs, dim=1)  # [B, H_q, q, D_v]

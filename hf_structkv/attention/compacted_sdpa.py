@@ -15,67 +15,42 @@ from __future__ import annotations
 
 import torch
 
+from .compacted_inputs import AppendedTokens, CompactedPrefix
 from .compacted_reference import appended_scores_mask, compacted_attention, kv_grouping
 
 
 def fused_compacted_attention(
-    query: torch.Tensor,
-    prefix_keys: torch.Tensor,
-    prefix_values: torch.Tensor,
-    prefix_bias: torch.Tensor,
-    prefix_offsets: list[int],
-    appended_keys: torch.Tensor,
-    appended_values: torch.Tensor,
-    appended_mask: torch.Tensor | None,
-    scaling: float,
-    softcap: float | None = None,
+    query: torch.Tensor, prefix: CompactedPrefix, appended: AppendedTokens, scaling: float, softcap: float | None = None
 ) -> torch.Tensor:
     """`compacted_attention` (same arguments, shapes and result) with one fused SDPA call per KV head.
 
     Args:
-        query: ``[B, H_q, q, D]``; prefix_keys / prefix_values: ``[N, D]`` / ``[N, D_v]`` with ``prefix_bias [N]``
-            and ``H_kv + 1`` ``prefix_offsets``; appended_keys / appended_values: ``[B, H_kv, n, D]`` /
-            ``[B, H_kv, n, D_v]``; appended_mask: ``None``, boolean or additive ``[B|1, 1, q, n]``.
+        query: ``[B, H_q, q, D]``; prefix: `CompactedPrefix` (keys ``[N, D]``, values ``[N, D_v]``, biases ``[N]``,
+            ``H_kv + 1`` offsets); appended: `AppendedTokens` (keys / values ``[B, H_kv, n, D]`` /
+            ``[B, H_kv, n, D_v]``, mask ``None``, boolean or additive ``[B|1, 1, q, n]``).
 
     Returns:
         ``[B, q, H_q, D_v]`` in ``query.dtype``.
     """
-    n_kv_heads, group = kv_grouping(query, prefix_offsets, appended_keys)
+    n_kv_heads, group = kv_grouping(query, prefix, appended)
     if softcap:
-        return compacted_attention(
-            query,
-            prefix_keys,
-            prefix_values,
-            prefix_bias,
-            prefix_offsets,
-            appended_keys,
-            appended_values,
-            appended_mask,
-            scaling,
-            softcap,
-        )
+        return compacted_attention(query, prefix, appended, scaling, softcap)
     batch, _, q_len, _ = query.shape
-    add_mask = appended_scores_mask(appended_mask, q_len, appended_keys.shape[-2], query.device)
+    add_mask = appended_scores_mask(appended.mask, q_len, appended.keys.shape[-2], query.device)
     mask_batch = add_mask.shape[0]
     outputs = []
     for h in range(n_kv_heads):
-        start, end = prefix_offsets[h], prefix_offsets[h + 1]
+        prefix_keys, prefix_values, prefix_bias = prefix.head(h)
         heads = slice(h * group, (h + 1) * group)
-        if start == end:  # no kept entry: a padded row may see no key, which only the reference turns into zeros
-            empty_prefix = (prefix_keys[:0], prefix_values[:0], prefix_bias[:0], [0, 0])
-            out = compacted_attention(
-                query[:, heads],
-                *empty_prefix,
-                appended_keys[:, h : h + 1],
-                appended_values[:, h : h + 1],
-                appended_mask,
-                scaling,
-            )
+        appended_h = AppendedTokens(appended.keys[:, h : h + 1], appended.values[:, h : h + 1], appended.mask)
+        if prefix_keys.shape[0] == 0:  # no kept entry: a padded row may see no key, only the reference gives zeros
+            empty_prefix = CompactedPrefix(prefix_keys, prefix_values, prefix_bias, [0, 0])
+            out = compacted_attention(query[:, heads], empty_prefix, appended_h, scaling)
             outputs.append(out.transpose(1, 2).to(torch.float32))
             continue
-        keys = torch.cat([prefix_keys[start:end].expand(batch, 1, -1, -1), appended_keys[:, h : h + 1]], dim=2)
-        values = torch.cat([prefix_values[start:end].expand(batch, 1, -1, -1), appended_values[:, h : h + 1]], dim=2)
-        bias = prefix_bias[start:end].to(torch.float32).expand(mask_batch, 1, q_len, -1)
+        keys = torch.cat([prefix_keys.expand(batch, 1, -1, -1), appended_h.keys], dim=2)
+        values = torch.cat([prefix_values.expand(batch, 1, -1, -1), appended_h.values], dim=2)
+        bias = prefix_bias.to(torch.float32).expand(mask_batch, 1, q_len, -1)
         outputs.append(
             torch.nn.functional.scaled_dot_product_attention(
                 query[:, heads].to(torch.float32),

@@ -16,6 +16,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from ..cache.compacted_layers import PREFIX_KWARG
 from ..cache.mixed_precision import MIXED_KWARG
 from .backend import compacted_attention_for, mixed_precision_attention_for
+from .compacted_inputs import AppendedTokens, CompactedPrefix
 from .masks import structkv_mask
 
 ATTENTION_NAME = "hf_structkv"
@@ -62,16 +63,10 @@ def structkv_attention(
         raise ValueError("a sliding-window layer cannot hold a compacted context; only global layers are compacted")
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("attention sinks (s_aux) are not supported with a compacted cache")
-    prefix_keys, prefix_values, prefix_bias, offsets = prefix_layer.read_prefix()
     out = compacted_attention_for(query)(
         query,
-        prefix_keys,
-        prefix_values,
-        prefix_bias,
-        offsets,
-        key,
-        value,
-        attention_mask,
+        CompactedPrefix(*prefix_layer.read_prefix()),
+        AppendedTokens(key, value, attention_mask),
         scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
         softcap=kwargs.get("softcap"),
     )

@@ -1,0 +1,374 @@
+"""The one attention kernel behind both wrappers: a block of query rows over [compacted prefix ‖ a store of keys].
+
+A program owns one (batch row ``b``, KV head ``h``) pair, a block of rows of the flattened ``[group query heads x
+queries]`` matrix of that KV head (GQA: keys are never repeated) and one split of the keys of the logical sequence
+``[prefix of head h ‖ keys of (b, h) in the store]``. The prefix (optional) is a `CompactedPrefix`: ragged per KV head,
+shared by the batch, every entry visible, FP32 logit biases. The store is ``[B, H_kv, n, ...]``: keys and values in
+the query dtype, or packed INT4 codes with one FP16 scale per token x KV-head row (dequantised in registers: the
+codes go through the dot products and the scales multiply the scores and the softmax weights, the same sum as
+``code * scale``), read under a mask (causal, boolean, additive). The program keeps FP32 online-softmax statistics
+and writes its output, or (several splits) its statistics for `merge_splits_kernel` (ALGORITHMS.md eq. 15).
+
+`triton_ops.biased_attention` runs it once (the compacted prefix and the appended tokens), `triton_ops.mixed_attention`
+once per partition of a mixed-precision layer (no prefix), all merged by `run_attention`.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from hf_structkv.attention.compacted_inputs import CompactedPrefix
+
+from .softmax_stats import (
+    BLOCK_N,
+    SplitStats,
+    auto_splits,
+    launch_options,
+    online_softmax_step,
+    query_rows,
+    row_block_size,
+    scores,
+    stats_arguments,
+    stats_dot,
+)
+
+MASK_NONE = tl.constexpr(0)
+"""Every key visible (the compacted prefix)."""
+MASK_CAUSAL = tl.constexpr(1)
+"""Causal, bottom-right aligned: query ``i`` of ``q`` sees keys ``0 .. n - q + i`` of the store's ``n``."""
+MASK_BOOL = tl.constexpr(2)
+"""A uint8 ``[B, q, n]`` mask (nonzero = visible)."""
+MASK_ADDITIVE = tl.constexpr(3)
+"""A float ``[B, q, n]`` mask added to the scores."""
+
+
+@triton.jit
+def load_rows(
+    base, cols, col_ok, stride_n, stride_d, width, BLOCK_W: tl.constexpr, INT4: tl.constexpr, dtype: tl.constexpr
+):
+    """Rows ``cols`` of a ``[n, width]`` tile: the values themselves, or the signed INT4 codes (as ``dtype``) of
+    packed rows ``[n, ceil(width / 2)]`` (element ``2j`` in the low nibble of byte ``j``, ``2j + 1`` in the high)."""
+    w = tl.arange(0, BLOCK_W)
+    ok = col_ok[:, None] & (w < width)[None, :]
+    if INT4:
+        packed = tl.load(base + cols[:, None] * stride_n + (w // 2)[None, :] * stride_d, mask=ok, other=0)
+        nibble = (packed.to(tl.int32) >> ((w % 2) * 4)[None, :]) & 15
+        # Through FP32 (exact for these small integers): the interpreter's int -> bf16 cast is wrong (Triton 3.9).
+        tile = ((nibble ^ 8) - 8).to(tl.float32).to(dtype)
+    else:
+        tile = tl.load(base + cols[:, None] * stride_n + w[None, :] * stride_d, mask=ok, other=0.0)
+    return tile
+
+
+@triton.jit
+def attend_keys(
+    q,
+    m,
+    exp_sum,
+    acc,
+    lo,
+    hi,
+    k_base,
+    v_base,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    k_scale_base,
+    v_scale_base,
+    stride_ksn,
+    stride_vsn,
+    bias_base,
+    mask_base,
+    stride_mq,
+    stride_mn,
+    i,
+    row_ok,
+    causal_shift,
+    scaling,
+    softcap,
+    head_dim,
+    value_dim,
+    MASK_KIND: tl.constexpr,
+    INT4: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """Fold keys ``lo .. hi`` (rows of the tiles at ``k_base`` / ``v_base``) into the FP32 statistics of the
+    program's rows: ``m`` / ``exp_sum`` ``[BLOCK_M]``, ``acc`` ``[BLOCK_M, BLOCK_DV]``; returns them updated.
+
+    Scores are ``softcap(q·k · scaling [· key scale]) [+ bias] [+ additive mask]``; a row sees a key where ``row_ok``
+    and the mask (``MASK_KIND``, row ``i`` of the mask at ``mask_base``; causal: key ``<= i + causal_shift``) let it.
+    """
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < hi
+        k = load_rows(k_base, cols, col_ok, stride_kn, stride_kd, head_dim, BLOCK_D, INT4, q.dtype)
+        v = load_rows(v_base, cols, col_ok, stride_vn, stride_vd, value_dim, BLOCK_DV, INT4, q.dtype)
+        if INT4:
+            k_scale = tl.load(k_scale_base + cols * stride_ksn, mask=col_ok, other=0).to(tl.float32)
+            s = scores(q, k, scaling * k_scale[None, :], softcap, USE_SOFTCAP, DOT_PRECISION)
+        else:
+            s = scores(q, k, scaling, softcap, USE_SOFTCAP, DOT_PRECISION)
+        if HAS_BIAS:
+            s = s + tl.load(bias_base + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        visible = row_ok[:, None] & col_ok[None, :]
+        if MASK_KIND == MASK_CAUSAL:
+            visible = visible & (cols[None, :] <= i[:, None] + causal_shift)
+        elif MASK_KIND != MASK_NONE:
+            mask_block = tl.load(mask_base + i[:, None] * stride_mq + cols[None, :] * stride_mn, mask=visible, other=0)
+            if MASK_KIND == MASK_BOOL:
+                visible = visible & (mask_block != 0)
+            else:
+                s = s + mask_block.to(tl.float32)
+        m, exp_sum, alpha, p = online_softmax_step(m, exp_sum, tl.where(visible, s, float("-inf")))
+        if INT4:
+            p = p * tl.load(v_scale_base + cols * stride_vsn, mask=col_ok, other=0).to(tl.float32)[None, :]
+        acc = acc * alpha[:, None] + stats_dot(p.to(v.dtype), v, DOT_PRECISION)
+    return m, exp_sum, acc
+
+
+@triton.jit
+def attention_kernel(
+    q_ptr,
+    prefix_k_ptr,
+    prefix_v_ptr,
+    prefix_bias_ptr,
+    prefix_offsets_ptr,
+    k_ptr,
+    v_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    mask_ptr,
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    scaling,
+    softcap,
+    n_kv_heads,
+    group,
+    q_len,
+    n_rows,
+    n_keys,
+    split_len,
+    split_base,
+    n_stat_splits,
+    head_dim,
+    value_dim,
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_qd,
+    stride_pkn,
+    stride_pkd,
+    stride_pvn,
+    stride_pvd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_ksb,
+    stride_ksh,
+    stride_ksn,
+    stride_vsb,
+    stride_vsh,
+    stride_vsn,
+    stride_mb,
+    stride_mq,
+    stride_mn,
+    stride_ob,
+    stride_oq,
+    stride_oh,
+    stride_od,
+    HAS_PREFIX: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    INT4: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    WRITE_PARTIALS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """Grid ``(row blocks, splits, B * H_kv)``; split ``s`` covers keys ``[s * split_len, (s + 1) * split_len)`` of
+    ``[prefix of head h ‖ the n_keys keys of (b, h)]`` and is split ``split_base + s`` of the statistics buffers."""
+    split = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    b = pid_bh // n_kv_heads
+    h = pid_bh % n_kv_heads
+    q, rows, row_ok, i, head = query_rows(
+        q_ptr, b, h, group, q_len, n_rows, head_dim, stride_qb, stride_qh, stride_qs, stride_qd, BLOCK_M, BLOCK_D
+    )
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    exp_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    key_lo = split * split_len
+    key_hi = key_lo + split_len
+
+    prefix_len = 0
+    if HAS_PREFIX:  # rows prefix_start .. prefix_start + prefix_len of the prefix tensors, shared by the batch
+        prefix_start = tl.load(prefix_offsets_ptr + h)
+        prefix_len = tl.load(prefix_offsets_ptr + h + 1) - prefix_start
+        m, exp_sum, acc = attend_keys(
+            q, m, exp_sum, acc,
+            prefix_start + tl.minimum(key_lo, prefix_len), prefix_start + tl.minimum(key_hi, prefix_len),
+            prefix_k_ptr, prefix_v_ptr, stride_pkn, stride_pkd, stride_pvn, stride_pvd,
+            k_scale_ptr, v_scale_ptr, 0, 0,  # no scales
+            prefix_bias_ptr,
+            mask_ptr, 0, 0, i, row_ok, 0,  # no mask
+            scaling, softcap, head_dim, value_dim,
+            MASK_NONE, False, True, USE_SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV,
+        )  # fmt: skip
+    m, exp_sum, acc = attend_keys(
+        q, m, exp_sum, acc,
+        tl.minimum(tl.maximum(key_lo - prefix_len, 0), n_keys), tl.minimum(tl.maximum(key_hi - prefix_len, 0), n_keys),
+        k_ptr + b * stride_kb + h * stride_kh, v_ptr + b * stride_vb + h * stride_vh,
+        stride_kn, stride_kd, stride_vn, stride_vd,
+        k_scale_ptr + b * stride_ksb + h * stride_ksh, v_scale_ptr + b * stride_vsb + h * stride_vsh,
+        stride_ksn, stride_vsn,
+        prefix_bias_ptr,  # no bias
+        mask_ptr + b * stride_mb, stride_mq, stride_mn, i, row_ok, n_keys - q_len,
+        scaling, softcap, head_dim, value_dim,
+        MASK_KIND, INT4, False, USE_SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV,
+    )  # fmt: skip
+
+    dv = tl.arange(0, BLOCK_DV)
+    if WRITE_PARTIALS:
+        stat = (pid_bh * n_stat_splits + split_base + split) * (tl.num_programs(0) * BLOCK_M) + rows
+        tl.store(part_m_ptr + stat, m)
+        tl.store(part_l_ptr + stat, exp_sum)
+        tl.store(part_acc_ptr + stat[:, None] * BLOCK_DV + dv[None, :], acc)
+    else:  # the normalised output [B, q, H_q, D_v]: row r is query i[r] of query head head[r]
+        out = acc / tl.where(exp_sum > 0, exp_sum, 1.0)[:, None]
+        out_ptrs = (
+            out_ptr + b * stride_ob + i[:, None] * stride_oq + head[:, None] * stride_oh + dv[None, :] * stride_od
+        )
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv < value_dim)[None, :])
+
+
+class KeyStore(NamedTuple):
+    """The keys of every (batch row, KV head) that one launch of `attention_kernel` reads, and their mask.
+
+    Attributes:
+        keys: ``[B, H_kv, n, D]`` in the query dtype, or uint8 packed INT4 codes ``[B, H_kv, n, ceil(D / 2)]``.
+        values: ``[B, H_kv, n, D_v]``, or codes ``[B, H_kv, n, ceil(D_v / 2)]``.
+        mask_kind: `MASK_CAUSAL`, `MASK_BOOL` or `MASK_ADDITIVE`.
+        mask: ``[B, q, n]`` (any strides; uint8 for `MASK_BOOL`, float for `MASK_ADDITIVE`), None when causal.
+        key_scales / value_scales: fp16 ``[B, H_kv, n, 1]`` scales of INT4 codes; None for keys / values as such.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask_kind: tl.constexpr
+    mask: torch.Tensor | None = None
+    key_scales: torch.Tensor | None = None
+    value_scales: torch.Tensor | None = None
+
+
+def run_attention(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    stores: list[KeyStore],
+    scaling: float,
+    softcap: float | None,
+    num_splits: int | None,
+    prefix: CompactedPrefix | None = None,
+) -> torch.Tensor:
+    """Attention of ``query`` over the disjoint union of the ``stores`` (and ``prefix``, read with ``stores[0]``),
+    written into ``out``; arguments already checked by the caller.
+
+    Args:
+        query: ``[B, H_q, q, D]``; out: ``[B, q, H_q, D_v]`` of the query dtype, not empty.
+        stores: one launch each; every one with at least one key, except a single store read with a prefix.
+        scaling / softcap: as in `scores` (softcap None or 0: none).
+        num_splits: about how many key splits in all (merged afterwards); ``None`` chooses from the device.
+        prefix: the compacted prefix (offsets checked), or None.
+
+    Returns:
+        ``out``; a row that sees no key gets zeros.
+    """
+    batch, n_q_heads, q_len, head_dim = query.shape
+    value_dim = out.shape[-1]
+    n_kv_heads = stores[0].keys.shape[1]
+    group = n_q_heads // n_kv_heads
+    n_rows = group * q_len
+    block_m = row_block_size(n_rows)
+    block_dv = max(16, triton.next_power_of_2(value_dim))
+    row_blocks = triton.cdiv(n_rows, block_m)
+    key_counts = [store.keys.shape[2] for store in stores]
+    if prefix is not None:
+        key_counts[0] += max(end - start for start, end in pairwise(prefix.offsets))
+    if num_splits is None:
+        num_splits = auto_splits(query.device, row_blocks * batch * n_kv_heads, sum(key_counts))
+    split_len = max(BLOCK_N, triton.cdiv(triton.cdiv(sum(key_counts), num_splits), BLOCK_N) * BLOCK_N)
+    splits = [max(1, triton.cdiv(n, split_len)) for n in key_counts]
+    stats = None
+    if sum(splits) > 1:
+        stats = SplitStats(batch * n_kv_heads, sum(splits), row_blocks, block_m, block_dv, query.device)
+    if prefix is None:
+        prefix_tensors, prefix_strides = (query, query, query, query), (0, 0, 0, 0)  # not read
+    else:
+        offsets = torch.tensor(prefix.offsets, dtype=torch.int64).to(query.device, non_blocking=True)
+        prefix_tensors = (prefix.keys, prefix.values, prefix.bias, offsets)
+        prefix_strides = (*prefix.keys.stride(), *prefix.values.stride())
+    options = launch_options(query, softcap, stats, head_dim, block_m, block_dv)
+
+    split_base = 0
+    for index, (store, n_splits) in enumerate(zip(stores, splits)):
+        int4 = store.key_scales is not None
+        key_scales, value_scales = (store.key_scales, store.value_scales) if int4 else (query, query)  # query: unread
+        mask, mask_strides = (query, (0, 0, 0)) if store.mask is None else (store.mask, store.mask.stride())
+        attention_kernel[(row_blocks, n_splits, batch * n_kv_heads)](
+            query,
+            *prefix_tensors,
+            store.keys,
+            store.values,
+            key_scales,
+            value_scales,
+            mask,
+            out,
+            *stats_arguments(stats, out),
+            float(scaling),
+            float(softcap or 1.0),
+            n_kv_heads,
+            group,
+            q_len,
+            n_rows,
+            store.keys.shape[2],
+            split_len,
+            split_base,
+            sum(splits),
+            head_dim,
+            value_dim,
+            *query.stride(),
+            *prefix_strides,
+            *store.keys.stride(),
+            *store.values.stride(),
+            *key_scales.stride()[:3],
+            *value_scales.stride()[:3],
+            *mask_strides,
+            *out.stride(),
+            HAS_PREFIX=prefix is not None and index == 0,
+            MASK_KIND=store.mask_kind.value,
+            INT4=int4,
+            **options,
+        )
+        split_base += n_splits
+    if stats is not None:
+        stats.merge_into(out, n_kv_heads, group, block_m)
+    return out
