@@ -40,6 +40,7 @@ import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_structkv.attention.modules import attention_scalings
+from hf_structkv.attention.recording import capture_queries
 from hf_structkv.compaction import (
     HEAD_METHODS,
     CompactedHead,
@@ -48,7 +49,7 @@ from hf_structkv.compaction import (
     prefill_context,
     relative_loss,
 )
-from hf_structkv.compaction.queries import cap_queries, capture_queries, repeat_pass_queries
+from hf_structkv.compaction.queries import cap_queries, repeat_pass_queries
 from hf_structkv.compaction.self_study import self_study_queries
 from hf_structkv.eval.squad import squad_document, squad_titles
 from hf_structkv.generation import context_copy

@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 import transformers
 
+from hf_structkv.calibration import Bucket, BucketIntervention, reaches_generation
+from hf_structkv.calibration.interventions import prefill_intervention_plan, prefill_positions
+from hf_structkv.calibration.references import reference_trajectories, run_case
+from hf_structkv.calibration.resume import ReferenceKV, first_changed_forward, resumed_case_run
 from hf_structkv.eval.bfcl import CATEGORIES, bfcl_split
 from hf_structkv.policy import Action, GroupCosts, PolicyTable
-from hf_structkv.policy.calibration import Bucket, BucketIntervention, reaches_generation
-from hf_structkv.policy.calibration.interventions import prefill_intervention_plan, prefill_positions
-from hf_structkv.policy.calibration.references import reference_trajectories, run_case
-from hf_structkv.policy.calibration.resume import ReferenceKV, first_changed_forward, resumed_case_run
 from hf_structkv.structure.prompt_spans import PROMPT_LABELS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -11,19 +11,19 @@
 - `enable(model)`: switches a model to hf_structkv's registered attention (no patching at import).
 """
 
-__version__ = "0.1.0"  # before the imports: submodules read it
-
 from .attention.registry import ATTENTION_NAME, enable, is_enabled
 from .cache.compacted import CompactedCache
 from .cache.mixed_precision import StructuredMixedPrecisionCache
+from .calibration import calibrate
 from .compaction.pipeline import compact
 from .policy import PolicyController, PolicyTable, illustrative_policy
-from .policy.calibration import calibrate
 from .sql_generation import generate_sql
 from .structure import StructuralLogitsProcessor
 from .structured_generation import generate_calls
+from .version import __version__
 
 __all__ = [
+    "__version__",
     "ATTENTION_NAME",
     "CompactedCache",
     "PolicyController",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .compaction.pipeline import METHODS, QUERY_TIERS
+from .compaction.settings import METHODS, QUERY_TIERS
 from .prompts import question_text
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -105,7 +105,7 @@ def cmd_info(args) -> int:
 
 def cmd_head_budgets(args) -> int:
     """Measure per-head sensitivity curves on texts and save the ratio-agnostic head-budget allocation."""
-    from .compaction.budgets import (
+    from .compaction.budget_sensitivity import (
         CALIBRATION_ARTICLES,
         CALIBRATION_PARAGRAPHS,
         DEFAULT_FRACTIONS,
@@ -175,7 +175,7 @@ def cmd_compact_dataset(args) -> int:
 
 def cmd_calibrate(args) -> int:
     """PASK Algorithm 1 on BFCL: calibrate a decode PolicyTable (and a PrefillPolicy) and save them with a report."""
-    from .policy.calibration.cli import run_calibrate
+    from .calibration.cli import run_calibrate
 
     return run_calibrate(args, lambda name: load_model(name, DTYPES[args.dtype]))
 
@@ -296,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     budgets_p.add_argument("--private", action="store_true", help="create the Hub repository private")
     budgets_p.set_defaults(func=cmd_head_budgets)
 
-    from .policy.calibration.cli import add_calibrate_options
+    from .calibration.cli import add_calibrate_options
 
     calibrate_p = sub.add_parser("calibrate", help="PASK offline calibration (Algorithm 1) of a policy table on BFCL")
     model_options(calibrate_p)

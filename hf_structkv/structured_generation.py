@@ -18,6 +18,7 @@ from transformers import BatchEncoding, LogitsProcessorList, PreTrainedModel, Pr
 from .cache.mixed_precision import StructuredMixedPrecisionCache
 from .policy.costs import Action
 from .policy.prefill import PrefillPolicy, batch_prefill_plan
+from .policy.retention import RetentionPolicy, check_retention_policy
 from .structure.processor import StructuralLogitsProcessor
 
 CALL_INSTRUCTION = (
@@ -142,7 +143,7 @@ def generate_calls(
     tokenizer: PreTrainedTokenizerBase,
     questions: str | Sequence[str],
     tools: Sequence[Mapping[str, Any]],
-    policy,
+    policy: RetentionPolicy,
     max_new_tokens: int = 128,
     prefill_plan: torch.Tensor | None = None,
     prefill_policy: PrefillPolicy | None = None,
@@ -159,13 +160,14 @@ def generate_calls(
         tools: BFCL- or OpenAI-style tool definitions (`function_call_schema`).
         policy: the `PolicyTable` for this model (e.g. ``illustrative_policy()`` for the embedded model, or
             ``PolicyTable.all_high(model.config)``), or any `RetentionPolicy`; the processor emits the policy's
-            ``tag_view`` and ``position_bins`` (``"full"`` for a policy without them).
+            ``tag_view`` and ``position_bins``.
         prefill_plan: optional prompt actions for the cache (``[B, P, groups]``, the policy's layer groups).
         prefill_policy: alternatively, a `PrefillPolicy` from which the plan of the built prompts is made
             (`batch_prefill_plan`, with ``policy``'s sink tokens and window).
         generate_kwargs: passed to ``model.generate`` (not ``logits_processor`` / ``past_key_values``: this call
             owns them).
     """
+    check_retention_policy(policy)
     if isinstance(questions, str) or (
         isinstance(questions, Sequence) and questions and all(isinstance(m, Mapping) for m in questions)
     ):
@@ -181,10 +183,7 @@ def generate_calls(
             tokenizer, prompts, tools, prefill_policy, policy, batch["input_ids"], batch["attention_mask"]
         )
     processor = StructuralLogitsProcessor(
-        tokenizer,
-        tools=tools,
-        tag_view=getattr(policy, "tag_view", "full"),
-        position_bins=getattr(policy, "position_bins", ()),
+        tokenizer, tools=tools, tag_view=policy.tag_view, position_bins=policy.position_bins
     )
     output = generate_structured(
         model, tokenizer, batch, processor, policy, max_new_tokens, prefill_plan=prefill_plan, **generate_kwargs

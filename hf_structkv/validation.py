@@ -7,15 +7,21 @@ A value that is not an integer raises ``TypeError``; an integer outside the rang
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
-__all__ = ["check_bool", "check_int", "is_int"]
+__all__ = ["check_bool", "check_int", "is_int", "is_number"]
 
 
 def is_int(value: Any) -> bool:
     """Whether ``value`` is an integer (any ``numbers.Integral``) and not a ``bool``."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """Whether ``value`` is a finite ``int`` or ``float`` and not a ``bool``."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check_int(

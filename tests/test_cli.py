@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from hf_structkv import CompactedCache
+from hf_structkv.cache.compacted_files import CACHE_FILES
 from hf_structkv.cli import DTYPES, build_parser, compaction_kwargs, load_model, main, read_context
 from hf_structkv.compaction import prefill_context
 from hf_structkv.compaction.budgets import default_head_budgets
 from hf_structkv.eval.squad import squad_document
 from hf_structkv.generation import generation_inputs
-from hf_structkv.hub import CACHE_FILES
 from hf_structkv.models import tiny_model
 from hf_structkv.prompts import document_chat_prompt, question_text
 

@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerFast
 
 import hf_structkv.compaction.dataset as dataset_module
 from hf_structkv import CompactedCache
+from hf_structkv.cache.compacted_files import CACHE_FILES
 from hf_structkv.cli import build_parser, main
 from hf_structkv.compaction import SelfStudy, compact
 from hf_structkv.compaction.dataset import (
@@ -28,7 +29,6 @@ from hf_structkv.compaction.dataset import (
     load_rows,
     merge_manifest,
 )
-from hf_structkv.hub import CACHE_FILES
 from hf_structkv.models import tiny_model
 from hf_structkv.prompts import document_chat_parts, document_chat_prompt
 

@@ -9,8 +9,8 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from hf_structkv.cache.compacted_layers import CompactedLayer, SharedContextSlidingLayer
 from hf_structkv.compaction import HEAD_METHODS, METHODS, compact, compact_head, prefill_context
-from hf_structkv.hub import model_fingerprint, tokenizer_hash
 from hf_structkv.models import tiny_model
+from hf_structkv.persistence import model_fingerprint, tokenizer_hash
 
 
 def context_ids(length: int, seed: int = 0) -> torch.Tensor:
@@ -256,12 +256,13 @@ def test_kv_surgeon_pipeline_records_calibration_and_heldout_quality():
 
 
 def test_compact_guards_the_refit_by_default_and_refit_guard_zero_is_the_papers_refit():
-    from hf_structkv.compaction.pipeline import DEFAULT_REFIT_GUARD, _split_queries
+    from hf_structkv.compaction.layer_compaction import split_queries
     from hf_structkv.compaction.queries import repeat_pass_queries
+    from hf_structkv.compaction.settings import DEFAULT_REFIT_GUARD
 
     model, tokenizer, ids = tiny_model("llama"), WordTokenizer(), context_ids(40)
     full = prefill_context(model, ids)
-    fit, _ = _split_queries(repeat_pass_queries(model, tokenizer, ids, cap=None)[0], 0.1, 50_000, 0)
+    fit, _ = split_queries(repeat_pass_queries(model, tokenizer, ids, cap=None)[0], 0.1, 50_000, 0)
     for guard in (DEFAULT_REFIT_GUARD, 0.0):
         kwargs = {} if guard == DEFAULT_REFIT_GUARD else {"refit_guard": 0.0}
         cache = compact(model, tokenizer, ids, ratio=4, method="loo", on_policy=False, **kwargs)
@@ -278,7 +279,7 @@ def test_compact_guards_the_refit_by_default_and_refit_guard_zero_is_the_papers_
 def test_on_policy_layer_is_fitted_to_queries_with_earlier_layers_compacted():
     """Layer 1 of the pipeline's cache equals compacting layer 1 against the repeat-pass queries that run through the
     pipeline's compacted layer 0 (and layer 0 equals the off-policy fit, whose queries come from the full cache)."""
-    from hf_structkv.compaction.pipeline import _Selection, _split_queries
+    from hf_structkv.compaction.layer_compaction import CacheSelection, split_queries
     from hf_structkv.compaction.queries import repeat_pass_queries
 
     model, tokenizer, ids = tiny_model("qwen2"), WordTokenizer(), context_ids(40)
@@ -287,7 +288,7 @@ def test_on_policy_layer_is_fitted_to_queries_with_earlier_layers_compacted():
     for mine, theirs in zip(on.layers[0].context_tensors(), off.layers[0].context_tensors()):
         assert torch.equal(mine, theirs)
     full = prefill_context(model, ids)
-    selection = _Selection.keep_everything(full)
+    selection = CacheSelection.keep_everything(full)
     layer0 = on.layers[0]
     offsets = layer0.prefix_offsets.tolist()
     # Layer 0's kept positions: match its kept keys against the full cache's keys.
@@ -298,7 +299,7 @@ def test_on_policy_layer_is_fitted_to_queries_with_earlier_layers_compacted():
     selection.biases[0] = [layer0.prefix_bias[offsets[h] : offsets[h + 1]] for h in range(2)]
     selection.values[0] = [layer0.prefix_values[offsets[h] : offsets[h + 1]] for h in range(2)]
     queries = repeat_pass_queries(model, tokenizer, ids, cap=None, context_cache=selection.build(full))
-    fit, _ = _split_queries(queries[1], 0.1, 50_000, 0)
+    fit, _ = split_queries(queries[1], 0.1, 50_000, 0)
     for h in range(2):
         expected = compact_head(
             full.layers[1].keys[0, h], full.layers[1].values[0, h], fit[h], 10, "kv_surgeon", refit_guard=0.2

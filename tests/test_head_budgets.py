@@ -14,17 +14,15 @@ import pytest
 import torch
 
 from hf_structkv.cli import main
-from hf_structkv.compaction.budgets import (
-    CAP_FRACTION,
-    HeadBudgets,
+from hf_structkv.compaction.budget_sensitivity import (
     allocate_shares,
     compute_head_budgets,
-    default_head_budgets,
     influence_curve,
     quote_references,
 )
-from hf_structkv.hub import STRUCTURE_FIELDS, model_fingerprint
+from hf_structkv.compaction.budgets import CAP_FRACTION, HeadBudgets, default_head_budgets
 from hf_structkv.models import tiny_byte_tokenizer, tiny_model
+from hf_structkv.persistence import STRUCTURE_FIELDS, model_fingerprint
 
 TEXT = (
     "Ada Lovelace wrote the first published program in 1843. She worked with Charles Babbage on the Analytical "
@@ -184,19 +182,19 @@ def saved(tmp_path):
 
 def test_save_load_round_trip(saved):
     model, budgets, folder = saved
-    assert {p.name for p in folder.iterdir()} == {"config.json", "README.md"}
-    for source in (folder, folder / "config.json", str(folder)):
-        loaded = HeadBudgets.load(source, model=model)
+    assert {p.name for p in folder.iterdir()} == {"head_budgets.json", "README.md"}
+    for source in (folder, folder / "head_budgets.json", str(folder)):
+        loaded = HeadBudgets.from_pretrained(source, model=model)
         assert loaded == budgets
         assert loaded.token_budgets(10.0, 500) == budgets.token_budgets(10.0, 500)
     card = (folder / "README.md").read_text()
-    assert card.startswith("---\nlibrary_name: hf_structkv\ntags:\n") and "HeadBudgets.load(" in card
+    assert card.startswith("---\nlibrary_name: hf_structkv\ntags:\n") and "HeadBudgets.from_pretrained(" in card
 
 
 def edit_config(folder: Path, change) -> None:
-    config = json.loads((folder / "config.json").read_text())
+    config = json.loads((folder / "head_budgets.json").read_text())
     change(config)
-    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "head_budgets.json").write_text(json.dumps(config))
 
 
 @pytest.mark.parametrize(
@@ -224,9 +222,9 @@ def test_load_errors_name_the_problem(saved, tmp_path):
     with pytest.raises(ValueError, match="head-budget allocation was built for another model: num_hidden_layers"):
         HeadBudgets.load(folder, model=tiny(num_hidden_layers=3))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="config.json is missing"):
+    with pytest.raises(ValueError, match="head_budgets.json is missing"):
         HeadBudgets.load(tmp_path / "empty")
-    (folder / "config.json").write_text("{not json")
+    (folder / "head_budgets.json").write_text("{not json")
     with pytest.raises(ValueError, match="is not valid JSON"):
         HeadBudgets.load(folder)
 
@@ -235,21 +233,23 @@ def test_load_from_repo_id_downloads_only_the_budget_files(saved, tmp_path, monk
     _, budgets, folder = saved
     calls = fake_hub(served=folder)
     monkeypatch.chdir(tmp_path)
-    assert HeadBudgets.load("someone/budgets", revision="v1", token="hf_test") == budgets
+    assert HeadBudgets.from_pretrained("someone/budgets", revision="v1", token="hf_test") == budgets
     [(repo_id, kwargs)] = calls["downloads"]
     assert repo_id == "someone/budgets" and kwargs["revision"] == "v1" and kwargs["token"] == "hf_test"
-    assert set(kwargs["allow_patterns"]) == {"config.json", "README.md"}
+    # head_budgets.json, or the config.json of a repository pushed before the rename, and the card
+    assert set(kwargs["allow_patterns"]) == {"head_budgets.json", "config.json", "README.md"}
 
 
 def test_push_to_hub_uploads_the_config_and_card(saved, fake_hub):
     _, budgets, _ = saved
-    calls = fake_hub(load=HeadBudgets.load)
-    url = budgets.push_to_hub("someone/budgets", private=True, token="hf_test", revision="v1")
+    calls = fake_hub(load=HeadBudgets.from_pretrained)
+    url = budgets.push_to_hub("someone/budgets", private=True, token="hf_test", revision="v1", commit_message="m1")
     assert url == "https://huggingface.co/someone/budgets/commit/abc123"
     assert calls["create_repo"] == ("someone/budgets", {"private": True, "exist_ok": True})
     assert calls["create_branch"] == ("someone/budgets", {"branch": "v1", "exist_ok": True})
-    assert calls["files"] == {"config.json", "README.md"} and calls["loaded"] == budgets
-    assert 'HeadBudgets.load("someone/budgets", model=model)' in calls["readme"]
+    assert calls["files"] == {"head_budgets.json", "README.md"} and calls["loaded"] == budgets
+    assert calls["upload_folder"]["commit_message"] == "m1"
+    assert 'HeadBudgets.from_pretrained("someone/budgets", model=model)' in calls["readme"]
 
 
 # ---------------------------------------------------------------------------------------------------- the solver

@@ -1,4 +1,4 @@
-"""Saving, loading and sharing compacted caches (hf_structkv.hub): round trips, validation errors, Hub calls mocked."""
+"""Saving, loading and sharing compacted caches (cache/compacted_files.py): round trips, validation errors, mocked Hub."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from transformers import DynamicCache, LlamaForCausalLM
 
 import hf_structkv
 from hf_structkv import CompactedCache
-from hf_structkv.hub import model_fingerprint, render_model_card, tokenizer_hash
+from hf_structkv.cache.compacted_files import render_model_card
 from hf_structkv.models import tiny_model
+from hf_structkv.persistence import model_fingerprint, tokenizer_hash
 
 # The cards and the brief use generate(past_key_values=...), deprecated in transformers 5.x but supported until 6.
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
@@ -362,7 +363,7 @@ def test_failed_overwrite_leaves_no_loadable_mix(saved, monkeypatch):
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("hf_structkv.hub.save_file", crash)
+    monkeypatch.setattr("hf_structkv.cache.compacted_files.save_file", crash)
     with pytest.raises(OSError, match="disk full"):
         compacted_cache(model, quality={"mean_kl": 9.0}).save_pretrained(folder)
     assert {p.name for p in folder.iterdir()} == {"cache.safetensors", "README.md"}  # no temporary files left
@@ -449,10 +450,10 @@ def test_saved_files_get_the_usual_permissions_not_owner_only(tmp_path):
     import os
     import stat
 
-    from hf_structkv.hub import _replace_file
+    from hf_structkv.persistence import replace_file
 
     target = tmp_path / "file.json"
-    _replace_file(target, lambda tmp: tmp.write_text("{}", encoding="utf-8"))
+    replace_file(target, lambda tmp: tmp.write_text("{}", encoding="utf-8"))
     umask = os.umask(0)
     os.umask(umask)
     assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~umask

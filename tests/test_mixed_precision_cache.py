@@ -25,6 +25,8 @@ class ParityTagger(LogitsProcessor):
     text, multiples of 5: a dispatch key), derived from input_ids on every call, as the real one."""
 
     family = "function_calling"
+    tag_view = "full"
+    position_bins = ()
 
     def __init__(self):
         self.prompt_length = None
@@ -306,7 +308,7 @@ def test_mismatches_are_clear_errors():
     other = tiny_model("gemma3")
     with pytest.raises(ValueError, match="calibrated for this model"):
         StructuredMixedPrecisionCache(model, PolicyTable.all_high(other.config))
-    with pytest.raises(TypeError, match="processor must be"):
+    with pytest.raises(TypeError, match="processor must be a TagSource"):
         StructuredMixedPrecisionCache(model, PolicyTable.all_high(model.config), processor=object())
     with pytest.raises(TypeError, match="model must be"):
         StructuredMixedPrecisionCache("llama", PolicyTable.all_high(model.config))
@@ -327,6 +329,38 @@ def test_mismatches_are_clear_errors():
     ids = torch.randint(3, 256, (1, 5))
     with pytest.raises(RuntimeError, match="pass the cache's processor in logits_processor"):
         model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, past_key_values=cache)
+
+
+def test_policy_and_processor_must_be_of_the_declared_interfaces():
+    """Having the members is not enough: the policy must be a `RetentionPolicy`; the processor must offer every
+    member of `TagSource`, its tag view included."""
+    model = tiny_model("llama")
+    table = PolicyTable.all_high(model.config)
+
+    class DuckPolicy:  # every member of a RetentionPolicy, without being one
+        costs, sink_tokens, window, tag_view, position_bins = table.costs, 0, 1, "full", ()
+
+        def controller(self, costs):
+            return table.controller(costs)
+
+        def attention_statistics(self):
+            return None
+
+    with pytest.raises(TypeError, match=r"^policy must be a RetentionPolicy .*got DuckPolicy$"):
+        StructuredMixedPrecisionCache(model, DuckPolicy())
+
+    class ViewlessTagger:  # what the cache read before tag views existed: no tag_view / position_bins
+        prompt_length = None
+
+        def num_tagged(self, seq):
+            return 0
+
+        def tag_at(self, seq, index):
+            return ()
+
+    with pytest.raises(TypeError, match=r"^processor must be a TagSource.*got ViewlessTagger$"):
+        StructuredMixedPrecisionCache(model, table, processor=ViewlessTagger())
+    assert StructuredMixedPrecisionCache(model, table, processor=ParityTagger()).processor is not None
 
 
 @pytest.mark.slow

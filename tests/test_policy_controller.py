@@ -9,6 +9,7 @@ from fractions import Fraction
 from itertools import permutations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_policy_table import all_tags, brute_lookup, entry, tables, tag
@@ -289,3 +290,27 @@ def test_policy_table_is_a_retention_policy_whose_controller_is_algorithm_2():
     assert isinstance(table, RetentionPolicy)
     controller = table.controller(table.costs)
     assert isinstance(controller, PolicyController) and isinstance(controller, RetentionController)
+
+
+def test_retention_interface_defaults():
+    """A table records no attention statistics and its controller plans no prompt (the declared defaults); the
+    interface is abstract: a policy without ``controller`` cannot be made."""
+    from hf_structkv.policy import RetentionPolicy
+
+    table = PolicyTable.all_high(COSTS)
+    assert table.attention_statistics() is None
+    with pytest.raises(NotImplementedError, match="PolicyController does not plan the prompt"):
+        table.controller(COSTS).plan_prompt(torch.ones(3, 4), torch.ones(4, dtype=torch.bool))
+
+    class NoController(RetentionPolicy):
+        costs, sink_tokens, window = COSTS, 0, 1
+
+    with pytest.raises(TypeError, match="abstract"):
+        NoController()
+
+    class Minimal(NoController):
+        def controller(self, costs):
+            return PolicyController(table, costs)
+
+    minimal = Minimal()
+    assert (minimal.tag_view, minimal.position_bins, minimal.attention_statistics()) == ("full", (), None)

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_structkv.hub import model_fingerprint
 from hf_structkv.models import tiny_model
+from hf_structkv.persistence import model_fingerprint
 from hf_structkv.policy import Action, GroupCosts, PolicyEntry, PolicyLookup, PolicyTable, illustrative_policy
 from hf_structkv.structure.tags import NEXT, ROLES, STATES, TAG_CLASSES, TAG_VIEWS, StructuralTag, position_tag
 

@@ -6,14 +6,13 @@ import pytest
 import torch
 
 import hf_structkv
+from hf_structkv.attention.recording import _ACTIVE, capture_queries
 from hf_structkv.compaction import compact, prefill_context
 from hf_structkv.compaction.queries import (
-    _ACTIVE,
     Conversation,
     Piece,
     answer_pieces,
     cap_queries,
-    capture_queries,
     conversation_queries,
     join_pieces,
     piece_spans,

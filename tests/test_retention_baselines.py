@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from hf_structkv.attention.attention_mass import AttentionMass, TokenStatistics
 from hf_structkv.attention.mixed_reference import (
     DensePartition,
     Int4Partition,
@@ -18,7 +19,6 @@ from hf_structkv.attention.mixed_reference import (
     projected_value_norms,
     summed_mass,
 )
-from hf_structkv.cache.attention_mass import AttentionMass, TokenStatistics
 from hf_structkv.cache.mixed_precision import StructuredMixedPrecisionCache
 from hf_structkv.models import tiny_model
 from hf_structkv.policy import H2O, Action, CriticalKV, GroupCosts, MiKV, PolicyTable, SnapKV, StreamingLLM

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer, DynamicCache, LogitsProcessorList
 from hf_structkv.cache.mixed_precision import StructuredMixedPrecisionCache
 from hf_structkv.models import ensure_default_snapshot, tiny_model
 from hf_structkv.policy import PolicyTable, illustrative_policy
-from hf_structkv.structure import StructuralLogitsProcessor, view_tags
+from hf_structkv.structure import StructuralLogitsProcessor, TagSource, view_tags
 from hf_structkv.structured_generation import generate_calls, generate_structured, left_padded_batch, parse_calls
 
 TOOLS = [
@@ -102,6 +102,9 @@ def test_bad_arguments_are_named(model, tokenizer):
         generate_calls(model, tokenizer, [], TOOLS, policy)
     with pytest.raises(ValueError, match="each question must be"):
         generate_calls(model, tokenizer, [[{"content": "no role"}]], TOOLS, policy)
+    with pytest.raises(TypeError, match="policy must be a RetentionPolicy"):
+        generate_calls(model, tokenizer, "q", TOOLS, policy.to_json_dict())
+    assert isinstance(StructuralLogitsProcessor(tokenizer, tools=TOOLS), TagSource)
 
 
 def test_parse_calls_takes_a_json_list_only():

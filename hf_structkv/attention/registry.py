@@ -13,10 +13,9 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..cache.compacted_layers import PREFIX_KWARG
-from ..cache.mixed_precision import MIXED_KWARG
 from .backend import compacted_attention_for, mixed_precision_attention_for
 from .compacted_inputs import AppendedTokens, CompactedPrefix
+from .kwargs import MIXED_KWARG, PREFIX_KWARG
 from .masks import structkv_mask
 
 ATTENTION_NAME = "hf_structkv"

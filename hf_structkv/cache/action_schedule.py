@@ -8,11 +8,12 @@ Prompt tokens without a plan are ``H``; a prefill plan carries its own sink prot
 row's first real tokens, which left padding moves away from position 0); generated tokens among the first
 ``sink_tokens`` positions are ``H``.
 
-With attention statistics (an `AttentionMass`, for the attention-based baselines of `hf_structkv.policy.baselines`)
-the controllers plan the prompt themselves, once, when prompt actions are first needed (the first commit, after the
-prompt forward): ``controller.plan_prompt(mass [groups, P], real [P]) -> [P, groups]`` (with value-weighted
-statistics also ``weighted=[groups, P]``); and each generated token is
-decided by ``controller.step(candidates, TokenStatistics(position, mass))`` with the mass accumulated so far.
+With attention statistics (the `AttentionMass` of a policy whose `RetentionPolicy.attention_statistics` returns one:
+the baselines of `hf_structkv.policy.baselines`) the controllers plan the prompt themselves, once, when prompt actions
+are first needed (the first commit, after the prompt forward):
+``controller.plan_prompt(mass [groups, P], real [P], weighted) -> [P, groups]`` (`RetentionController.plan_prompt`;
+``weighted`` ``[groups, P]`` for value-weighted statistics, else ``None``); and each generated token is decided by
+``controller.step(candidates, TokenStatistics(position, mass))`` with the mass accumulated so far.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import copy
 
 import torch
 
+from ..attention.attention_mass import AttentionMass, TokenStatistics
 from ..policy.costs import Action, GroupCosts
-from .attention_mass import AttentionMass, TokenStatistics
+from ..policy.retention import RetentionController, RetentionPolicy
+from ..structure.tag_source import TagSource
 
 
 class ActionSchedule:
@@ -32,11 +35,11 @@ class ActionSchedule:
     tokens), `crop` (rolls controllers and actions back), the batch-row operations.
 
     Args:
-        policy: the frozen retention policy (`RetentionPolicy`: a `PolicyTable`, whose controllers run Algorithm 2,
-            or any object with ``costs``, ``sink_tokens``, ``window`` and ``controller(costs)``).
+        policy: the frozen `RetentionPolicy` (a `PolicyTable`, whose controllers run Algorithm 2, a baseline, a
+            calibration intervention).
         costs: the model's `GroupCosts`.
-        processor: the `StructuralLogitsProcessor` used in the same ``generate`` call, or ``None`` (then every
-            generated token is unresolved and gets the policy's protection for unresolved tokens).
+        processor: the `TagSource` (a `StructuralLogitsProcessor`) used in the same ``generate`` call, or ``None``
+            (then every generated token is unresolved and gets the policy's protection for unresolved tokens).
         prefill_plan: optional int tensor ``[B, P, groups]`` of `Action` values for the ``P`` prompt tokens per
             layer group of ``costs`` (the prefill companion's plan); prompt tokens beyond it, and all when ``None``,
             are ``H``.
@@ -46,9 +49,9 @@ class ActionSchedule:
 
     def __init__(
         self,
-        policy,
+        policy: RetentionPolicy,
         costs: GroupCosts,
-        processor=None,
+        processor: TagSource | None = None,
         prefill_plan: torch.Tensor | None = None,
         statistics: AttentionMass | None = None,
     ):
@@ -72,7 +75,7 @@ class ActionSchedule:
         self.processor = processor
         self.prefill_plan = None if prefill_plan is None else prefill_plan.to(torch.int64).cpu()
         self.statistics = statistics
-        self.controllers: list = []
+        self.controllers: list[RetentionController] = []
         self.first_length = 0
         self.decided: list[list[tuple[Action, ...] | None]] = []
 
@@ -103,8 +106,8 @@ class ActionSchedule:
         plans = []
         for row in range(self.batch_size):
             n = real.shape[1]
-            weighted = {"weighted": stats.weighted_row_mass(row, n)} if stats.value_weighted else {}
-            plans.append(self.controllers[row].plan_prompt(stats.row_mass(row, n), real[row], **weighted))
+            weighted = stats.weighted_row_mass(row, n) if stats.value_weighted else None
+            plans.append(self.controllers[row].plan_prompt(stats.row_mass(row, n), real[row], weighted))
         self.prefill_plan = torch.stack(plans).to(torch.int64)
 
     def _prompt_length(self) -> int | None:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
+from ..attention.registry import enable
+from .compacted_files import push_cache_folder, read_cache_folder, write_cache_folder
 from .compacted_layers import CompactedLayer, SharedContextSlidingLayer
 
 if TYPE_CHECKING:
@@ -134,42 +137,59 @@ class CompactedCache(Cache):
         super().reset()
         self._last_updated_layer = None
 
-    # ------------------------------------------------------------------ persistence (hf_structkv.hub)
+    # ------------------------------------------------------------------ persistence (compacted_files)
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
-        """Write ``cache.safetensors``, ``config.json`` and a model card ``README.md`` into ``save_directory``."""
-        from ..hub import save_compacted_cache
+        """Write ``cache.safetensors``, ``config.json`` and a model card ``README.md`` into ``save_directory``.
 
-        save_compacted_cache(self, save_directory)
+        The context tensors only (never appended tokens); a crash leaves the old cache or the new one, never a mix.
+        """
+        write_cache_folder(list(self.layers), self.metadata, Path(save_directory))
 
     @classmethod
-    def load(
+    def from_pretrained(
         cls,
         path_or_repo_id: str | os.PathLike,
-        revision: str | None = None,
+        *,
         model: PreTrainedModel | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        revision: str | None = None,
         token: str | None = None,
     ) -> CompactedCache:
         """Load a saved cache from a folder or a Hub repository (safetensors + JSON only; no code runs).
 
         With ``model``, the fingerprint is checked against it, the tensors are moved to its device and the model is
-        switched to hf_structkv's attention (``enable``); with ``tokenizer``, its hash is checked too.
+        switched to hf_structkv's attention (``enable``); with ``tokenizer``, its hash is checked too. ``revision``
+        (a Hub branch, tag or commit) and ``token`` (for private repositories) apply to a Hub download only.
         """
-        from ..hub import load_compacted_cache
-
-        return load_compacted_cache(
-            cls, path_or_repo_id, revision=revision, model=model, tokenizer=tokenizer, token=token
+        layers, metadata = read_cache_folder(
+            path_or_repo_id, model=model, tokenizer=tokenizer, revision=revision, token=token
         )
+        cache = cls(layers, metadata=metadata)
+        if model is not None:
+            enable(model)
+        return cache
 
-    from_pretrained = load
+    load = from_pretrained
 
     def push_to_hub(
-        self, repo_id: str, private: bool | None = None, token: str | None = None, revision: str | None = None
+        self,
+        repo_id: str,
+        *,
+        private: bool | None = None,
+        token: str | None = None,
+        revision: str | None = None,
+        commit_message: str | None = None,
     ) -> str:
         """Upload the saved form of this cache (with its model card) to a Hub repository; returns the commit URL."""
-        from ..hub import push_compacted_cache
-
-        return push_compacted_cache(self, repo_id, private=private, token=token, revision=revision)
+        return push_cache_folder(
+            list(self.layers),
+            self.metadata,
+            repo_id,
+            private=private,
+            token=token,
+            revision=revision,
+            commit_message=commit_message,
+        )
 
     # ------------------------------------------------------------------ bytes
     def nbytes(self) -> int:

@@ -12,7 +12,7 @@ from abc import abstractmethod
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-PREFIX_KWARG = "compacted_prefix"
+from ..attention.kwargs import PREFIX_KWARG
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:

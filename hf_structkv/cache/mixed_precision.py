@@ -25,6 +25,8 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
+from ..attention.attention_mass import AttentionMass
+from ..attention.kwargs import MIXED_KWARG
 from ..attention.mixed_reference import (
     DensePartition,
     Int4Partition,
@@ -35,12 +37,11 @@ from ..attention.mixed_reference import (
     summed_mass,
 )
 from ..policy.costs import Action, GroupCosts
+from ..policy.retention import RetentionPolicy, check_retention_policy
 from ..quant.int4 import quantize_int4
+from ..structure.tag_source import TagSource
 from .action_schedule import ActionSchedule
-from .attention_mass import AttentionMass
 from .slot_store import SlotStore
-
-MIXED_KWARG = "mixed_precision_layer"
 
 
 def _visibility(mask: torch.Tensor | None, batch: int, q_len: int, seen: int, device: torch.device) -> torch.Tensor:
@@ -59,18 +60,6 @@ def _gather_visibility(visible: torch.Tensor, positions: torch.Tensor) -> torch.
     """``visible`` ``[B, q, seen]`` read at ``positions`` ``[B, n]`` (``-1`` = empty slot -> invisible)."""
     index = positions.long().clamp_min(0).unsqueeze(1).expand(-1, visible.shape[1], -1)
     return visible.gather(-1, index) & (positions >= 0).unsqueeze(1)
-
-
-def _tag_view(source) -> tuple[str, tuple[int, ...]]:
-    """``(tag_view, position_bins)`` of a policy or processor (``("full", ())`` for one without them)."""
-    return getattr(source, "tag_view", "full"), tuple(getattr(source, "position_bins", ()))
-
-
-def _is_tag_source(processor) -> bool:
-    """Whether ``processor`` offers what `ActionSchedule` reads: ``prompt_length``, ``num_tagged``, ``tag_at``."""
-    return hasattr(processor, "prompt_length") and all(
-        callable(getattr(processor, name, None)) for name in ("num_tagged", "tag_at")
-    )
 
 
 def _slot_mass(masses: list[torch.Tensor], positions: list[torch.Tensor], seen: int) -> torch.Tensor:
@@ -305,23 +294,43 @@ class StructuredMixedPrecisionCache(Cache):
 
     Args:
         model: the model (or its config: then enable the model yourself).
-        policy: a `PolicyTable` built for this model's layer and head dimensions (or any `RetentionPolicy`).
-        processor: the `StructuralLogitsProcessor` of the same generation (``None``: every generated token is
-            unresolved, i.e. fully protected by the policy); it must emit the policy's ``tag_view`` and
-            ``position_bins`` (a policy without them means ``"full"``), else ``ValueError``.
+        policy: a `RetentionPolicy` built for this model's layer and head dimensions: a `PolicyTable`, a baseline of
+            `hf_structkv.policy.baselines`, ...
+        processor: the `TagSource` of the same generation, i.e. its `StructuralLogitsProcessor` (``None``: every
+            generated token is unresolved, i.e. fully protected by the policy); it must emit the policy's
+            ``tag_view`` and ``position_bins``, else ``ValueError``.
         prefill_plan: optional actions for the prompt tokens, int ``[B, P, groups]`` with the policy's number of
             layer groups (see `ActionSchedule`).
 
-    A policy with an ``attention_statistics()`` method (the attention-based baselines) gets an `AttentionMass` that
-    the layers fill during attention (torch reference only) and plans the prompt itself at its first commit.
+    A policy whose `RetentionPolicy.attention_statistics` returns an `AttentionMass` (the attention-based baselines)
+    has it filled by the layers during attention (torch reference only), and its controllers plan the prompt at the
+    first commit (`RetentionController.plan_prompt`).
+
+    Raises:
+        TypeError: ``model`` is not a model or config, ``policy`` not a `RetentionPolicy`, ``processor`` not a
+            `TagSource`.
+        ValueError: the policy was built for other layer dimensions, or the processor emits another tag view.
     """
 
-    def __init__(self, model, policy, processor=None, prefill_plan: torch.Tensor | None = None):
+    def __init__(
+        self,
+        model,
+        policy: RetentionPolicy,
+        processor: TagSource | None = None,
+        prefill_plan: torch.Tensor | None = None,
+    ):
         from ..attention.registry import enable
 
         config = model if isinstance(model, PretrainedConfig) else getattr(model, "config", None)
         if not isinstance(config, PretrainedConfig):
             raise TypeError(f"model must be a transformers model or its config, got {type(model).__name__}")
+        check_retention_policy(policy)
+        if processor is not None and not isinstance(processor, TagSource):
+            raise TypeError(
+                "processor must be a TagSource: the StructuralLogitsProcessor passed to generate (it provides "
+                "tag_view, position_bins, prompt_length, num_tagged(seq) and tag_at(seq, index)), got "
+                f"{type(processor).__name__}"
+            )
         if not isinstance(model, PretrainedConfig):
             enable(model)
         text_config = config.get_text_config()
@@ -331,14 +340,9 @@ class StructuredMixedPrecisionCache(Cache):
                 f"the policy was built for layer groups / head dimensions {policy.costs}, the model has {self.costs}: "
                 "use a PolicyTable calibrated for this model (or PolicyTable.all_high(model.config))"
             )
-        if processor is not None and not _is_tag_source(processor):
-            raise TypeError(
-                "processor must be the StructuralLogitsProcessor passed to generate (it provides prompt_length, "
-                "num_tagged(seq) and tag_at(seq, index)), "
-                f"got {type(processor).__name__}"
-            )
-        policy_view, processor_view = (_tag_view(source) for source in (policy, processor))
-        if processor is not None and processor_view != policy_view:
+        policy_view = policy.tag_view, tuple(policy.position_bins)
+        processor_view = policy_view if processor is None else (processor.tag_view, tuple(processor.position_bins))
+        if processor_view != policy_view:
             raise ValueError(
                 f"the policy was calibrated on (tag_view, position_bins)={policy_view!r}, the processor emits "
                 f"{processor_view!r}: build the processor with "
@@ -346,8 +350,7 @@ class StructuredMixedPrecisionCache(Cache):
             )
         self.policy = policy
         self.processor = processor
-        make_statistics = getattr(policy, "attention_statistics", None)
-        self.statistics: AttentionMass | None = make_statistics() if callable(make_statistics) else None
+        self.statistics: AttentionMass | None = policy.attention_statistics()
         self.schedule = ActionSchedule(policy, self.costs, processor, prefill_plan, self.statistics)
         layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers
         layers = []

@@ -1,15 +1,18 @@
 """Offline compaction: per-head methods (`compact_head`) and the end-to-end `compact(...)` pipeline."""
 
-from .budgets import HeadBudgets, UniformBudgets, compute_head_budgets, default_head_budgets
+from ..attention.recording import capture_queries
+from .budget_sensitivity import compute_head_budgets
+from .budgets import HeadBudgets, UniformBudgets, default_head_budgets
 from .chunks import chunk_spans, context_documents
 from .context_prefill import prefill_context
 from .dataset import compact_dataset, compact_document
 from .head_compaction import HEAD_METHODS, compact_head, register_head_method, relative_loss
 from .head_method import HeadMethod
 from .head_statistics import CompactedHead
-from .pipeline import METHODS, QUERY_TIERS, compact, resolve_budgets
-from .queries import Conversation, capture_queries, conversation_queries, repeat_pass_queries, subsample_queries
+from .pipeline import compact, resolve_budgets
+from .queries import Conversation, conversation_queries, repeat_pass_queries, subsample_queries
 from .self_study import SelfStudy, self_study_conversations, self_study_queries
+from .settings import METHODS, QUERY_TIERS, CompactionSettings
 
 __all__ = [
     "HEAD_METHODS",
@@ -17,6 +20,7 @@ __all__ = [
     "METHODS",
     "QUERY_TIERS",
     "CompactedHead",
+    "CompactionSettings",
     "Conversation",
     "HeadMethod",
     "SelfStudy",

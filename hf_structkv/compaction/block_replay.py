@@ -22,8 +22,9 @@ import torch
 from transformers import Cache, PreTrainedModel
 
 from ..attention.modules import attention_modules
+from ..attention.recording import recording
 from ..generation import context_copy
-from .queries import Conversation, Piece, answer_pieces, join_pieces, recording
+from .queries import Conversation, Piece, answer_pieces, join_pieces
 
 __all__ = ["BlockReplay", "decoder_blocks"]
 

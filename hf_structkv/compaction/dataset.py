@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..cache.compacted import CompactedCache
-from ..hub import CACHE_FILES, CONFIG_NAME, STRUCTURE_FIELDS, model_fingerprint
+from ..cache.compacted_files import CACHE_FILES, CONFIG_NAME
+from ..persistence import STRUCTURE_FIELDS, model_fingerprint
 from ..prompts import document_chat_parts
 from ..validation import check_bool, check_int
 from .pipeline import compact

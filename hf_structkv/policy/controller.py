@@ -23,29 +23,47 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from fractions import Fraction
+from typing import Protocol, runtime_checkable
 
+from ..attention.attention_mass import TokenStatistics
 from ..structure.tags import STATES, StructuralTag
 from ..validation import check_int
 from .costs import Action, GroupCosts
-from .table import PolicyTable
+from .entries import PolicyLookup
+from .retention import RetentionController
 
-__all__ = ["PolicyController"]
+__all__ = ["DecodeTable", "PolicyController"]
 
 _ACTIONS = (Action.R, Action.L, Action.H)
 
 
-class PolicyController:
+@runtime_checkable
+class DecodeTable(Protocol):
+    """What the controller reads from its frozen table (`PolicyTable` is the implementation)."""
+
+    family: str
+    costs: GroupCosts
+    budget: float
+
+    def lookup(self, candidates: Iterable[StructuralTag]) -> PolicyLookup:
+        """Base actions, floors and priorities per layer group of a token with these candidate tags (eq. 12)."""
+
+    def reserve(self, state: str | None) -> float:
+        """``Γ(state)`` in bits (the pooled reserve for ``None``)."""
+
+
+class PolicyController(RetentionController):
     """Algorithm 2 for one sequence: per-group actions for each generated token under the decode budget.
 
     Args:
-        table: the frozen policy.
+        table: the frozen policy (a `PolicyTable`).
         costs: the layer-group costs of the model the cache serves; must equal ``table.costs``.
     """
 
-    def __init__(self, table: PolicyTable, costs: GroupCosts) -> None:
-        if not isinstance(table, PolicyTable):
+    def __init__(self, table: DecodeTable, costs: GroupCosts) -> None:
+        if not isinstance(table, DecodeTable):
             raise TypeError(f"table must be a PolicyTable, got {type(table).__name__}")
         if not isinstance(costs, GroupCosts):
             raise TypeError(f"costs must be a GroupCosts (GroupCosts.from_config(model.config)), got {type(costs)}")
@@ -86,12 +104,15 @@ class PolicyController:
         """The number of `step` calls so far (stop tokens included)."""
         return len(self._balances) - 1
 
-    def step(self, candidates: Sequence[StructuralTag] | None) -> tuple[Action, ...] | None:
+    def step(
+        self, candidates: Sequence[StructuralTag] | None, statistics: TokenStatistics | None = None
+    ) -> tuple[Action, ...] | None:
         """Schedule one generated token.
 
         Args:
             candidates: the token's candidate tags (empty = unresolved: full protection), or ``None`` for a stop
                 token / a token after the sequence finished.
+            statistics: unused (a `PolicyTable` records no attention statistics, so the cache passes ``None``).
 
         Returns:
             One action per layer group (lower, middle, upper), or ``None`` for a stop token (no charge, no allowance).

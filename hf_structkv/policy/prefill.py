@@ -29,35 +29,24 @@ A saved policy is a folder (or a Hub model repository) with ``prefill_policy.jso
 from __future__ import annotations
 
 import heapq
-import os
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar
 
 import torch
 
+from ..persistence import base_model, markdown_items, render_card
 from ..structure.prompt_spans import PROMPT_LABELS, label_prompt, token_labels
-from ..validation import check_int
+from ..validation import check_int, is_number
+from ..version import __version__
 from .costs import Action, GroupCosts, layer_groups
-from .table import (
-    CONVENTIONS,
-    PolicyEntry,
-    PolicyLookup,
-    PolicyTable,
-    _costs_from_json,
-    _costs_to_json,
-    _entry_from_json,
-    _entry_to_json,
-    _hub,
-    _is_number,
-    _json_text,
-    _merge,
-    _PolicyFile,
-    _shipped_policy,
-)
+from .entries import PolicyEntry, PolicyLookup, merge_lookups
+from .policy_file import PolicyFile, shipped_policy
+from .policy_json import CONVENTIONS, costs_from_json, costs_to_json, entry_from_json, entry_to_json
+from .retention import RetentionPolicy
 
 __all__ = [
     "PREFILL_POLICY_NAME",
@@ -98,7 +87,7 @@ _JSON_FIELDS = (
 
 
 @dataclass(frozen=True)
-class PrefillPolicy(_PolicyFile):
+class PrefillPolicy(PolicyFile):
     """The frozen prefill record: per prompt label and layer group an action, a floor and priorities, and ``B_P``.
 
     Attributes:
@@ -109,8 +98,8 @@ class PrefillPolicy(_PolicyFile):
         description: free text.
         thresholds: calibration thresholds (``alpha_P``, ...), empty when not calibrated.
         calibration: JSON-serialisable calibration record.
-        fingerprint: `hub.model_fingerprint` of the model the policy was built for (required when calibrated), or
-            ``None`` when it depends only on the layer dimensions.
+        fingerprint: `persistence.model_fingerprint` of the model the policy was built for (required when
+            calibrated), or ``None`` when it depends only on the layer dimensions.
     """
 
     costs: GroupCosts
@@ -123,7 +112,6 @@ class PrefillPolicy(_PolicyFile):
     fingerprint: Mapping[str, Any] | None = None
 
     _FILE_NAME: ClassVar[str] = PREFILL_POLICY_NAME
-    _HUB_FILES: ClassVar[tuple[str, ...]] = (PREFILL_POLICY_NAME,)
     _WHAT: ClassVar[str] = "prefill policy"
 
     def __post_init__(self) -> None:
@@ -141,7 +129,7 @@ class PrefillPolicy(_PolicyFile):
                 raise ValueError(f"unknown prompt label {label!r} in entries; labels are {PROMPT_LABELS}")
             if not isinstance(entry, PolicyEntry) or len(entry.action) != groups:
                 raise ValueError(f"entries[{label!r}] must be a PolicyEntry with one action per layer group ({groups})")
-        if not _is_number(self.budget) or not 0 <= self.budget <= 1:
+        if not is_number(self.budget) or not 0 <= self.budget <= 1:
             raise ValueError(f"budget (B_P) must be a number in [0, 1], got {self.budget!r}")
         self._check_records()
 
@@ -159,19 +147,19 @@ class PrefillPolicy(_PolicyFile):
         if any(label not in self.entries for label in distinct):
             return PolicyLookup((Action.H,) * groups, (Action.H,) * groups, ((None, None),) * groups)
         looked_up = [self.entries[label].lookup() for label in distinct]
-        return looked_up[0] if len(looked_up) == 1 else _merge(looked_up)
+        return looked_up[0] if len(looked_up) == 1 else merge_lookups(looked_up)
 
     # ------------------------------------------------------------------------------------------------ JSON, files
     def to_json_dict(self) -> dict[str, Any]:
         """The ``prefill_policy.json`` content (see the module docstring)."""
         return {
             "format_version": FORMAT_VERSION,
-            "hf_structkv_version": _hub().__version__,
+            "hf_structkv_version": __version__,
             "labels": list(PROMPT_LABELS),
             "conventions": dict(PREFILL_CONVENTIONS),
-            "group_costs": _costs_to_json(self.costs),
+            "group_costs": costs_to_json(self.costs),
             "prefill_budget": self.budget,
-            "entries": {label: _entry_to_json(self.entries[label]) for label in PROMPT_LABELS if label in self.entries},
+            "entries": {label: entry_to_json(self.entries[label]) for label in PROMPT_LABELS if label in self.entries},
             **self._records_to_json(),
         }
 
@@ -204,18 +192,39 @@ class PrefillPolicy(_PolicyFile):
         if not isinstance(entries, dict):
             raise ValueError(f"entries in {PREFILL_POLICY_NAME} must be a JSON object of label -> entry")
         return cls(
-            costs=_costs_from_json(record["group_costs"]),
-            entries={label: _entry_from_json(label, value) for label, value in entries.items()},
+            costs=costs_from_json(record["group_costs"]),
+            entries={label: entry_from_json(label, value) for label, value in entries.items()},
             budget=record["prefill_budget"],
             **cls._records_from_json(record),
         )
 
-    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
-        """Write ``prefill_policy.json`` into ``save_directory`` (temporary file, then renamed into place)."""
-        directory = Path(save_directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        text = _json_text(self.to_json_dict()) + "\n"
-        _hub()._replace_file(directory / PREFILL_POLICY_NAME, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    def render_card(self, repo_id: str | None = None) -> str:
+        """The ``README.md`` of a saved prefill policy, from the ``model_cards/prefill_policy.md`` template."""
+        fingerprint = dict(self.fingerprint or {})
+        base = base_model({"fingerprint": fingerprint})
+        front_matter = ["library_name: hf_structkv", "tags:", "- hf_structkv", "- kv-cache", "- pask-prefill-policy"]
+        front_matter.append(f"- {self.provenance}")
+        if base:
+            front_matter.append(f"base_model: {json.dumps(base)}")
+        rows = [
+            f"| {label} | {' '.join(a.name for a in entry.action)} | {' '.join(a.name for a in entry.floor)} |"
+            for label, entry in sorted(self.entries.items(), key=lambda item: _label_order(item[0]))
+        ]
+        return render_card(
+            "prefill_policy.md",
+            front_matter="\n".join(front_matter),
+            model_name=base or fingerprint.get("architecture", "any model with these layer dimensions"),
+            provenance=self.provenance,
+            description=self.description or "none",
+            repo_id=repo_id or "<this repository id or local folder>",
+            budget=self.budget,
+            entry_rows="\n".join(rows) or "| (none: every label is planned H) | | |",
+            thresholds=markdown_items(dict(self.thresholds)),
+            calibration=markdown_items(dict(self.calibration)),
+            fingerprint=json.dumps(fingerprint, indent=2, sort_keys=True) if fingerprint else "null",
+            hf_structkv_version=__version__,
+            format_version=FORMAT_VERSION,
+        )
 
 
 @dataclass(frozen=True)
@@ -321,7 +330,7 @@ def batch_prefill_plan(
     prompts: Sequence[str],
     tools: Sequence[Mapping[str, Any]],
     prefill_policy: PrefillPolicy,
-    policy: PolicyTable,
+    policy: RetentionPolicy,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
 ) -> torch.Tensor:
@@ -364,7 +373,7 @@ def illustrative_prefill_policy(model: Any = None) -> PrefillPolicy:
     Args:
         model: when given, checked against the policy's fingerprint and costs.
     """
-    return _shipped_policy(ILLUSTRATIVE_PREFILL_POLICY, model, PrefillPolicy)
+    return shipped_policy(PrefillPolicy, ILLUSTRATIVE_PREFILL_POLICY, model)
 
 
 def calibrated_prefill_policy(model: Any = None) -> PrefillPolicy:
@@ -376,7 +385,7 @@ def calibrated_prefill_policy(model: Any = None) -> PrefillPolicy:
     Args:
         model: when given, checked against the policy's fingerprint and costs.
     """
-    return _shipped_policy(CALIBRATED_PREFILL_POLICY, model, PrefillPolicy)
+    return shipped_policy(PrefillPolicy, CALIBRATED_PREFILL_POLICY, model)
 
 
 def _label_order(label: str) -> int:

@@ -10,6 +10,7 @@ from .processor import StructuralLogitsProcessor
 from .prompt_spans import PROMPT_LABELS, label_prompt, token_labels
 from .sql_grammar import DatabaseSchema, SqlGrammar, normalise_sql, sql_grammar
 from .sql_tags import SqlTagger
+from .tag_source import TagSource
 from .tags import (
     NEXT,
     ROLES,
@@ -38,6 +39,7 @@ __all__ = [
     "SqlTagger",
     "StructuralLogitsProcessor",
     "StructuralTag",
+    "TagSource",
     "function_call_schema",
     "label_prompt",
     "normalise_sql",

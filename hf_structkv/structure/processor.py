@@ -23,11 +23,10 @@ from transformers import LogitsProcessor, PreTrainedTokenizerBase
 from .adapter import GrammarAdapter, GrammarSequence
 from .function_calls import function_call_schema
 from .lmfe import JsonSchemaAdapter
+from .tag_source import TokenTags
 from .tags import StructuralTag, check_tag_view, position_tag, view_tags
 
 __all__ = ["StructuralLogitsProcessor"]
-
-TokenTags = tuple[StructuralTag, ...] | None
 
 
 class _SequenceRecord:
@@ -41,7 +40,8 @@ class _SequenceRecord:
 
 
 class StructuralLogitsProcessor(LogitsProcessor):
-    """Masks what the grammar forbids and tags every generated token from its parser transition.
+    """Masks what the grammar forbids and tags every generated token from its parser transition: the `TagSource` a
+    `StructuredMixedPrecisionCache` reads.
 
     Give exactly one of ``tools`` (BFCL / OpenAI tool definitions -> :func:`function_call_schema`), ``schema`` (a
     JSON schema) or ``adapter`` (any :class:`GrammarAdapter`, e.g. the xgrammar SQL grammar

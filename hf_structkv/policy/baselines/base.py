@@ -14,7 +14,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ...attention.attention_mass import TokenStatistics
 from ..costs import Action, GroupCosts
+from ..retention import RetentionController, RetentionPolicy
 
 __all__ = ["BaselineController", "DevelopmentLengths", "solve_knob"]
 
@@ -70,9 +72,10 @@ def solve_knob(expected: Callable[[float], float], target: float, low: float, hi
     return low
 
 
-class BaselineController:
+class BaselineController(RetentionController):
     """The per-sequence ledger of a baseline: one decision per `step` (``None`` for a stop token), the scheduled
-    bits, and an exact `rollback`. Subclasses implement `decide` (and `plan_prompt` when they act on the prompt)."""
+    bits, and an exact `rollback`. Subclasses implement `decide` (and `plan_prompt`: every baseline records attention
+    statistics, if only which prompt slots are real, and plans the prompt)."""
 
     def __init__(self, costs: GroupCosts):
         self.costs = costs
@@ -88,7 +91,7 @@ class BaselineController:
     def num_steps(self) -> int:
         return len(self.decisions)
 
-    def step(self, candidates, statistics=None) -> tuple[Action, ...] | None:
+    def step(self, candidates, statistics: TokenStatistics | None = None) -> tuple[Action, ...] | None:
         """Decide the next generated token (``candidates is None``: a stop token, free); ``statistics`` is the
         cache's `TokenStatistics` for policies that record attention."""
         actions = None if candidates is None else self.decide(statistics)
@@ -106,10 +109,10 @@ class BaselineController:
         del self.decisions[num_steps:], self.positions[num_steps:], self._bits[num_steps + 1 :]
 
 
-class BudgetKnob:
-    """Mixin of the baseline policies: `for_budget` picks the value of the class's budget knob (``BUDGET_KNOB``, in
-    ``[0, KNOB_MAX]``, an int when ``INTEGER_KNOB``) whose `expected_budget` on development lengths is the largest
-    not above the target (the other knobs fixed)."""
+class BudgetKnob(RetentionPolicy):
+    """The base of the baseline policies, a `RetentionPolicy` with a budget knob: `for_budget` picks the value of the
+    class's budget knob (``BUDGET_KNOB``, in ``[0, KNOB_MAX]``, an int when ``INTEGER_KNOB``) whose `expected_budget`
+    on development lengths is the largest not above the target (the other knobs fixed)."""
 
     BUDGET_KNOB: str
     KNOB_MAX: float = 1.0

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...cache.attention_mass import AttentionMass
+from ...attention.attention_mass import AttentionMass
 from .base import check_ratio
 from .heavy_hitters import heavy_count
 from .snapkv import SnapKV, top_first

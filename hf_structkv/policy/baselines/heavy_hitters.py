@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...cache.attention_mass import AttentionMass, TokenStatistics
+from ...attention.attention_mass import AttentionMass, TokenStatistics
 from ...validation import check_int
 from ..costs import Action, GroupCosts
 from ..table import DEFAULT_WINDOW
@@ -53,8 +53,9 @@ class HeavyHitterController(BaselineController):
         self.prompt_heavy: list[list[int]] = [[] for _ in range(groups)]
         self.prompt_others = 0
 
-    def plan_prompt(self, mass: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """``[P, groups]`` actions of the prompt from ``mass`` ``[groups, P]`` and ``real`` bool ``[P]``."""
+    def plan_prompt(self, mass: torch.Tensor, real: torch.Tensor, weighted: torch.Tensor | None = None) -> torch.Tensor:
+        """``[P, groups]`` actions of the prompt from ``mass`` ``[groups, P]`` and ``real`` bool ``[P]`` (``weighted``
+        unused: heavy hitters rank by attention mass alone)."""
         groups = len(self.costs.groups)
         sinks = sink_mask(real, self.sinks)
         others = (real & ~sinks).nonzero().flatten()

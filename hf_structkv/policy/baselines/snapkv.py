@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ...cache.attention_mass import AttentionMass
+from ...attention.attention_mass import AttentionMass
 from ...validation import check_int
 from ..costs import Action, GroupCosts
 from ..table import DEFAULT_WINDOW

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...cache.attention_mass import AttentionMass
+from ...attention.attention_mass import AttentionMass
 from ...validation import check_int
 from ..costs import Action, GroupCosts
 from ..table import DEFAULT_WINDOW
@@ -31,9 +31,9 @@ class _StreamingController(BaselineController):
         self.sinks = policy.sink_tokens
         self.recent = policy.recent_tokens
 
-    def plan_prompt(self, mass: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """``[P, groups]``: sinks and the last ``recent_tokens`` prompt tokens ``H``, the rest ``R`` (``mass``
-        unused)."""
+    def plan_prompt(self, mass: torch.Tensor, real: torch.Tensor, weighted: torch.Tensor | None = None) -> torch.Tensor:
+        """``[P, groups]``: sinks and the last ``recent_tokens`` prompt tokens ``H``, the rest ``R`` (``mass`` and
+        ``weighted`` unused)."""
         plan = torch.full((real.shape[0], len(self.costs.groups)), int(Action.R), dtype=torch.int64)
         keep = sink_mask(real, self.sinks)
         if self.recent:

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ...cache.mixed_precision import MixedPrecisionLayer, StructuredMixedPrecisionCache
-from ...eval.bfcl import BfclEntry
-from ...structure.processor import StructuralLogitsProcessor
-from ...structured_generation import generate_calls, generate_structured
-from ..table import PolicyTable
+from ..cache.mixed_precision import MixedPrecisionLayer, StructuredMixedPrecisionCache
+from ..eval.bfcl import BfclEntry
+from ..policy.retention import RetentionPolicy
+from ..policy.table import PolicyTable
+from ..structure.processor import StructuralLogitsProcessor
+from ..structured_generation import generate_calls, generate_structured
 from .interventions import occurrences
 from .references import CaseRun, ReferenceTrajectory, case_run
 
@@ -114,7 +115,7 @@ def resumed_case_run(
     model,
     tokenizer,
     entry: BfclEntry,
-    policy,
+    policy: RetentionPolicy,
     max_new_tokens: int,
     recorded: ReferenceKV,
     forward: int,
@@ -131,8 +132,8 @@ def resumed_case_run(
     processor = StructuralLogitsProcessor(
         tokenizer,
         tools=entry.tools,
-        tag_view=getattr(policy, "tag_view", "full"),
-        position_bins=getattr(policy, "position_bins", ()),
+        tag_view=policy.tag_view,
+        position_bins=policy.position_bins,
     )
     blank = torch.zeros(1, model.config.vocab_size, device=model.device)
     for j in range(forward):  # the calls of forwards 0 .. forward - 1: tokens 0 .. forward - 2 advanced and tagged

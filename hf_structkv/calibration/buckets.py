@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from ..costs import GROUP_NAMES, TIED_GROUP_NAME, group_names
+from ..policy.costs import GROUP_NAMES, TIED_GROUP_NAME, group_names
 
 __all__ = ["Bucket", "bucket_order", "parse_bucket"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from ..costs import Action
+from ..policy.costs import Action
 from .buckets import Bucket
 
 __all__ = ["DEFAULT_THRESHOLDS", "check_thresholds", "envelope", "protection_floor", "protection_floors"]

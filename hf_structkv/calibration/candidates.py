@@ -13,10 +13,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ...structure.tags import StructuralTag
-from ..costs import Action, GroupCosts
-from ..prefill import PrefillPolicy
-from ..table import PolicyEntry, PolicyTable, all_high_entries
+from ..policy.costs import Action, GroupCosts
+from ..policy.prefill import PrefillPolicy
+from ..policy.table import PolicyEntry, PolicyTable, all_high_entries
+from ..structure.tags import StructuralTag
 from .buckets import Bucket
 from .reserve import reserve_table
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping
 
-from ..costs import Action, GroupCosts
+from ..policy.costs import Action, GroupCosts
 from .buckets import Bucket, bucket_order
 
 __all__ = ["greedy_path", "upgrade_priorities"]

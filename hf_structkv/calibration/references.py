@@ -24,14 +24,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ... import __version__
-from ...eval.bfcl import BfclEntry
-from ...eval.bfcl_checker import check_calls
-from ...hub import model_fingerprint
-from ...structure.prompt_spans import label_prompt, token_labels
-from ...structure.tags import StructuralTag, position_tag
-from ...structured_generation import call_prompt, generate_calls, parse_calls
-from ..table import PolicyTable
+from ..eval.bfcl import BfclEntry
+from ..eval.bfcl_checker import check_calls
+from ..persistence import model_fingerprint
+from ..policy.table import PolicyTable
+from ..structure.prompt_spans import label_prompt, token_labels
+from ..structure.tags import StructuralTag, position_tag
+from ..structured_generation import call_prompt, generate_calls, parse_calls
+from ..version import __version__
 
 __all__ = [
     "CaseRun",

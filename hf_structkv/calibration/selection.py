@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from ...eval.bfcl import BfclEntry
-from ...eval.bfcl_checker import check_calls
-from ...structured_generation import generate_calls
-from ...validation import check_int
+from ..eval.bfcl import BfclEntry
+from ..eval.bfcl_checker import check_calls
+from ..structured_generation import generate_calls
+from ..validation import check_int
 from .development_store import DevCase, DevelopmentStore, candidate_digest
 
 __all__ = ["DevResult", "dev_candidate_indices", "evaluate_controller", "select_cheapest"]

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
-from ...eval.bfcl import BfclEntry
-from ..costs import Action, GroupCosts
-from ..table import PolicyTable
+from ..eval.bfcl import BfclEntry
+from ..policy.costs import Action, GroupCosts
+from ..policy.table import PolicyTable
 from .buckets import Bucket
 from .interventions import BucketIntervention, prefill_intervention_plan, prefill_positions, reaches_generation
 from .references import CaseRun, ReferenceTrajectory, run_case

@@ -24,10 +24,10 @@ from collections.abc import Mapping, Sequence
 import torch
 from transformers import DynamicCache
 
-from ...attention.modules import attention_scalings
-from ...compaction.queries import capture_queries
-from ...quant.int4 import dequantize_int4, quantize_int4
-from ..costs import Action, GroupCosts
+from ..attention.modules import attention_scalings
+from ..attention.recording import capture_queries
+from ..policy.costs import Action, GroupCosts
+from ..quant.int4 import dequantize_int4, quantize_int4
 from .buckets import Bucket
 from .interventions import occurrences, prefill_positions
 from .references import ReferenceTrajectory

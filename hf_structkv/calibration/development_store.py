@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ...validation import is_int
+from ..validation import is_int
 from .jsonl_store import JsonLinesStore
 from .references import key_digest
 

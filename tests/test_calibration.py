@@ -10,10 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from hf_structkv.eval.bfcl import bfcl_split
-from hf_structkv.models import ensure_default_snapshot, tiny_model
-from hf_structkv.policy import Action, GroupCosts, PolicyTable, PrefillPolicy
-from hf_structkv.policy.calibration import (
+from hf_structkv.calibration import (
     Bucket,
     BucketIntervention,
     CalibrationSettings,
@@ -34,10 +31,10 @@ from hf_structkv.policy.calibration import (
     select_cheapest,
     upgrade_priorities,
 )
-from hf_structkv.policy.calibration.buckets import parse_bucket
-from hf_structkv.policy.calibration.distortion import attention_distortion, capture_reference_states
-from hf_structkv.policy.calibration.interventions import prefill_intervention_plan, prefill_positions
-from hf_structkv.policy.calibration.references import (
+from hf_structkv.calibration.buckets import parse_bucket
+from hf_structkv.calibration.distortion import attention_distortion, capture_reference_states
+from hf_structkv.calibration.interventions import prefill_intervention_plan, prefill_positions
+from hf_structkv.calibration.references import (
     ReferenceTrajectory,
     generation_key,
     key_digest,
@@ -45,9 +42,12 @@ from hf_structkv.policy.calibration.references import (
     run_case,
     with_position_tags,
 )
-from hf_structkv.policy.calibration.resume import ReferenceKV, first_changed_forward, resumed_case_run
-from hf_structkv.policy.calibration.selection import evaluate_controller
-from hf_structkv.policy.calibration.task_sensitivity import decode_generator, intervention_runs, prefill_generator
+from hf_structkv.calibration.resume import ReferenceKV, first_changed_forward, resumed_case_run
+from hf_structkv.calibration.selection import evaluate_controller
+from hf_structkv.calibration.task_sensitivity import decode_generator, intervention_runs, prefill_generator
+from hf_structkv.eval.bfcl import bfcl_split
+from hf_structkv.models import ensure_default_snapshot, tiny_model
+from hf_structkv.policy import Action, GroupCosts, PolicyTable, PrefillPolicy
 from hf_structkv.policy.prefill import illustrative_prefill_policy
 from hf_structkv.quant.int4 import dequantize_int4, quantize_int4
 from hf_structkv.structure.prompt_spans import PROMPT_LABELS
@@ -819,7 +819,7 @@ def test_a_prefill_stage_without_a_passing_candidate_gives_the_all_high_prefill_
 ):
     """Development selection's fallback (no candidate within alpha_P) is a policy, not a missing one: every label
     ``H`` in every group, ``B_P = 1``."""
-    from hf_structkv.policy.calibration import runner
+    from hf_structkv.calibration import runner
 
     def no_candidate_passes(stage, *args):
         return None, {"selected": "all-high fallback", "runtime_v_generations": 0}
@@ -842,8 +842,8 @@ def test_calibrate_errors_are_named(model, tokenizer, cases):
 
 
 def test_run_calibrate_threads_the_ablation_flags_into_the_saved_table(model, tokenizer, tmp_path):
+    from hf_structkv.calibration.cli import run_calibrate
     from hf_structkv.cli import build_parser
-    from hf_structkv.policy.calibration.cli import run_calibrate
 
     argv = ["calibrate", "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "refs"), "--categories"]
     argv += ["simple_python", "--calibration-cases", "1", "--dev-cases", "1", "--max-new-tokens", str(MAX_NEW)]
@@ -859,8 +859,8 @@ def test_run_calibrate_threads_the_ablation_flags_into_the_saved_table(model, to
 
 
 def test_run_calibrate_prefill_only_writes_the_prefill_policy(model, tokenizer, tmp_path, capsys):
+    from hf_structkv.calibration.cli import run_calibrate
     from hf_structkv.cli import build_parser
-    from hf_structkv.policy.calibration.cli import run_calibrate
 
     argv = ["calibrate", "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "refs"), "--categories"]
     argv += ["simple_python", "--calibration-cases", "1", "--dev-cases", "1", "--max-new-tokens", str(MAX_NEW)]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from ...structure.tags import TAG_VIEWS
-from ..costs import GROUP_COUNTS
+from ..policy.costs import GROUP_COUNTS
+from ..structure.tags import TAG_VIEWS
 
 __all__ = ["CPU_SIZES", "PAPER_SIZES", "add_calibrate_options", "run_calibrate"]
 
@@ -29,7 +29,7 @@ def _tau(text: str) -> tuple[float, float]:
 
 def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
     """The options of ``hf-structkv calibrate`` (after the shared ``--model`` / ``--dtype``)."""
-    from ...eval.bfcl import CATEGORIES
+    from ..eval.bfcl import CATEGORIES
 
     parser.add_argument("--benchmark", default="bfcl", choices=["bfcl"], help="calibration data (BFCL v4)")
     parser.add_argument("--out", required=True, help="folder for policy_table.json, prefill_policy.json, report")
@@ -88,8 +88,8 @@ def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
 
 def run_calibrate(args: argparse.Namespace, load_model) -> int:
     """Load the model (``load_model(name)``) and the BFCL partitions, run `calibrate`, save the result in ``--out``."""
-    from ...eval.bfcl import bfcl_split
-    from ..table import DEFAULT_WINDOW
+    from ..eval.bfcl import bfcl_split
+    from ..policy.table import DEFAULT_WINDOW
     from .floors import DEFAULT_THRESHOLDS
     from .runner import CalibrationSettings, calibrate
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..costs import Action
+from ..policy.costs import Action
 from .buckets import Bucket
 from .jsonl_store import JsonLinesStore
 from .references import ReferenceTrajectory, key_digest

@@ -22,9 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ...structure.tags import StructuralTag
-from ...validation import check_int
-from ..costs import Action, GroupCosts
+from ..attention.attention_mass import TokenStatistics
+from ..policy.costs import Action, GroupCosts
+from ..policy.retention import RetentionController, RetentionPolicy
+from ..structure.tags import StructuralTag
+from ..validation import check_int
 from .buckets import Bucket
 from .references import ReferenceTrajectory
 
@@ -38,7 +40,7 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class BucketIntervention:
+class BucketIntervention(RetentionPolicy):
     """The decode intervention ``π_{q,a}`` as a `RetentionPolicy`.
 
     Attributes:
@@ -74,7 +76,7 @@ class BucketIntervention:
         return _InterventionController(self)
 
 
-class _InterventionController:
+class _InterventionController(RetentionController):
     """Per sequence: ``a`` in the bucket's group for occurrences, ``H`` otherwise; stop tokens ``None`` (free)."""
 
     def __init__(self, policy: BucketIntervention) -> None:
@@ -93,7 +95,11 @@ class _InterventionController:
     def num_steps(self) -> int:
         return len(self._scheduled) - 1
 
-    def step(self, candidates: Sequence[StructuralTag] | None) -> tuple[Action, ...] | None:
+    def step(
+        self, candidates: Sequence[StructuralTag] | None, statistics: TokenStatistics | None = None
+    ) -> tuple[Action, ...] | None:
+        """``a`` in the bucket's group if the bucket's tag is among ``candidates`` (``statistics`` unused: an
+        intervention records no attention statistics)."""
         if candidates is None:
             self._scheduled.append(self._scheduled[-1])
             return None

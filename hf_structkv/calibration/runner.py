@@ -19,15 +19,15 @@ from typing import Any
 
 import torch
 
-from ... import __version__
-from ...eval.bfcl import BfclEntry
-from ...hub import model_fingerprint
-from ...structure.prompt_spans import PROMPT_LABELS
-from ...structure.tags import check_tag_view, position_bin_starts
-from ...validation import check_int
-from ..costs import Action, GroupCosts, check_group_count
-from ..prefill import PrefillPolicy
-from ..table import DEFAULT_SINK_TOKENS, DEFAULT_WINDOW, PolicyEntry, PolicyTable
+from ..eval.bfcl import BfclEntry
+from ..persistence import model_fingerprint
+from ..policy.costs import Action, GroupCosts, check_group_count
+from ..policy.prefill import PrefillPolicy
+from ..policy.table import DEFAULT_SINK_TOKENS, DEFAULT_WINDOW, PolicyEntry, PolicyTable
+from ..structure.prompt_spans import PROMPT_LABELS
+from ..structure.tags import check_tag_view, position_bin_starts
+from ..validation import check_int
+from ..version import __version__
 from .buckets import Bucket, bucket_order
 from .candidates import all_high_candidate, decode_candidate, prefill_candidate
 from .development_store import DevelopmentStore, candidate_digest

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-from ...validation import check_int
+from ..validation import check_int
 
 __all__ = [
     "DEFAULT_RESERVE_HORIZON",

@@ -1,0 +1,171 @@
+"""Checks of a saved `CompactedCache`'s ``config.json`` and ``cache.safetensors`` against each other and against the
+model structure recorded in its fingerprint (`compacted_files` runs them before every save and after every load)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..persistence import STRUCTURE_FIELDS
+from ..validation import is_int
+from ..version import __version__
+
+__all__ = ["CONFIG_NAME", "DTYPES", "FORMAT_VERSION", "TENSORS_NAME", "TENSOR_SUFFIXES", "validate_cache_files"]
+
+FORMAT_VERSION = 1
+CONFIG_NAME = "config.json"
+TENSORS_NAME = "cache.safetensors"
+DTYPES = {name: getattr(torch, name) for name in ("float64", "float32", "float16", "bfloat16")}
+# The tensors of one layer, by the layer's ``type`` in config.json, in the order of ``layer.context_tensors()``.
+TENSOR_SUFFIXES = {
+    "compacted": ("keys", "values", "bias", "offsets"),
+    "sliding": ("window_keys", "window_values"),
+}
+
+
+def validate_cache_files(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Check ``config.json`` and the tensors against each other and against the fingerprint's model structure."""
+    _check_config(config)
+    layers, fingerprint = config["layers"], config["fingerprint"]
+    expected = {f"layers.{i}.{suffix}" for i, desc in enumerate(layers) for suffix in TENSOR_SUFFIXES[desc["type"]]}
+    if expected != tensors.keys():
+        raise ValueError(
+            f"{TENSORS_NAME} does not hold the tensor names {CONFIG_NAME} describes: missing "
+            f"{sorted(expected - tensors.keys())}, unexpected {sorted(tensors.keys() - expected)}"
+        )
+    if len(layers) != fingerprint["num_hidden_layers"]:
+        raise ValueError(
+            f"{CONFIG_NAME} describes {len(layers)} layers but its fingerprint's model has "
+            f"{fingerprint['num_hidden_layers']}"
+        )
+    if fingerprint["layer_types"] is not None and len(fingerprint["layer_types"]) != len(layers):
+        raise ValueError(f"the fingerprint's layer_types must list one type per layer ({len(layers)})")
+    dtype = DTYPES[config["dtype"]]
+    for i, desc in enumerate(layers):
+        _check_layer_kind(i, desc["type"], fingerprint["layer_types"])
+        if desc["type"] == "compacted":
+            _check_compacted_layer(i, desc, tensors, dtype, fingerprint)
+        else:
+            _check_sliding_layer(i, desc, tensors, dtype, config["original_length"], fingerprint)
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ValueError(f"tensor {name} holds NaN or infinite values ({bad} entries)")
+
+
+def _check_config(config: dict[str, Any]) -> None:
+    """Check the format fields of ``config.json`` (version first: a newer format may change the others)."""
+    version = config.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ValueError(
+            f"unknown format_version {version!r} in {CONFIG_NAME} (this hf_structkv {__version__} reads format "
+            f"{FORMAT_VERSION}); a newer hf_structkv may read it"
+        )
+    length = config.get("original_length")
+    if not is_int(length) or length < 1:
+        raise ValueError(f"original_length in {CONFIG_NAME} must be a positive integer, got {length!r}")
+    if config.get("dtype") not in DTYPES:
+        raise ValueError(f"dtype in {CONFIG_NAME} must be one of {sorted(DTYPES)}, got {config.get('dtype')!r}")
+    layers = config.get("layers")
+    if not isinstance(layers, list) or not layers:
+        raise ValueError(f"layers in {CONFIG_NAME} must be a non-empty list of layer descriptions")
+    for i, desc in enumerate(layers):
+        _check_layer_description(i, desc, length)
+    fingerprint = config.get("fingerprint")
+    if not isinstance(fingerprint, dict):
+        raise ValueError(f"{CONFIG_NAME} has no model fingerprint")
+    missing = [field for field in STRUCTURE_FIELDS if field not in fingerprint]
+    if missing:
+        raise ValueError(f"the fingerprint in {CONFIG_NAME} lacks the fields {missing}")
+
+
+def _check_layer_description(i: int, desc: Any, original_length: int) -> None:
+    """One entry of ``layers``: a compacted layer's head lengths, or a sliding layer's window."""
+    kind = desc.get("type") if isinstance(desc, dict) else None
+    if kind == "compacted":
+        lengths = desc.get("head_lengths")
+        if (
+            not isinstance(lengths, list)
+            or not lengths
+            or not all(is_int(n) and 0 <= n <= original_length for n in lengths)
+        ):
+            raise ValueError(
+                f"layers[{i}].head_lengths in {CONFIG_NAME} must list one kept-entry count in "
+                f"[0, {original_length}] per KV head, got {lengths!r}"
+            )
+    elif kind == "sliding":
+        window = desc.get("sliding_window")
+        if not is_int(window) or window < 2:
+            raise ValueError(f"layers[{i}].sliding_window in {CONFIG_NAME} must be an integer >= 2, got {window!r}")
+    else:
+        raise ValueError(f"layers[{i}] in {CONFIG_NAME} must have type 'compacted' or 'sliding', got {desc!r}")
+
+
+def _check_layer_kind(i: int, kind: str, layer_types: list[str] | None) -> None:
+    """A sliding-window layer of the model must be stored as a sliding layer, every other layer as compacted."""
+    if layer_types is None:
+        return
+    expected = "sliding" if "sliding" in layer_types[i] else "compacted"
+    if kind != expected:
+        raise ValueError(
+            f"layer {i} is stored as a {kind} layer but the model's layer {i} is {layer_types[i]!r}: build the cache "
+            "from DynamicCache(config=model.config) so that sliding-window layers stay sliding"
+        )
+
+
+def _check_compacted_layer(
+    i: int, desc: dict[str, Any], tensors: dict[str, torch.Tensor], dtype: torch.dtype, fingerprint: dict[str, Any]
+) -> None:
+    """Shapes and dtypes of a compacted layer: keys ``[N, D]``, values ``[N, D_v]``, bias ``[N]`` FP32, offsets
+    ``[H_kv + 1]`` int64 equal to the cumulative ``head_lengths`` (so starting at 0 and non-decreasing)."""
+    lengths = desc["head_lengths"]
+    if len(lengths) != fingerprint["num_key_value_heads"]:
+        raise ValueError(
+            f"layers[{i}].head_lengths lists {len(lengths)} KV heads but the fingerprint's model has "
+            f"{fingerprint['num_key_value_heads']}"
+        )
+    prefix = f"layers.{i}."
+    offsets = tensors[prefix + "offsets"]
+    _check_tensor(prefix + "offsets", offsets, (len(lengths) + 1,), torch.int64)
+    expected = [0]
+    for n in lengths:
+        expected.append(expected[-1] + n)
+    if offsets.tolist() != expected:
+        raise ValueError(
+            f"tensor {prefix}offsets is {offsets.tolist()} but layers[{i}].head_lengths {lengths} in {CONFIG_NAME} "
+            f"needs {expected} (offsets start at 0 and add each head's kept entries)"
+        )
+    rows = expected[-1]
+    _check_tensor(prefix + "keys", tensors[prefix + "keys"], (rows, fingerprint["head_dim"]), dtype)
+    _check_tensor(prefix + "values", tensors[prefix + "values"], (rows, None), dtype)
+    _check_tensor(prefix + "bias", tensors[prefix + "bias"], (rows,), torch.float32)
+
+
+def _check_sliding_layer(
+    i: int,
+    desc: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    original_length: int,
+    fingerprint: dict[str, Any],
+) -> None:
+    """Shapes of a sliding layer's window: ``[1, H_kv, w, D]`` keys and ``[1, H_kv, w, D_v]`` values with
+    ``w = min(original_length, sliding_window - 1)`` (what transformers' ``DynamicSlidingWindowLayer`` keeps)."""
+    prefix = f"layers.{i}."
+    window = min(original_length, desc["sliding_window"] - 1)
+    heads = fingerprint["num_key_value_heads"]
+    _check_tensor(
+        prefix + "window_keys", tensors[prefix + "window_keys"], (1, heads, window, fingerprint["head_dim"]), dtype
+    )
+    _check_tensor(prefix + "window_values", tensors[prefix + "window_values"], (1, heads, window, None), dtype)
+
+
+def _check_tensor(name: str, tensor: torch.Tensor, shape: tuple[int | None, ...], dtype: torch.dtype) -> None:
+    """``tensor`` has ``dtype`` and ``shape`` (``None`` matches any size)."""
+    if tensor.dtype != dtype:
+        raise ValueError(f"tensor {name} has dtype {tensor.dtype}, expected {dtype}")
+    if tensor.dim() != len(shape) or any(want is not None and got != want for got, want in zip(tensor.shape, shape)):
+        wanted = tuple("*" if n is None else n for n in shape)
+        raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {wanted} from {CONFIG_NAME}")

@@ -1,0 +1,301 @@
+"""A `CompactedCache` on disk and on the Hub: safetensors + JSON files and a model card.
+
+A saved cache is a folder (or a Hub repository) of three files; loading reads JSON and safetensors only, so it never
+executes code:
+
+* ``cache.safetensors``: the context tensors only (never appended tokens). For a compacted layer ``i``:
+  ``layers.{i}.keys`` ``[N, D]``, ``layers.{i}.values`` ``[N, D_v]`` (cache dtype), ``layers.{i}.bias`` ``[N]`` FP32,
+  ``layers.{i}.offsets`` ``[H_kv + 1]`` int64; for a sliding-window layer:
+  ``layers.{i}.window_keys`` ``[1, H_kv, w, D]``
+  and ``layers.{i}.window_values`` ``[1, H_kv, w, D_v]``.
+* ``config.json``: ``format_version``, ``hf_structkv_version``, ``original_length``, ``dtype``, ``layers`` (one
+  description per layer: ``{"type": "compacted", "head_lengths": [...]}`` or ``{"type": "sliding",
+  "sliding_window": w}``), ``context_nbytes`` / ``full_kv_nbytes``, and every key of ``cache.metadata`` (the model
+  fingerprint under ``fingerprint``; by convention also ``method``, ``hyperparameters``, ``calibration``,
+  ``quality`` and ``base_model``).
+* ``README.md``: a model card rendered from ``model_cards/compacted_cache.md``.
+
+The functions here work on a cache's layers and metadata; `CompactedCache.save_pretrained`, ``from_pretrained`` and
+``push_to_hub`` call them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..persistence import (
+    CARD_NAME,
+    base_model,
+    check_same_model,
+    check_same_tokenizer,
+    human_bytes,
+    markdown_items,
+    model_fingerprint,
+    ratio_text,
+    read_json_object,
+    render_card,
+    replace_file,
+    resolve_folder,
+    upload_folder,
+    write_text_file,
+)
+from ..version import __version__
+from .compacted_checks import CONFIG_NAME, FORMAT_VERSION, TENSOR_SUFFIXES, TENSORS_NAME, validate_cache_files
+from .compacted_layers import CompactedLayer, SharedContextSlidingLayer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "CACHE_FILES",
+    "CONFIG_NAME",
+    "TENSORS_NAME",
+    "push_cache_folder",
+    "read_cache_folder",
+    "render_model_card",
+    "write_cache_folder",
+]
+
+CACHE_FILES = (CONFIG_NAME, TENSORS_NAME, CARD_NAME)
+# config.json keys written by this module; every other key comes from (and goes back to) ``cache.metadata``.
+FORMAT_KEYS = frozenset(
+    {"format_version", "hf_structkv_version", "original_length", "dtype", "layers", "context_nbytes", "full_kv_nbytes"}
+)
+_CARD_KNOWN_KEYS = ("fingerprint", "base_model", "method", "hyperparameters", "calibration", "quality")
+
+CacheLayer = CompactedLayer | SharedContextSlidingLayer
+
+
+# ---------------------------------------------------------------------------------------------------- saving
+def write_cache_folder(
+    layers: Sequence[CacheLayer], metadata: dict[str, Any], directory: Path, repo_id: str | None = None
+) -> None:
+    """Write ``cache.safetensors``, ``config.json`` and ``README.md`` of a cache's ``layers`` and ``metadata``.
+
+    The cache is validated exactly as loading would validate it, so a saved folder always loads. Each file is written
+    to a temporary name and renamed into place, and ``config.json`` (which makes the folder a cache) is removed first
+    and written last: a crash leaves the old cache, the new one, or a folder that loading rejects, never a mix. The
+    model card's usage snippet names ``repo_id`` when given.
+
+    Raises:
+        ValueError: ``metadata`` has no ``fingerprint``, uses a key reserved by the file format, is not
+            JSON-serialisable, or the tensors are inconsistent (mixed dtypes, NaN, a layer that does not fit the
+            fingerprint).
+    """
+    config = cache_config(layers, metadata)
+    tensors = _cache_tensors(layers)
+    validate_cache_files(config, tensors)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / CONFIG_NAME).unlink(missing_ok=True)
+    replace_file(directory / TENSORS_NAME, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    write_text_file(directory / CARD_NAME, render_model_card(config, repo_id=repo_id))
+    write_text_file(directory / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True, allow_nan=False) + "\n")
+
+
+def cache_config(layers: Sequence[CacheLayer], metadata: dict[str, Any]) -> dict[str, Any]:
+    """The ``config.json`` content of a cache (JSON-normalised: what loading will read back)."""
+    metadata = dict(metadata)
+    if not isinstance(metadata.get("fingerprint"), dict):
+        raise ValueError(
+            "cache.metadata has no model fingerprint, so a loaded cache could not be checked against its model: "
+            'build the cache with metadata={"fingerprint": model_fingerprint(model, tokenizer), ...} '
+            "(from hf_structkv.persistence import model_fingerprint)"
+        )
+    clash = sorted(FORMAT_KEYS & metadata.keys())
+    if clash:
+        raise ValueError(f"cache.metadata uses keys reserved by the file format: {clash}; rename them")
+    context_only = [layer.fresh_copy() for layer in layers]  # the same context tensors, nothing appended
+    config = {
+        "format_version": FORMAT_VERSION,
+        "hf_structkv_version": __version__,
+        "original_length": layers[0].original_length,
+        "dtype": _cache_dtype(layers),
+        "layers": [_describe_layer(layer) for layer in layers],
+        "context_nbytes": sum(layer.nbytes() for layer in context_only),
+        "full_kv_nbytes": sum(layer.full_nbytes() for layer in context_only),
+        **metadata,
+    }
+    try:
+        return json.loads(json.dumps(config, allow_nan=False))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"cache.metadata must be JSON-serialisable (no tensors, no NaN): {err}") from None
+
+
+def _cache_dtype(layers: Sequence[CacheLayer]) -> str:
+    """The one dtype of every layer's context keys and values, as a name (``"bfloat16"``)."""
+    dtypes = {t.dtype for layer in layers for t in layer.context_tensors()[:2]}
+    if len(dtypes) != 1:
+        raise ValueError(f"the cache's context keys and values must share one dtype, got {sorted(map(str, dtypes))}")
+    return str(dtypes.pop()).removeprefix("torch.")
+
+
+def _layer_kind(layer: CacheLayer) -> str:
+    """``"compacted"`` or ``"sliding"``: the layer's ``type`` in ``config.json``."""
+    if isinstance(layer, CompactedLayer):
+        return "compacted"
+    if isinstance(layer, SharedContextSlidingLayer):
+        return "sliding"
+    raise TypeError(
+        f"cannot save a {type(layer).__name__}: a CompactedCache holds CompactedLayer and SharedContextSlidingLayer "
+        "layers"
+    )
+
+
+def _describe_layer(layer: CacheLayer) -> dict[str, Any]:
+    """The ``config.json`` description of one layer."""
+    if _layer_kind(layer) == "compacted":
+        return {"type": "compacted", "head_lengths": layer.head_lengths()}
+    return {"type": "sliding", "sliding_window": int(layer.sliding_window)}
+
+
+def _cache_tensors(layers: Sequence[CacheLayer]) -> dict[str, torch.Tensor]:
+    """The context tensors of every layer, on CPU, under their file names (``layers.{i}.keys``, ...)."""
+    tensors = {}
+    for i, layer in enumerate(layers):
+        suffixes = TENSOR_SUFFIXES[_layer_kind(layer)]
+        for suffix, tensor in zip(suffixes, layer.context_tensors(), strict=True):
+            tensors[f"layers.{i}.{suffix}"] = tensor.detach().to("cpu").contiguous()
+    return tensors
+
+
+# ---------------------------------------------------------------------------------------------------- loading
+def read_cache_folder(
+    path_or_repo_id: str | os.PathLike,
+    *,
+    model: PreTrainedModel | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    revision: str | None = None,
+    token: str | None = None,
+) -> tuple[list[CacheLayer], dict[str, Any]]:
+    """The layers and metadata of a cache saved by `write_cache_folder`, from a folder or a Hub repository.
+
+    Reads ``config.json`` and ``cache.safetensors`` only (JSON + safetensors: no code runs) and validates them. With
+    ``model``: checks the fingerprint and moves the tensors to ``model.device``. With ``tokenizer``: checks its
+    vocabulary hash.
+
+    Raises:
+        ValueError: naming the problem: a missing file, a truncated or corrupt ``cache.safetensors``, an unknown
+            ``format_version``, tensors that do not match ``config.json``, NaN / inf values, or a model / tokenizer
+            that is not the one the cache was built with.
+    """
+    folder = resolve_folder(path_or_repo_id, CACHE_FILES, revision=revision, token=token)
+    config = read_json_object(folder, CONFIG_NAME, "compacted cache")
+    tensors = _read_tensors(folder)
+    validate_cache_files(config, tensors)
+    if model is not None:
+        check_same_model(config["fingerprint"], model_fingerprint(model))
+    if tokenizer is not None:
+        check_same_tokenizer(config["fingerprint"], tokenizer)
+    if model is not None:
+        tensors = {name: tensor.to(model.device) for name, tensor in tensors.items()}
+    metadata = {key: value for key, value in config.items() if key not in FORMAT_KEYS}
+    return _build_layers(config, tensors), metadata
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Load ``cache.safetensors`` on CPU."""
+    path = folder / TENSORS_NAME
+    if not path.is_file():
+        raise ValueError(f"{folder} is not a complete compacted cache: {TENSORS_NAME} is missing")
+    try:
+        return load_file(path, device="cpu")
+    except SafetensorError as err:
+        raise ValueError(f"{path} is truncated or corrupt ({err}); download or save it again") from None
+
+
+def _build_layers(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list[CacheLayer]:
+    """The cache layers described by a validated ``config.json`` and its tensors."""
+    length = config["original_length"]
+    layers: list[CacheLayer] = []
+    for i, desc in enumerate(config["layers"]):
+        parts = [tensors[f"layers.{i}.{suffix}"] for suffix in TENSOR_SUFFIXES[desc["type"]]]
+        if desc["type"] == "compacted":
+            layers.append(CompactedLayer(*parts, length))
+        else:
+            layers.append(SharedContextSlidingLayer(desc["sliding_window"], *parts, length))
+    return layers
+
+
+# ---------------------------------------------------------------------------------------------------- Hub
+def push_cache_folder(
+    layers: Sequence[CacheLayer],
+    metadata: dict[str, Any],
+    repo_id: str,
+    *,
+    private: bool | None = None,
+    token: str | None = None,
+    revision: str | None = None,
+    commit_message: str | None = None,
+) -> str:
+    """Save a cache (with a model card whose snippet loads ``repo_id``) and upload it to a Hub model repository.
+
+    Creates the repository if needed (``private`` applies only then) and the branch ``revision`` if given.
+
+    Returns:
+        The URL of the upload commit.
+    """
+    length = layers[0].original_length
+    return upload_folder(
+        lambda folder: write_cache_folder(layers, metadata, folder, repo_id=repo_id),
+        CACHE_FILES,
+        repo_id,
+        commit_message=commit_message or f"Upload compacted KV cache ({length}-token context) with hf_structkv",
+        private=private,
+        token=token,
+        revision=revision,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- model card
+def render_model_card(cache_config: dict[str, Any], repo_id: str | None = None) -> str:
+    """The ``README.md`` of a saved cache, from the ``model_cards/compacted_cache.md`` template.
+
+    Args:
+        cache_config: the ``config.json`` content (as `write_cache_folder` writes it).
+        repo_id: the repository the usage snippet loads from (a placeholder when ``None``).
+    """
+    metadata = {key: value for key, value in cache_config.items() if key not in FORMAT_KEYS}
+    fingerprint = metadata.get("fingerprint") or {}
+    base = base_model(metadata)
+    front_matter = ["library_name: hf_structkv", "tags:", "- hf_structkv", "- kv-cache", "- compacted-kv-cache"]
+    if base:
+        front_matter.append(f"base_model: {json.dumps(base)}")
+    layers = cache_config["layers"]
+    compacted = [desc for desc in layers if desc["type"] == "compacted"]
+    kept = sum(sum(desc["head_lengths"]) for desc in compacted)
+    full = sum(cache_config["original_length"] * len(desc["head_lengths"]) for desc in compacted)
+    nbytes, full_nbytes = cache_config["context_nbytes"], cache_config["full_kv_nbytes"]
+    others = {key: value for key, value in metadata.items() if key not in _CARD_KNOWN_KEYS}
+    return render_card(
+        "compacted_cache.md",
+        front_matter="\n".join(front_matter),
+        model_name=base or fingerprint.get("architecture", "unknown model"),
+        base_model=base or "<base model id>",
+        repo_id=repo_id or "<this repository id or local folder>",
+        original_length=cache_config["original_length"],
+        kept_entries=f"{kept:,}",
+        full_entries=f"{full:,}",
+        entry_ratio=ratio_text(kept, full),
+        nbytes=human_bytes(nbytes),
+        full_nbytes=human_bytes(full_nbytes),
+        byte_ratio=ratio_text(nbytes, full_nbytes),
+        num_compacted=len(compacted),
+        num_sliding=len(layers) - len(compacted),
+        dtype=cache_config["dtype"],
+        method=metadata.get("method", "not recorded"),
+        hyperparameters=markdown_items(metadata.get("hyperparameters")),
+        calibration=markdown_items(metadata.get("calibration")),
+        quality=markdown_items(metadata.get("quality")),
+        other_metadata=f"```json\n{json.dumps(others, indent=2, sort_keys=True)}\n```" if others else "none",
+        fingerprint=json.dumps(fingerprint, indent=2, sort_keys=True),
+        hf_structkv_version=cache_config["hf_structkv_version"],
+        format_version=cache_config["format_version"],
+    )
