@@ -5,14 +5,16 @@ and batch, for
 
 * ``sdpa``: BF16 ``torch.nn.functional.scaled_dot_product_attention`` (``enable_gqa``; the flash backend where it
   accepts the inputs, else torch's default choice: the row records which) on a full cache ``[B, H_kv, T, D]``;
-* ``compacted``: ``triton_ops.biased_attention.triton_compacted_attention`` on a compacted cache keeping ``T / 10``
-  and ``T / 50`` entries per KV head on average (ragged: head ``h`` of ``H`` keeps ``T / ratio * (0.5 + h / (H-1))``,
-  from half to 1.5x the mean), FP32 biases, shared by the batch as in ``CompactedCache``, plus
-  ``APPENDED_TOKENS`` appended tokens per sequence (the question and the answer so far, the current token last);
-* ``mixed``: ``triton_ops.mixed_attention.triton_mixed_precision_attention`` on the three partitions of a
-  ``StructuredMixedPrecisionCache`` layer at payload ratio B = 0.33 and 0.5: the newest ``window`` tokens BF16
-  (recent region), of the older ones ``RELEASED_FRACTION`` released and the rest split between BF16 and packed INT4
-  (FP16 row scales) so that the payload (B.3 costs, ``hf_structkv.policy.costs``) is B x the Full-KV payload;
+* ``compacted``: ``hf_structkv.attention.kernels.biased_attention.triton_compacted_attention`` on a compacted cache
+  keeping ``T / 10`` and ``T / 50`` entries per KV head on average (ragged: head ``h`` of ``H`` keeps
+  ``T / ratio * (0.5 + h / (H-1))``, from half to 1.5x the mean), FP32 biases, shared by the batch as in
+  ``CompactedCache``, plus ``APPENDED_TOKENS`` appended tokens per sequence (the question and the answer so far,
+  the current token last);
+* ``mixed``: ``hf_structkv.attention.kernels.mixed_attention.triton_mixed_precision_attention`` on the three
+  partitions of a ``StructuredMixedPrecisionCache`` layer at payload ratio B = 0.33 and 0.5: the newest ``window``
+  tokens BF16 (recent region), of the older ones ``RELEASED_FRACTION`` released and the rest split between BF16 and
+  packed INT4 (FP16 row scales) so that the payload (B.3 costs, ``hf_structkv.policy.costs``) is B x the Full-KV
+  payload;
   every entry visible.
 
 for two shapes: the embedded model's (14 query heads, 2 KV heads, head_dim 64) and 32 / 8 / 128.
@@ -94,15 +96,15 @@ from hf_structkv import CompactedCache
 from hf_structkv.attention.backend import BACKEND_ENV
 from hf_structkv.attention.compacted_inputs import AppendedTokens, CompactedPrefix
 from hf_structkv.attention.compacted_reference import compacted_attention
+from hf_structkv.attention.kernels.biased_attention import triton_compacted_attention
+from hf_structkv.attention.kernels.mixed_attention import triton_mixed_precision_attention
+from hf_structkv.attention.kernels.runtime import interpreter_ready
 from hf_structkv.attention.mixed_reference import DensePartition, Int4Partition, mixed_precision_attention
 from hf_structkv.cache.mixed_precision import StructuredMixedPrecisionCache
 from hf_structkv.models import load_default_model
 from hf_structkv.policy.costs import Action, GroupCosts
 from hf_structkv.policy.table import DEFAULT_WINDOW, PolicyTable
 from hf_structkv.quant.int4 import quantize_int4
-from triton_ops.biased_attention import triton_compacted_attention
-from triton_ops.mixed_attention import triton_mixed_precision_attention
-from triton_ops.runtime import interpreter_ready
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helpers, also when imported by path
 from results_json import write_json  # noqa: E402

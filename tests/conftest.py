@@ -5,7 +5,8 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Triton decides interpreted vs compiled when triton.language is first imported (transformers imports it early),
-# so the CPU tests of triton_ops need this before anything imports torch / transformers.
+# so the CPU tests of the Triton kernels (hf_structkv/attention/kernels) need this before anything imports torch or
+# transformers.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

@@ -1,4 +1,5 @@
-"""Saving, loading and sharing compacted caches (cache/compacted_files.py): round trips, validation errors, mocked Hub."""
+"""Saving, loading and sharing compacted caches (cache/compacted_files.py): round trips, validation errors, mocked
+Hub."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The package's layers (docs/ARCHITECTURE.md), enforced on the source: every import of every module of ``hf_structkv``
-and ``triton_ops`` — at module level, inside functions (lazy) or under ``TYPE_CHECKING`` — is parsed with ``ast`` and
-must point to a module of the same or a lower layer; the module import graph has no circle; no module imports another
-module's ``_private`` name. The checker itself is tested on a small synthetic tree that breaks each rule once."""
+— at module level, inside functions (lazy) or under ``TYPE_CHECKING`` — is parsed with ``ast`` and must point to a
+module of the same or a lower layer; the module import graph has no circle; no module imports another module's
+``_private`` name. The checker itself is tested on a small synthetic tree that breaks each rule once."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("hf_structkv", "triton_ops")
+PACKAGES = ("hf_structkv",)
 
 # Bottom to top; a module belongs to the layer of the longest prefix that names it. Keep in step with
 # docs/ARCHITECTURE.md.
@@ -20,7 +20,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hf_structkv.quant",),
     ("hf_structkv.structure",),
     ("hf_structkv.persistence",),
-    ("hf_structkv.attention", "triton_ops"),
+    ("hf_structkv.attention",),
     ("hf_structkv.policy",),
     ("hf_structkv.cache",),
     ("hf_structkv.generation", "hf_structkv.structured_generation", "hf_structkv.sql_generation"),
@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 
 def module_files(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
-    """``{dotted module name: file}`` of every ``.py`` file under ``root / package`` (``pkg/__init__.py`` is ``pkg``)."""
+    """``{dotted module name: file}`` of every ``.py`` file under ``root / package`` (``pkg/__init__.py``: ``pkg``)."""
     modules = {}
     for package in packages:
         for path in sorted((root / package).rglob("*.py")):

@@ -55,8 +55,8 @@ def test_the_references_can_be_forced(monkeypatch):
 
 @requires_triton
 def test_triton_can_be_forced_on_cpu_under_the_interpreter(monkeypatch):
-    from triton_ops.biased_attention import triton_compacted_attention
-    from triton_ops.mixed_attention import triton_mixed_precision_attention
+    from hf_structkv.attention.kernels.biased_attention import triton_compacted_attention
+    from hf_structkv.attention.kernels.mixed_attention import triton_mixed_precision_attention
 
     monkeypatch.setenv(BACKEND_ENV, " Triton ")
     assert choose_backend(torch.zeros(1)) == "triton"
@@ -68,7 +68,7 @@ def test_triton_can_be_forced_on_cpu_under_the_interpreter(monkeypatch):
 def test_forcing_triton_on_cpu_without_the_interpreter_is_an_error(monkeypatch):
     import triton.language as tl
 
-    from triton_ops import runtime
+    from hf_structkv.attention.kernels import runtime
 
     monkeypatch.setenv(BACKEND_ENV, "triton")
     monkeypatch.setattr(runtime, "INTERPRETED", tl.constexpr(False))  # as if triton_ops was imported without it
@@ -94,11 +94,11 @@ def test_unknown_backend_and_bad_argument(monkeypatch):
 
 
 def test_import_does_not_import_triton():
-    """triton stays optional: ``import hf_structkv`` never imports triton_ops (torch itself may import triton)."""
+    """triton stays optional: ``import hf_structkv`` never imports the Triton kernels (torch may import triton)."""
     import subprocess
     import sys
 
-    code = "import sys, hf_structkv; assert not any(m.startswith('triton_ops') for m in sys.modules)"
+    code = "import sys, hf_structkv; assert not any(m.startswith('hf_structkv.attention.kernels') for m in sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "TRITON_INTERPRET": "0"})
 
 
@@ -156,7 +156,7 @@ def test_generation_with_the_fused_torch_path_equals_the_reference(monkeypatch):
 
 @requires_triton
 def test_generation_with_triton_equals_torch(monkeypatch):
-    from triton_ops import biased_attention
+    from hf_structkv.attention.kernels import biased_attention
 
     kernel, kernel_calls = biased_attention.triton_compacted_attention, []
 

@@ -22,9 +22,9 @@ from hf_structkv.attention.compacted_reference import compacted_attention  # noq
 try:
     import triton.language as tl
 
-    from triton_ops import runtime
-    from triton_ops.biased_attention import triton_compacted_attention
-    from triton_ops.softmax_stats import BLOCK_N
+    from hf_structkv.attention.kernels import runtime
+    from hf_structkv.attention.kernels.biased_attention import triton_compacted_attention
+    from hf_structkv.attention.kernels.softmax_stats import BLOCK_N
 except ImportError as error:  # only where triton cannot be installed
     pytest.skip(f"triton cannot be imported ({error}); pip install 'hf-structkv[triton]'", allow_module_level=True)
 

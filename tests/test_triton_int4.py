@@ -16,8 +16,8 @@ from hf_structkv.quant import SMALLEST_FP16, dequantize_int4, quantize_int4  # n
 try:
     import triton.language as tl
 
-    from triton_ops import runtime
-    from triton_ops.int4 import MAX_BLOCK_PAIRS, triton_quantize_int4
+    from hf_structkv.attention.kernels import runtime
+    from hf_structkv.attention.kernels.int4 import MAX_BLOCK_PAIRS, triton_quantize_int4
 except ImportError as error:  # only where triton cannot be installed
     pytest.skip(f"triton cannot be imported ({error}); pip install 'hf-structkv[triton]'", allow_module_level=True)
 

@@ -24,9 +24,9 @@ from hf_structkv.attention.mixed_reference import (  # noqa: E402
 from hf_structkv.quant import quantize_int4  # noqa: E402
 
 try:
-    from triton_ops import runtime
-    from triton_ops.mixed_attention import triton_mixed_precision_attention
-    from triton_ops.softmax_stats import BLOCK_N
+    from hf_structkv.attention.kernels import runtime
+    from hf_structkv.attention.kernels.mixed_attention import triton_mixed_precision_attention
+    from hf_structkv.attention.kernels.softmax_stats import BLOCK_N
 except ImportError as error:  # only where triton cannot be installed
     pytest.skip(f"triton cannot be imported ({error}); pip install 'hf-structkv[triton]'", allow_module_level=True)
 

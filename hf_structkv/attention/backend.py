@@ -2,7 +2,8 @@
 
 ``HF_STRUCTKV_ATTENTION_BACKEND`` = ``auto`` (default: Triton for CUDA tensors when triton imports, torch otherwise),
 ``torch``, ``reference`` or ``triton`` (CPU tensors then need the Triton interpreter: ``TRITON_INTERPRET=1`` set
-before triton is first imported). triton_ops is imported only when it is used, never at ``import hf_structkv``. With
+before triton is first imported). The kernels (`kernels/`) are imported only when used, never at ``import
+hf_structkv``. With
 ``torch``, compacted attention runs through SDPA (`fused_compacted_attention`, the reference where SDPA has no form
 for it) and mixed-precision attention through its reference; ``reference`` runs both references
 (`compacted_attention`, `mixed_precision_attention`), which define what every path computes.
@@ -56,7 +57,7 @@ def choose_backend(tensor: torch.Tensor) -> str:
             f"{BACKEND_ENV}=triton but triton cannot be imported: pip install 'hf-structkv[triton]', or unset it"
         )
     if not tensor.is_cuda:
-        from triton_ops.runtime import interpreter_ready
+        from .kernels.runtime import interpreter_ready
 
         if not interpreter_ready():
             raise ValueError(
@@ -68,7 +69,7 @@ def choose_backend(tensor: torch.Tensor) -> str:
 
 def compacted_attention_for(tensor: torch.Tensor) -> Callable[..., torch.Tensor]:
     """The compacted attention function for ``tensor`` (``choose_backend``): the Triton kernel wrapper
-    ``triton_ops.biased_attention.triton_compacted_attention``, torch's ``fused_compacted_attention`` or the reference
+    ``kernels.biased_attention.triton_compacted_attention``, torch's ``fused_compacted_attention`` or the reference
     ``compacted_attention``; all take the same arguments (query, `CompactedPrefix`, `AppendedTokens`, scaling,
     softcap)."""
     chosen = choose_backend(tensor)
@@ -76,17 +77,17 @@ def compacted_attention_for(tensor: torch.Tensor) -> Callable[..., torch.Tensor]
         return compacted_attention
     if chosen == "torch":
         return fused_compacted_attention
-    from triton_ops.biased_attention import triton_compacted_attention
+    from .kernels.biased_attention import triton_compacted_attention
 
     return triton_compacted_attention
 
 
 def mixed_precision_attention_for(tensor: torch.Tensor) -> Callable[..., torch.Tensor]:
     """The mixed-precision attention function for ``tensor`` (``choose_backend``): the Triton kernel wrapper
-    ``triton_ops.mixed_attention.triton_mixed_precision_attention`` or the torch reference
+    ``kernels.mixed_attention.triton_mixed_precision_attention`` or the torch reference
     ``mixed_precision_attention`` (for ``torch`` and ``reference``); both take the same arguments."""
     if choose_backend(tensor) in ("torch", "reference"):
         return mixed_precision_attention
-    from triton_ops.mixed_attention import triton_mixed_precision_attention
+    from .kernels.mixed_attention import triton_mixed_precision_attention
 
     return triton_mixed_precision_attention

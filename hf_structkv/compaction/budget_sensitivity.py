@@ -61,6 +61,7 @@ DEFAULT_FLOOR = 0.125
 CALIBRATION_ARTICLES = ("Force", "Prime_number")
 CALIBRATION_PARAGRAPHS = 5
 
+
 # ---------------------------------------------------------------------------------------------------- the solver
 def _lower_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """Lower convex hull of points sorted by x (monotone chain)."""

@@ -243,9 +243,7 @@ class HeadBudgets:
             ) from None
 
     @classmethod
-    def from_config(
-        cls, config: Any, model: PreTrainedModel | None = None, source: str = BUDGETS_NAME
-    ) -> HeadBudgets:
+    def from_config(cls, config: Any, model: PreTrainedModel | None = None, source: str = BUDGETS_NAME) -> HeadBudgets:
         """Build from a parsed ``head_budgets.json``; with ``model``, check that the budgets were computed for it."""
         if not isinstance(config, dict) or config.get("format") != FORMAT_NAME:
             found = config.get("format") if isinstance(config, dict) else type(config).__name__

@@ -9,7 +9,7 @@ codes go through the dot products and the scales multiply the scores and the sof
 ``code * scale``), read under a mask (causal, boolean, additive). The program keeps FP32 online-softmax statistics
 and writes its output, or (several splits) its statistics for `merge_splits_kernel` (ALGORITHMS.md eq. 15).
 
-`triton_ops.biased_attention` runs it once (the compacted prefix and the appended tokens), `triton_ops.mixed_attention`
+`kernels.biased_attention` runs it once (the compacted prefix and the appended tokens), `kernels.mixed_attention`
 once per partition of a mixed-precision layer (no prefix), all merged by `run_attention`.
 """
 
@@ -22,8 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_structkv.attention.compacted_inputs import CompactedPrefix
-
+from ..compacted_inputs import CompactedPrefix
 from .softmax_stats import (
     BLOCK_N,
     SplitStats,

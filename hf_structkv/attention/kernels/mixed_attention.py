@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_structkv.attention.mixed_reference import DensePartition, Int4Partition
-
+from ..mixed_reference import DensePartition, Int4Partition
 from .attention_kernel import MASK_BOOL, KeyStore, run_attention
 from .runtime import check_num_splits, check_runs_on, check_tensor
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from hf_structkv.attention.compacted_inputs import AppendedTokens, CompactedPrefix, check_inputs
-from hf_structkv.validation import is_int
-
+from ...validation import is_int
+from ..compacted_inputs import AppendedTokens, CompactedPrefix, check_inputs
 from .attention_kernel import MASK_ADDITIVE, MASK_BOOL, MASK_CAUSAL, KeyStore, run_attention
 from .runtime import check_num_splits, check_runs_on, check_tensor
 

@@ -6,18 +6,18 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_structkv.validation import check_int
+from ...validation import check_int
 
 INTERPRETED: tl.constexpr = tl.constexpr(bool(triton.knobs.runtime.interpret))
 """Whether the kernels are built for the Triton interpreter: Triton reads ``TRITON_INTERPRET`` when a kernel is
-decorated, i.e. when triton_ops' modules are imported."""
+decorated, i.e. when the kernel modules are imported."""
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def interpreter_ready() -> bool:
     """Whether kernels can run under the interpreter: ``TRITON_INTERPRET=1`` was set before ``triton.language`` was
-    first imported (its own functions, ``tl.zeros``, ``tl.max``, ... are decorated then) and before triton_ops."""
+    first imported (its own functions, ``tl.zeros``, ``tl.max``, ... are decorated then) and before the kernels."""
     from triton.runtime.interpreter import InterpretedFunction
 
     return INTERPRETED.value and isinstance(tl.zeros, InterpretedFunction)
