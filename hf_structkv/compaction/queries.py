@@ -38,6 +38,7 @@ __all__ = [
 DEFAULT_CAP = 50_000
 DEFAULT_INSTRUCTION = "Repeat the text above verbatim."
 
+
 def piece_spans(length: int, step: int) -> list[tuple[int, int]]:
     """``[start, end)`` of the consecutive pieces of at most ``step`` tokens that cover ``length`` tokens."""
     return [(start, min(start + step, length)) for start in range(0, length, step)]
