@@ -6,7 +6,7 @@ one additive FP32 mask, and SDPA (FP32 inputs, so FP32 softmax and accumulation)
 union in one fused call; the result equals `compacted_attention`'s partition merge (eq. 15) up to rounding. Its
 fused kernel works block by block instead of materialising ``[B, g, q, N]`` scores, exponentials and statistics per
 partition: faster and smaller on long contexts, such as the uncompacted context served during on-policy
-calibration (measured in docs/BENCHMARKS.md). Soft-capping (tanh before the bias) has no SDPA form: the whole call
+calibration (measured in docs/RESULTS.md). Soft-capping (tanh before the bias) has no SDPA form: the whole call
 goes to the reference. A KV head with no kept entry can leave a padded row without any visible key (SDPA's softmax
 is then NaN where the reference gives zeros): that head alone goes to the reference.
 """
