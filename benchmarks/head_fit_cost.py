@@ -27,7 +27,7 @@ import torch
 from hf_structkv.compaction.head_compaction import compact_head
 from hf_structkv.compaction.head_statistics import HeadProblem
 from hf_structkv.compaction.kv_surgeon import KVSurgeon
-from hf_structkv.compaction.pipeline import DEFAULT_REFIT_GUARD
+from hf_structkv.compaction.settings import DEFAULT_REFIT_GUARD
 from hf_structkv.compaction.surrogate import eliminate_block, saliency
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helpers, also when imported by path

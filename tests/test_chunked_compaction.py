@@ -16,7 +16,7 @@ from hf_structkv.compaction import (
     prefill_context,
 )
 from hf_structkv.compaction.chunks import chunk_spans
-from hf_structkv.compaction.pipeline import _split_queries
+from hf_structkv.compaction.layer_compaction import split_queries
 from hf_structkv.compaction.queries import repetition_conversation
 from hf_structkv.models import tiny_model
 
@@ -160,7 +160,7 @@ def test_each_chunk_is_compact_head_on_its_keys_and_its_queries(chunked):
             a, b = compacted.prefix_offsets[head], compacted.prefix_offsets[head + 1]
             expected = []
             for index, start in enumerate((0, 60, 120)):
-                fit, _ = _split_queries(queries[index][layer], 0.1, 50_000, 0)
+                fit, _ = split_queries(queries[index][layer], 0.1, 50_000, 0)
                 keys, values = full.layers[layer].keys[0, head], full.layers[layer].values[0, head]
                 chunk = slice(start, start + 60)
                 expected.append(compact_head(keys[chunk], values[chunk], fit[head], 10, "kv_surgeon"))
@@ -297,9 +297,7 @@ def test_a_calibrated_chunk_after_a_prefix_is_compact_head_on_its_keys_and_queri
             a, b = compacted.prefix_offsets[head], compacted.prefix_offsets[head + 1]
             keys, values = full.layers[layer].keys[0, head], full.layers[layer].values[0, head]
             expected = [
-                compact_head(
-                    keys[s : s + 60], values[s : s + 60], _split_queries(q[layer], 0.1, 50_000, 0)[0][head], 10
-                )
+                compact_head(keys[s : s + 60], values[s : s + 60], split_queries(q[layer], 0.1, 50_000, 0)[0][head], 10)
                 for q, s in zip(queries, starts)
             ]
             assert torch.equal(

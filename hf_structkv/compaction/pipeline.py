@@ -8,14 +8,17 @@ the context (`self_study.py`). With ``on_policy=True`` layer ``l`` is fitted to 
 ``< l`` are already compacted. A held-out share of the queries, never used for fitting, measures each head's relative
 loss (eq. 4), recorded in the cache's metadata. A long context can be compacted chunk by chunk (``chunk_tokens``);
 each KV head's budget is uniform or comes from a head-budget allocation (``budgets``).
+
+The parts: `CompactionSettings` (the arguments, validated), `calibration_conversations` and a query source per way of
+capturing the queries (`query_sources.py`), and the per-layer step `compact_layer` (`layer_compaction.py`).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from tqdm.auto import tqdm
@@ -24,63 +27,18 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from ..attention.modules import attention_scalings
 from ..attention.registry import enable
 from ..cache.compacted import CompactedCache
-from ..hub import model_fingerprint
-from ..validation import check_bool, is_int
-from .block_replay import BlockReplay
+from ..persistence import model_fingerprint
+from ..validation import is_int
 from .budgets import CAP_FRACTION, HeadBudgets, UniformBudgets, default_head_budgets
 from .chunks import Context, chunk_spans, context_documents
 from .context_prefill import prefill_context
-from .head_compaction import HEAD_METHODS, compact_head, relative_loss
-from .head_method import CalibratedMethod
-from .head_statistics import CompactedHead
-from .queries import DEFAULT_CAP, DEFAULT_INSTRUCTION, Conversation, conversation_queries, repetition_conversation
-from .self_study import SelfStudy, self_study_conversations
+from .layer_compaction import CacheSelection, compact_layer
+from .queries import DEFAULT_CAP, DEFAULT_INSTRUCTION, Conversation
+from .query_sources import ConversationRuns, QuerySource, calibration_conversations, query_source
+from .self_study import SelfStudy
+from .settings import CompactionSettings
 
-__all__ = ["METHODS", "QUERY_TIERS", "compact", "resolve_budgets"]
-
-METHODS = tuple(sorted(HEAD_METHODS))
-QUERY_TIERS = ("repeat", "self_study")
-DEFAULT_REFIT_GUARD = 0.2
-"""``compact``'s default ``refit_guard`` for refitting methods: per head, 20% of the fitting queries decide between the
-refit and plain eviction of the same selection (`CalibratedMethod.complete`). The paper always refits
-(``refit_guard=0``); on the embedded model some heads' value solves overfit the calibration queries (held-out loss
-above 10 for LOO and AM-HAK on a SQuAD document at 10x), which the guard turns into eviction."""
-
-
-@dataclass(frozen=True)
-class _Selection:
-    """Per-layer ``indices`` / ``biases`` / ``values`` lists in `CompactedCache.from_selection`'s format."""
-
-    indices: list
-    biases: list
-    values: list
-
-    @classmethod
-    def keep_everything(cls, cache: DynamicCache) -> _Selection:
-        """Every position of every global layer (None for sliding layers), bias 0, original values."""
-        length = cache.get_seq_length()
-        indices = [
-            None if layer.is_sliding else [torch.arange(length) for _ in range(layer.keys.shape[1])]
-            for layer in cache.layers
-        ]
-        n_layers = len(cache.layers)
-        return cls(indices, [None] * n_layers, [None] * n_layers)
-
-    def set_layer(self, layer_idx: int, heads: list) -> None:
-        self.indices[layer_idx] = [head.indices for head in heads]
-        self.biases[layer_idx] = [head.bias for head in heads]
-        self.values[layer_idx] = [head.values for head in heads]
-
-    def build(self, cache: DynamicCache, metadata: dict | None = None) -> CompactedCache:
-        return CompactedCache.from_selection(cache, self.indices, self.biases, self.values, metadata=metadata)
-
-
-def _split_queries(queries: torch.Tensor, heldout_fraction: float, cap: int, seed: int):
-    """``[H_kv, N, D]`` -> seeded (fit ``[H_kv, <= cap, D]``, held-out ``[H_kv, n_h, D]``) split, disjoint."""
-    n = queries.shape[1]
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(queries.device)
-    n_heldout = min(int(n * heldout_fraction), cap) if n > 1 else 0
-    return queries[:, order[n_heldout:][:cap]], queries[:, order[:n_heldout]]
+__all__ = ["compact", "resolve_budgets"]
 
 
 def resolve_budgets(budgets, model: PreTrainedModel, ratio: float) -> tuple[object, dict]:
@@ -141,63 +99,43 @@ def _token_budgets(source, ratio: float, length: int, cache: DynamicCache) -> di
     return budgets
 
 
-def _calibration_conversations(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    context_ids: torch.Tensor,
-    spans: list[tuple[int, int]],
-    tier: str,
-    config: SelfStudy,
-    seed: int,
-    full_cache: CompactedCache,
-    progress: bool,
-) -> list[list[Conversation]]:
-    """Per chunk: its teacher-forced repetition and, for ``"self_study"``, its generated conversations (generated
-    once, on the full cache, with seed ``seed + chunk index``; with several chunks each prompt quotes its chunk)."""
-    conversations = []
-    bar = tqdm(spans, desc="calibration conversations", disable=not progress or tier != "self_study")
-    for index, (start, end) in enumerate(bar):
-        chunk_ids = context_ids[:, start:end]
-        chunk = [repetition_conversation(tokenizer, chunk_ids)]
-        if tier == "self_study":
-            excerpt = chunk_ids if len(spans) > 1 else None
-            chunk += self_study_conversations(model, tokenizer, full_cache, config, seed + index, excerpt)
-        conversations.append(chunk)
-    return conversations
+@dataclass(frozen=True)
+class ContextLayout:
+    """The token ids ``compact`` prefills and how they divide: ``ids [1, P + T]`` (the prefix's ``P`` tokens, then the
+    context's documents in order), the documents' lengths and the chunks ``spans`` (``(begin, end)`` in cache
+    positions, after the prefix)."""
 
+    ids: torch.Tensor
+    prefix_tokens: int
+    document_lengths: list[int]
+    spans: list[tuple[int, int]]
 
-def _block_replays(
-    model, conversations: list[list[Conversation]], context_cache, chunk_tokens: int | None
-) -> list[list[BlockReplay]] | None:
-    """Per chunk, a `BlockReplay` of each of its conversations with an answer (on-policy capture in about two and a
-    half forwards per conversation, each run in pieces of ``chunk_tokens``); ``None`` when the model's blocks cannot
-    be replayed (then a forward per layer)."""
-    replays = []
-    for chunk in conversations:
-        chunk_replays = [
-            BlockReplay.build(model, c, context_cache, chunk_tokens) for c in chunk if c.answer_ids.numel() > 0
+    @classmethod
+    def read(
+        cls,
+        tokenizer: PreTrainedTokenizerBase | None,
+        context: Context,
+        prefix: Context | None,
+        chunk_tokens: int | None,
+    ) -> ContextLayout:
+        """Tokenize ``prefix`` and ``context`` (`context_documents`) and cut the context into chunks (`chunk_spans`)."""
+        context_ids, document_lengths = context_documents(tokenizer, context)
+        prefix_ids = context_ids[:, :0] if prefix is None else context_documents(tokenizer, prefix, "prefix")[0]
+        prefix_tokens = prefix_ids.shape[1]
+        ids = torch.cat([prefix_ids.to(context_ids), context_ids], dim=1)
+        spans = [
+            (begin + prefix_tokens, end + prefix_tokens) for begin, end in chunk_spans(document_lengths, chunk_tokens)
         ]
-        if not chunk_replays or any(replay is None for replay in chunk_replays):
-            return None
-        replays.append(chunk_replays)
-    return replays
+        return cls(ids, prefix_tokens, document_lengths, spans)
 
-
-def _kept_whole(values: torch.Tensor) -> CompactedHead:
-    """The prefix's ``P`` entries of one KV head as they are: positions ``0..P-1``, bias 0, ``values`` ``[P, D_v]``."""
-    length = values.shape[0]
-    return CompactedHead(torch.arange(length, device=values.device), torch.zeros(length, device=values.device), values)
-
-
-def _in_context(heads: list[CompactedHead], spans: list[tuple[int, int]], prefix: CompactedHead) -> CompactedHead:
-    """One KV head's per-chunk compactions (chunk-local positions) as one head: the ``prefix`` head kept whole
-    (`_kept_whole`), then the chunks' entries, positions shifted by each chunk's start (in cache positions) and
-    concatenated in chunk order, with their biases and values."""
-    return CompactedHead(
-        torch.cat([prefix.indices, *(head.indices + start for head, (start, _) in zip(heads, spans, strict=True))]),
-        torch.cat([prefix.bias, *(head.bias for head in heads)]),
-        torch.cat([prefix.values, *(head.values for head in heads)]),
-    )
+    def record(self, chunk_tokens: int | None) -> dict:
+        """The metadata's ``chunking`` record."""
+        return {
+            "chunk_tokens": chunk_tokens,
+            "prefix_tokens": self.prefix_tokens,
+            "document_lengths": self.document_lengths,
+            "chunk_spans": [list(span) for span in self.spans],
+        }
 
 
 def compact(
@@ -227,7 +165,8 @@ def compact(
     ``max(1, floor(T_c / ratio))`` entries of a chunk of ``T_c`` tokens, so the kept keys and values take at most
     ``1/ratio`` of the context's bytes (unless chunks are shorter than ``ratio``). Sliding-window layers are kept as
     they are. ``model`` is switched to hf_structkv's attention (``enable``), which the returned cache needs and which
-    serves ordinary caches as SDPA does.
+    serves ordinary caches as SDPA does. The keyword arguments are checked first, before the long prefill: they
+    become a `CompactionSettings`, whose errors name the argument.
 
     Chunks and attention mass: a chunk ``c`` is fitted to its own calibration queries (its repetition and, for
     self-study, conversations about it) against its own keys only, so the refit multipliers ``w = exp(bias)``
@@ -293,102 +232,60 @@ def compact(
             KV-Surgeon); refitting methods get ``refit_guard=DEFAULT_REFIT_GUARD`` unless given (``0``: the paper's
             unconditional refit). They are recorded in the metadata.
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 1 <= ratio < math.inf:
-        raise ValueError(f"ratio must be a finite number >= 1 (original / kept entries), got {ratio!r}")
-    if issubclass(HEAD_METHODS[method], CalibratedMethod):
-        hparams.setdefault("refit_guard", DEFAULT_REFIT_GUARD)
-    rule = HEAD_METHODS[method](**hparams)  # validates the hyper-parameters before the long prefill
-    if rule.needs_queries and queries not in QUERY_TIERS:
-        raise ValueError(f"queries must be one of {QUERY_TIERS} for method {method!r}, got {queries!r}")
-    if rule.needs_queries and tokenizer is None:
-        raise ValueError(f"method {method!r} needs the tokenizer for its calibration prompts; pass tokenizer=")
-    if not 0 <= heldout_fraction < 1:
-        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction!r}")
-    check_bool("block_replay", block_replay)
-    if self_study is not None and not isinstance(self_study, SelfStudy):
-        raise TypeError(f"self_study must be a SelfStudy or None, got {type(self_study).__name__}")
-    self_study = SelfStudy() if self_study is None else self_study
-    budget_source, budget_record = resolve_budgets(budgets, model, ratio)
-    context_ids, document_lengths = context_documents(tokenizer, context)
-    prefix_ids = context_ids[:, :0] if prefix is None else context_documents(tokenizer, prefix, "prefix")[0]
-    prefix_tokens = prefix_ids.shape[1]
-    context_ids = torch.cat([prefix_ids.to(context_ids), context_ids], dim=1)
-    spans = [(begin + prefix_tokens, end + prefix_tokens) for begin, end in chunk_spans(document_lengths, chunk_tokens)]
+    settings = CompactionSettings(
+        ratio=ratio,
+        method=method,
+        queries=queries,
+        budgets=budgets,
+        chunk_tokens=chunk_tokens,
+        seed=seed,
+        progress=progress,
+        on_policy=on_policy,
+        query_cap=query_cap,
+        heldout_fraction=heldout_fraction,
+        self_study=self_study,
+        prefill_chunk_tokens=prefill_chunk_tokens,
+        block_replay=block_replay,
+        prefix=prefix,
+        hparams=hparams,
+    )
+    settings.check_tokenizer(tokenizer)
+    budget_source, budget_record = resolve_budgets(settings.budgets, model, settings.ratio)
+    layout = ContextLayout.read(tokenizer, context, settings.prefix, settings.chunk_tokens)
     start = time.perf_counter()
-    cache = prefill_context(model, context_ids, prefill_chunk_tokens=prefill_chunk_tokens, progress=progress)
-    chunk_budgets = [_token_budgets(budget_source, ratio, end - begin, cache) for begin, end in spans]
-    selection = _Selection.keep_everything(cache)
+    cache = prefill_context(model, layout.ids, settings.prefill_chunk_tokens, settings.progress)
+    chunk_budgets = [_token_budgets(budget_source, settings.ratio, end - begin, cache) for begin, end in layout.spans]
+    selection = CacheSelection.keep_everything(cache)
     scalings = attention_scalings(model)
-    conversations, captured, replays, heldout_losses = None, None, None, {}
     enable(model)
-    if rule.needs_queries:
-        conversations = _calibration_conversations(
-            model, tokenizer, context_ids, spans, queries, self_study, seed, selection.build(cache), progress
-        )
-        if on_policy and block_replay:
-            replays = _block_replays(model, conversations, selection.build(cache), prefill_chunk_tokens)
+    conversations, source = None, None
+    if settings.needs_queries:
+        full_cache = selection.build(cache)
+        conversations = calibration_conversations(model, tokenizer, layout.ids, layout.spans, settings, full_cache)
+        runs = ConversationRuns(model, layout.ids, conversations, settings.prefill_chunk_tokens)
+        source = query_source(runs, cache, partial(selection.build, cache), settings)
+    heldout_losses = {}
     global_layers = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
-    for layer_idx in tqdm(global_layers, desc=f"compact ({method})", disable=not progress):
-        if rule.needs_queries and (captured is None or on_policy):
-            # off-policy, nothing is compacted yet: the plain prefilled cache serves the same context through stock
-            # SDPA (an all-kept CompactedCache would copy every kept key beside the appended ones at each call)
-            context_cache = selection.build(cache) if on_policy else cache
-            if replays is not None:
-                captured = [
-                    {layer_idx: torch.cat([replay.queries(layer_idx, context_cache) for replay in chunk], dim=1)}
-                    for chunk in replays
-                ]
-            else:
-                layers = [layer_idx] if on_policy else None
-                captured = [
-                    conversation_queries(model, context_ids, chunk, context_cache, layers, prefill_chunk_tokens)
-                    for chunk in conversations
-                ]
+    for layer_idx in tqdm(global_layers, desc=f"compact ({settings.method})", disable=not settings.progress):
+        layer_budgets = [counts[layer_idx] for counts in chunk_budgets]
+        layer_queries = None if source is None else source.layer_queries(layer_idx)
         layer, scaling = cache.layers[layer_idx], scalings.get(layer_idx)
-        per_chunk = []
-        for index, (begin, end) in enumerate(spans):
-            fit = heldout = None
-            if rule.needs_queries:
-                fit, heldout = _split_queries(captured[index][layer_idx], heldout_fraction, query_cap, seed)
-            heads = []
-            for h in range(layer.keys.shape[1]):
-                keys, values = layer.keys[0, h, begin:end], layer.values[0, h, begin:end]
-                budget = chunk_budgets[index][layer_idx][h]
-                head_queries = None if fit is None else fit[h]
-                heads.append(compact_head(keys, values, head_queries, budget, method, scaling, seed, **hparams))
-                if heldout is not None and heldout.shape[1] > 0:
-                    loss = relative_loss(heads[-1], keys, heldout[h], values, scaling)
-                    heldout_losses.setdefault(layer_idx, []).append(loss)
-            per_chunk.append(heads)
-        whole = [_kept_whole(layer.values[0, h, :prefix_tokens]) for h in range(layer.keys.shape[1])]
-        in_context = [_in_context(list(heads), spans, whole[h]) for h, heads in enumerate(zip(*per_chunk))]
-        selection.set_layer(layer_idx, in_context)
+        result = compact_layer(
+            layer, layout.spans, layer_budgets, layer_queries, settings, scaling, layout.prefix_tokens
+        )
+        selection.set_layer(layer_idx, result.heads)
+        if result.heldout_losses:
+            heldout_losses[layer_idx] = result.heldout_losses
     if not isinstance(budget_source, UniformBudgets):  # the uniform rule is in the record already
         budget_record["kept_per_chunk"] = [{str(k): v for k, v in counts.items()} for counts in chunk_budgets]
     metadata = {
         "fingerprint": model_fingerprint(model, tokenizer),
-        "method": method,
-        "hyperparameters": {"ratio": float(ratio), "seed": seed, **hparams},
-        "calibration": _calibration_description(
-            rule.needs_queries,
-            queries,
-            on_policy,
-            replays is not None,
-            query_cap,
-            heldout_fraction,
-            self_study,
-            conversations,
-        ),
+        "method": settings.method,
+        "hyperparameters": {"ratio": float(settings.ratio), "seed": settings.seed, **settings.hparams},
+        "calibration": _calibration_description(settings, source, conversations),
         "budgets": budget_record,
-        "chunking": {
-            "chunk_tokens": chunk_tokens,
-            "prefix_tokens": prefix_tokens,
-            "document_lengths": document_lengths,
-            "chunk_spans": [list(span) for span in spans],
-        },
-        "prefill_chunk_tokens": prefill_chunk_tokens,
+        "chunking": layout.record(settings.chunk_tokens),
+        "prefill_chunk_tokens": settings.prefill_chunk_tokens,
         "compaction_seconds": round(time.perf_counter() - start, 3),
     }
     if heldout_losses:
@@ -397,30 +294,23 @@ def compact(
 
 
 def _calibration_description(
-    needs_queries: bool,
-    queries: str,
-    on_policy: bool,
-    replayed: bool,
-    cap: int,
-    heldout: float,
-    self_study: SelfStudy,
-    conversations: list[list[Conversation]] | None,
+    settings: CompactionSettings, source: QuerySource | None, conversations: list[list[Conversation]] | None
 ):
-    if not needs_queries:
+    if source is None:
         return "none (query-free selection)"
     description = {
-        "queries": queries,
+        "queries": settings.queries,
         "instruction": DEFAULT_INSTRUCTION,
-        "on_policy": on_policy,
-        "on_policy_capture": ("block replay" if replayed else "forward per layer") if on_policy else None,
-        "query_cap_per_head": cap,
-        "heldout_fraction": heldout,
+        "on_policy": settings.on_policy,
+        "on_policy_capture": source.capture,
+        "query_cap_per_head": settings.query_cap,
+        "heldout_fraction": settings.heldout_fraction,
         "answer_tokens_per_chunk": [
             {conversation.name: conversation.answer_ids.numel() for conversation in chunk} for chunk in conversations
         ],
     }
-    if queries == "self_study":
-        description["self_study"] = {**self_study.describe(), "seed_of_chunk_c": "seed + c"}
+    if settings.queries == "self_study":
+        description["self_study"] = {**settings.self_study.describe(), "seed_of_chunk_c": "seed + c"}
     return description
 
 

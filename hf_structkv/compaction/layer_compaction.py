@@ -1,0 +1,139 @@
+"""The per-layer step of ``compact(...)``: every KV head of every chunk of one global layer compacted with
+`compact_head`, stitched behind the prefix into the layer's compacted context, and the record of kept entries
+(`CacheSelection`) the compacted cache is built from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from ..cache.compacted import CompactedCache
+from .head_compaction import compact_head, relative_loss
+from .head_statistics import CompactedHead
+from .settings import CompactionSettings
+
+__all__ = ["CacheSelection", "LayerResult", "compact_layer", "split_queries"]
+
+
+@dataclass(frozen=True)
+class CacheSelection:
+    """Per-layer ``indices`` / ``biases`` / ``values`` lists in `CompactedCache.from_selection`'s format."""
+
+    indices: list
+    biases: list
+    values: list
+
+    @classmethod
+    def keep_everything(cls, cache: DynamicCache) -> CacheSelection:
+        """Every position of every global layer (None for sliding layers), bias 0, original values."""
+        length = cache.get_seq_length()
+        indices = [
+            None if layer.is_sliding else [torch.arange(length) for _ in range(layer.keys.shape[1])]
+            for layer in cache.layers
+        ]
+        n_layers = len(cache.layers)
+        return cls(indices, [None] * n_layers, [None] * n_layers)
+
+    def set_layer(self, layer_idx: int, heads: list[CompactedHead]) -> None:
+        """Layer ``layer_idx`` keeps ``heads`` (one per KV head, positions in the cache)."""
+        self.indices[layer_idx] = [head.indices for head in heads]
+        self.biases[layer_idx] = [head.bias for head in heads]
+        self.values[layer_idx] = [head.values for head in heads]
+
+    def build(self, cache: DynamicCache, metadata: dict | None = None) -> CompactedCache:
+        """The `CompactedCache` of ``cache`` keeping this selection."""
+        return CompactedCache.from_selection(cache, self.indices, self.biases, self.values, metadata=metadata)
+
+
+def split_queries(
+    queries: torch.Tensor, heldout_fraction: float, cap: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[H_kv, N, D]`` -> seeded (fit ``[H_kv, <= cap, D]``, held-out ``[H_kv, n_h, D]``) split, disjoint."""
+    n = queries.shape[1]
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(queries.device)
+    n_heldout = min(int(n * heldout_fraction), cap) if n > 1 else 0
+    return queries[:, order[n_heldout:][:cap]], queries[:, order[:n_heldout]]
+
+
+@dataclass(frozen=True)
+class LayerResult:
+    """One layer compacted: ``heads`` (one `CompactedHead` per KV head, positions in the cache) and the held-out
+    relative loss of each chunk's heads, chunk by chunk (empty without held-out queries)."""
+
+    heads: list[CompactedHead]
+    heldout_losses: list[float]
+
+
+def _compact_chunk(
+    layer: DynamicLayer,
+    span: tuple[int, int],
+    budgets: list[int],
+    queries: torch.Tensor | None,
+    settings: CompactionSettings,
+    scaling: float | None,
+) -> LayerResult:
+    """The KV heads of one chunk ``span`` of ``layer``, each to its entry of ``budgets``, fitted to a seeded share of
+    the chunk's ``queries [H_kv, N, D]`` (None: query-free) and scored on the rest; positions chunk-local."""
+    begin, end = span
+    fit = heldout = None
+    if queries is not None:
+        fit, heldout = split_queries(queries, settings.heldout_fraction, settings.query_cap, settings.seed)
+    heads, losses = [], []
+    for h, budget in enumerate(budgets):
+        keys, values = layer.keys[0, h, begin:end], layer.values[0, h, begin:end]
+        head_queries = None if fit is None else fit[h]
+        head = compact_head(
+            keys, values, head_queries, budget, settings.method, scaling, settings.seed, **settings.hparams
+        )
+        heads.append(head)
+        if heldout is not None and heldout.shape[1] > 0:
+            losses.append(relative_loss(head, keys, heldout[h], values, scaling))
+    return LayerResult(heads, losses)
+
+
+def _kept_whole(values: torch.Tensor) -> CompactedHead:
+    """The prefix's ``P`` entries of one KV head as they are: positions ``0..P-1``, bias 0, ``values`` ``[P, D_v]``."""
+    length = values.shape[0]
+    return CompactedHead(torch.arange(length, device=values.device), torch.zeros(length, device=values.device), values)
+
+
+def _in_context(heads: list[CompactedHead], spans: list[tuple[int, int]], prefix: CompactedHead) -> CompactedHead:
+    """One KV head's per-chunk compactions (chunk-local positions) as one head: the ``prefix`` head kept whole
+    (`_kept_whole`), then the chunks' entries, positions shifted by each chunk's start (in cache positions) and
+    concatenated in chunk order, with their biases and values."""
+    return CompactedHead(
+        torch.cat([prefix.indices, *(head.indices + start for head, (start, _) in zip(heads, spans, strict=True))]),
+        torch.cat([prefix.bias, *(head.bias for head in heads)]),
+        torch.cat([prefix.values, *(head.values for head in heads)]),
+    )
+
+
+def compact_layer(
+    layer: DynamicLayer,
+    spans: list[tuple[int, int]],
+    budgets: list[list[int]],
+    queries: list[torch.Tensor] | None,
+    settings: CompactionSettings,
+    scaling: float | None,
+    prefix_tokens: int,
+) -> LayerResult:
+    """One global layer of the prefilled cache compacted chunk by chunk, the first ``prefix_tokens`` entries kept.
+
+    Args:
+        layer: the prefilled layer, keys and values ``[1, H_kv, T, D]``.
+        spans: the chunks, ``(begin, end)`` in cache positions, after the prefix.
+        budgets: per chunk, the kept entries of each KV head.
+        queries: per chunk, the layer's calibration queries ``[H_kv, N_c, D]``; None for a query-free method.
+        scaling: the layer's logit scale (None: ``1/sqrt(D)``).
+    """
+    chunks = [
+        _compact_chunk(layer, span, chunk_budgets, None if queries is None else queries[index], settings, scaling)
+        for index, (span, chunk_budgets) in enumerate(zip(spans, budgets, strict=True))
+    ]
+    heads = []
+    for h, per_chunk in enumerate(zip(*(chunk.heads for chunk in chunks))):
+        heads.append(_in_context(list(per_chunk), spans, _kept_whole(layer.values[0, h, :prefix_tokens])))
+    return LayerResult(heads, [loss for chunk in chunks for loss in chunk.heldout_losses])
