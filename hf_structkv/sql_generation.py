@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .policy.table import PolicyTable
 from .structure.processor import StructuralLogitsProcessor
 from .structure.sql_grammar import DatabaseSchema, identifier
 from .structured_generation import StructuredOutput, generate_structured, left_padded_batch
@@ -77,7 +78,7 @@ def generate_sql(
     tokenizer: PreTrainedTokenizerBase,
     questions: str | Sequence[str],
     schema: DatabaseSchema,
-    policy,
+    policy: PolicyTable,
     max_new_tokens: int = 128,
     prefill_plan: torch.Tensor | None = None,
     **generate_kwargs,
@@ -95,15 +96,16 @@ def generate_sql(
         generate_kwargs: passed to ``model.generate`` (not ``logits_processor`` / ``past_key_values`` / ``cache``).
 
     Raises:
-        ValueError: empty ``questions``; ``policy`` of another family.
+        ValueError: empty ``questions``; ``policy`` not a `PolicyTable` of the ``"sql"`` family.
         ImportError: xgrammar is not installed.
     """
     from .structure.xgrammar_sql import SqlGrammarAdapter  # xgrammar is optional: imported on first use
 
-    if getattr(policy, "family", None) != "sql":
+    if not isinstance(policy, PolicyTable) or policy.family != "sql":
+        got = f"family {policy.family!r}" if isinstance(policy, PolicyTable) else type(policy).__name__
         raise ValueError(
             f"policy must be a PolicyTable of the 'sql' family (e.g. PolicyTable.all_high(model, family='sql')), "
-            f"got family {getattr(policy, 'family', None)!r}"
+            f"got {got}"
         )
     if isinstance(questions, str):
         questions = [questions]

@@ -18,7 +18,7 @@ from hf_structkv.eval.spider import (
 )
 from hf_structkv.eval.spider_evaluator import evaluator_schema, exact_match
 from hf_structkv.models import ensure_default_snapshot, tiny_model
-from hf_structkv.policy import PolicyTable
+from hf_structkv.policy import H2O, PolicyTable
 from hf_structkv.sql_generation import generate_sql, schema_ddl, sql_chat
 from hf_structkv.structure import StructuralLogitsProcessor
 from hf_structkv.structure.xgrammar_sql import SqlGrammarAdapter
@@ -141,6 +141,8 @@ def test_generate_sql_rejects_a_policy_of_another_family(model, tokenizer):
     schema = database_schema("concert_singer")
     with pytest.raises(ValueError, match="'sql' family"):
         generate_sql(model, tokenizer, "How many singers?", schema, PolicyTable.all_high(model.config))
+    with pytest.raises(ValueError, match="'sql' family.*got H2O$"):
+        generate_sql(model, tokenizer, "How many singers?", schema, H2O(model))
     with pytest.raises(ValueError, match="questions must be a non-empty"):
         generate_sql(model, tokenizer, [], schema, PolicyTable.all_high(model.config, family="sql"))
     with pytest.raises(ValueError, match="builds logits_processor itself"):
