@@ -33,7 +33,9 @@ if TYPE_CHECKING:
 __all__ = [
     "CARD_NAME",
     "STRUCTURE_FIELDS",
+    "SavedArtifact",
     "base_model",
+    "card_front_matter",
     "check_same_model",
     "check_same_tokenizer",
     "human_bytes",
@@ -249,6 +251,15 @@ def upload_folder(
 
 
 # ---------------------------------------------------------------------------------------------------- cards
+def card_front_matter(tags: list[str], base: str | None) -> str:
+    """The YAML front matter lines of a model card (between its ``---`` fences): the library, the tags ``hf_structkv``,
+    ``kv-cache`` and ``tags``, and ``base_model`` when known."""
+    lines = ["library_name: hf_structkv", "tags:", *(f"- {tag}" for tag in ("hf_structkv", "kv-cache", *tags))]
+    if base:
+        lines.append(f"base_model: {json.dumps(base)}")
+    return "\n".join(lines)
+
+
 def render_card(template_name: str, **fields: Any) -> str:
     """The model card template ``model_cards/{template_name}`` with its ``$fields`` substituted."""
     template = (importlib.resources.files("hf_structkv.model_cards") / template_name).read_text(encoding="utf-8")
@@ -295,3 +306,98 @@ def human_bytes(n: int) -> str:
         if n >= size:
             return f"{n / size:.2f} {unit} ({n:,} bytes)"
     return f"{n:,} bytes"
+
+
+# ---------------------------------------------------------------------------------------------------- the convention
+class SavedArtifact:
+    """The persistence convention every hf_structkv artifact follows, written once.
+
+    ``Cls.from_pretrained(path_or_repo_id, *, model=None, tokenizer=None, revision=None, token=None)`` resolves a
+    folder (a local one, or a snapshot of a Hub repository holding only ``SAVED_FILES``; an artifact that reads a
+    single file may also be given that file) and builds the artifact from it; ``save_pretrained(directory)`` writes
+    the folder; ``push_to_hub(repo_id, *, private=None, token=None, revision=None, commit_message=None)`` writes it
+    into a temporary folder (with a card whose usage snippet names ``repo_id``) and uploads it.
+
+    A subclass sets ``SAVED_FILES`` and implements three hooks: ``_from_folder(source, *, model, tokenizer)`` (a
+    classmethod: build and check the artifact from a resolved folder or file), ``_write_folder(directory, repo_id)``
+    (write every file, all-or-nothing per file, the file that makes the folder an artifact last) and
+    ``_commit_message()`` (the default message of an upload).
+    """
+
+    SAVED_FILES: tuple[str, ...] = ()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_repo_id: str | os.PathLike,
+        *,
+        model: PreTrainedModel | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        revision: str | None = None,
+        token: str | None = None,
+    ):
+        """Load what `save_pretrained` wrote, from a folder, a Hub repository or (where the artifact is one JSON
+        file) that file. Reads JSON and safetensors only: no code runs.
+
+        Args:
+            model: when given, the artifact must have been built for it (its fingerprint is checked).
+            tokenizer: when given, its vocabulary hash must equal the one recorded.
+            revision: Hub branch, tag or commit (ignored for a local path).
+            token: Hub token for private repositories.
+
+        Raises:
+            ValueError: naming the problem: a missing or invalid file, or a model / tokenizer the artifact was not
+                built for.
+        """
+        path = Path(path_or_repo_id)
+        if path.is_file():
+            return cls._from_folder(path, model=model, tokenizer=tokenizer)
+        folder = resolve_folder(path_or_repo_id, cls.SAVED_FILES, revision=revision, token=token)
+        return cls._from_folder(folder, model=model, tokenizer=tokenizer)
+
+    @classmethod
+    def load(cls, path_or_repo_id: str | os.PathLike, **kwargs: Any):
+        """`from_pretrained` under its 0.1 name."""
+        return cls.from_pretrained(path_or_repo_id, **kwargs)
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
+        """Write the artifact's files and its model card ``README.md`` into ``save_directory`` (each file written to a
+        temporary name and renamed into place)."""
+        self._write_folder(Path(save_directory), repo_id=None)
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        private: bool | None = None,
+        token: str | None = None,
+        revision: str | None = None,
+        commit_message: str | None = None,
+    ) -> str:
+        """Upload the saved form (with a card whose snippet loads ``repo_id``) to a Hub model repository.
+
+        Creates the repository if needed (``private`` applies only then) and the branch ``revision`` if given;
+        ``token`` is the Hub write token (``None``: the logged-in user's).
+
+        Returns:
+            The URL of the upload commit.
+        """
+        return upload_folder(
+            lambda folder: self._write_folder(folder, repo_id=repo_id),
+            self.SAVED_FILES,
+            repo_id,
+            commit_message=commit_message or self._commit_message(),
+            private=private,
+            token=token,
+            revision=revision,
+        )
+
+    @classmethod
+    def _from_folder(cls, source: Path, *, model: Any, tokenizer: Any):
+        raise NotImplementedError(f"{cls.__name__} must implement _from_folder")
+
+    def _write_folder(self, directory: Path, repo_id: str | None) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement _write_folder")
+
+    def _commit_message(self) -> str:
+        return f"Upload {type(self).__name__} with hf_structkv"

@@ -658,8 +658,8 @@ def test_calibrate_end_to_end_gives_loadable_tables_that_generate_calls_accepts(
     model, tokenizer, cases, calibrated, tmp_path
 ):
     calibrated.save_pretrained(tmp_path)
-    table = PolicyTable.from_pretrained(tmp_path, model=model)
-    prefill = PrefillPolicy.from_pretrained(tmp_path, model=model)
+    table = PolicyTable.from_pretrained(tmp_path / "decode", model=model)
+    prefill = PrefillPolicy.from_pretrained(tmp_path / "prefill", model=model)
     assert table == calibrated.table and prefill == calibrated.prefill_policy
     assert table.provenance == "calibrated" and table.window == WINDOW
     card = dict(table.calibration)
@@ -810,8 +810,19 @@ def test_prefill_only_calibration_equals_the_prefill_stage_of_a_full_run(model, 
     ours.pop("runtime_v_seconds"), full.pop("runtime_v_seconds")
     assert json.dumps(ours) == json.dumps(full)
     result.save_pretrained(tmp_path / "out")
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["calibration_report.json", "prefill_policy.json"]
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert names == ["README.md", "calibration_report.json", "prefill_policy.json"]
     assert PrefillPolicy.from_pretrained(tmp_path / "out", model=model) == result.prefill_policy
+
+
+def test_a_two_stage_result_saves_each_policy_in_its_own_folder_with_its_own_card(model, calibrated, tmp_path):
+    calibrated.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calibration_report.json", "decode", "prefill"]
+    assert PolicyTable.from_pretrained(tmp_path / "decode", model=model) == calibrated.table
+    assert PrefillPolicy.from_pretrained(tmp_path / "prefill", model=model) == calibrated.prefill_policy
+    assert "PASK policy table" in (tmp_path / "decode" / "README.md").read_text()
+    assert "PASK prefill policy" in (tmp_path / "prefill" / "README.md").read_text()
+    assert json.loads((tmp_path / "calibration_report.json").read_text()) == json.loads(json.dumps(calibrated.report))
 
 
 def test_a_prefill_stage_without_a_passing_candidate_gives_the_all_high_prefill_policy(

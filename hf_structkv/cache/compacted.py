@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -11,14 +10,15 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..attention.registry import enable
-from .compacted_files import push_cache_folder, read_cache_folder, write_cache_folder
+from ..persistence import SavedArtifact
+from .compacted_files import CACHE_FILES, read_cache_folder, write_cache_folder
 from .compacted_layers import CompactedLayer, SharedContextSlidingLayer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
-class CompactedCache(Cache):
+class CompactedCache(SavedArtifact, Cache):
     """A transformers ``Cache`` whose global-attention layers hold a compacted context with per-entry logit biases.
 
     Each global layer is a `CompactedLayer` (ragged per-KV-head keys, values and FP32 biases, no padding); each
@@ -138,58 +138,27 @@ class CompactedCache(Cache):
         self._last_updated_layer = None
 
     # ------------------------------------------------------------------ persistence (compacted_files)
-    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
-        """Write ``cache.safetensors``, ``config.json`` and a model card ``README.md`` into ``save_directory``.
-
-        The context tensors only (never appended tokens); a crash leaves the old cache or the new one, never a mix.
-        """
-        write_cache_folder(list(self.layers), self.metadata, Path(save_directory))
+    # from_pretrained, load (its 0.1 name), save_pretrained and push_to_hub come from SavedArtifact.
+    SAVED_FILES = CACHE_FILES
 
     @classmethod
-    def from_pretrained(
-        cls,
-        path_or_repo_id: str | os.PathLike,
-        *,
-        model: PreTrainedModel | None = None,
-        tokenizer: PreTrainedTokenizerBase | None = None,
-        revision: str | None = None,
-        token: str | None = None,
+    def _from_folder(
+        cls, source: Path, *, model: PreTrainedModel | None, tokenizer: PreTrainedTokenizerBase | None
     ) -> CompactedCache:
-        """Load a saved cache from a folder or a Hub repository (safetensors + JSON only; no code runs).
-
-        With ``model``, the fingerprint is checked against it, the tensors are moved to its device and the model is
-        switched to hf_structkv's attention (``enable``); with ``tokenizer``, its hash is checked too. ``revision``
-        (a Hub branch, tag or commit) and ``token`` (for private repositories) apply to a Hub download only.
-        """
-        layers, metadata = read_cache_folder(
-            path_or_repo_id, model=model, tokenizer=tokenizer, revision=revision, token=token
-        )
+        """With ``model``, the fingerprint is checked against it, the tensors are moved to its device and the model
+        is switched to hf_structkv's attention (``enable``); with ``tokenizer``, its hash is checked too."""
+        layers, metadata = read_cache_folder(source, model=model, tokenizer=tokenizer)
         cache = cls(layers, metadata=metadata)
         if model is not None:
             enable(model)
         return cache
 
-    load = from_pretrained
+    def _write_folder(self, directory: Path, repo_id: str | None) -> None:
+        """``cache.safetensors``, ``config.json`` and the card: the context tensors only, never appended tokens."""
+        write_cache_folder(list(self.layers), self.metadata, directory, repo_id=repo_id)
 
-    def push_to_hub(
-        self,
-        repo_id: str,
-        *,
-        private: bool | None = None,
-        token: str | None = None,
-        revision: str | None = None,
-        commit_message: str | None = None,
-    ) -> str:
-        """Upload the saved form of this cache (with its model card) to a Hub repository; returns the commit URL."""
-        return push_cache_folder(
-            list(self.layers),
-            self.metadata,
-            repo_id,
-            private=private,
-            token=token,
-            revision=revision,
-            commit_message=commit_message,
-        )
+    def _commit_message(self) -> str:
+        return f"Upload compacted KV cache ({self.original_length}-token context) with hf_structkv"
 
     # ------------------------------------------------------------------ bytes
     def nbytes(self) -> int:

@@ -15,14 +15,13 @@ executes code:
   ``quality`` and ``base_model``).
 * ``README.md``: a model card rendered from ``model_cards/compacted_cache.md``.
 
-The functions here work on a cache's layers and metadata; `CompactedCache.save_pretrained`, ``from_pretrained`` and
-``push_to_hub`` call them.
+The functions here work on a cache's layers and metadata; `CompactedCache` (a `persistence.SavedArtifact`) calls them
+from its ``from_pretrained``, ``save_pretrained`` and ``push_to_hub``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +33,7 @@ from safetensors.torch import load_file, save_file
 from ..persistence import (
     CARD_NAME,
     base_model,
+    card_front_matter,
     check_same_model,
     check_same_tokenizer,
     human_bytes,
@@ -43,8 +43,6 @@ from ..persistence import (
     read_json_object,
     render_card,
     replace_file,
-    resolve_folder,
-    upload_folder,
     write_text_file,
 )
 from ..version import __version__
@@ -58,7 +56,6 @@ __all__ = [
     "CACHE_FILES",
     "CONFIG_NAME",
     "TENSORS_NAME",
-    "push_cache_folder",
     "read_cache_folder",
     "render_model_card",
     "write_cache_folder",
@@ -168,25 +165,25 @@ def _cache_tensors(layers: Sequence[CacheLayer]) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------------------------------------------- loading
 def read_cache_folder(
-    path_or_repo_id: str | os.PathLike,
+    folder: Path,
     *,
     model: PreTrainedModel | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
-    revision: str | None = None,
-    token: str | None = None,
 ) -> tuple[list[CacheLayer], dict[str, Any]]:
-    """The layers and metadata of a cache saved by `write_cache_folder`, from a folder or a Hub repository.
+    """The layers and metadata of a cache saved by `write_cache_folder` into ``folder`` (a local folder, or a Hub
+    snapshot that `persistence.resolve_folder` made).
 
     Reads ``config.json`` and ``cache.safetensors`` only (JSON + safetensors: no code runs) and validates them. With
     ``model``: checks the fingerprint and moves the tensors to ``model.device``. With ``tokenizer``: checks its
     vocabulary hash.
 
     Raises:
-        ValueError: naming the problem: a missing file, a truncated or corrupt ``cache.safetensors``, an unknown
-            ``format_version``, tensors that do not match ``config.json``, NaN / inf values, or a model / tokenizer
-            that is not the one the cache was built with.
+        ValueError: naming the problem: not a folder, a missing file, a truncated or corrupt ``cache.safetensors``,
+            an unknown ``format_version``, tensors that do not match ``config.json``, NaN / inf values, or a model /
+            tokenizer that is not the one the cache was built with.
     """
-    folder = resolve_folder(path_or_repo_id, CACHE_FILES, revision=revision, token=token)
+    if not folder.is_dir():
+        raise ValueError(f"{folder} is a file: a compacted cache is loaded from its folder (or a Hub repository id)")
     config = read_json_object(folder, CONFIG_NAME, "compacted cache")
     tensors = _read_tensors(folder)
     validate_cache_files(config, tensors)
@@ -224,36 +221,6 @@ def _build_layers(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> l
     return layers
 
 
-# ---------------------------------------------------------------------------------------------------- Hub
-def push_cache_folder(
-    layers: Sequence[CacheLayer],
-    metadata: dict[str, Any],
-    repo_id: str,
-    *,
-    private: bool | None = None,
-    token: str | None = None,
-    revision: str | None = None,
-    commit_message: str | None = None,
-) -> str:
-    """Save a cache (with a model card whose snippet loads ``repo_id``) and upload it to a Hub model repository.
-
-    Creates the repository if needed (``private`` applies only then) and the branch ``revision`` if given.
-
-    Returns:
-        The URL of the upload commit.
-    """
-    length = layers[0].original_length
-    return upload_folder(
-        lambda folder: write_cache_folder(layers, metadata, folder, repo_id=repo_id),
-        CACHE_FILES,
-        repo_id,
-        commit_message=commit_message or f"Upload compacted KV cache ({length}-token context) with hf_structkv",
-        private=private,
-        token=token,
-        revision=revision,
-    )
-
-
 # ---------------------------------------------------------------------------------------------------- model card
 def render_model_card(cache_config: dict[str, Any], repo_id: str | None = None) -> str:
     """The ``README.md`` of a saved cache, from the ``model_cards/compacted_cache.md`` template.
@@ -265,9 +232,6 @@ def render_model_card(cache_config: dict[str, Any], repo_id: str | None = None) 
     metadata = {key: value for key, value in cache_config.items() if key not in FORMAT_KEYS}
     fingerprint = metadata.get("fingerprint") or {}
     base = base_model(metadata)
-    front_matter = ["library_name: hf_structkv", "tags:", "- hf_structkv", "- kv-cache", "- compacted-kv-cache"]
-    if base:
-        front_matter.append(f"base_model: {json.dumps(base)}")
     layers = cache_config["layers"]
     compacted = [desc for desc in layers if desc["type"] == "compacted"]
     kept = sum(sum(desc["head_lengths"]) for desc in compacted)
@@ -276,7 +240,7 @@ def render_model_card(cache_config: dict[str, Any], repo_id: str | None = None) 
     others = {key: value for key, value in metadata.items() if key not in _CARD_KNOWN_KEYS}
     return render_card(
         "compacted_cache.md",
-        front_matter="\n".join(front_matter),
+        front_matter=card_front_matter(["compacted-kv-cache"], base),
         model_name=base or fingerprint.get("architecture", "unknown model"),
         base_model=base or "<base model id>",
         repo_id=repo_id or "<this repository id or local folder>",

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..eval.bfcl import BfclEntry
-from ..persistence import model_fingerprint
+from ..persistence import model_fingerprint, write_text_file
 from ..policy.costs import Action, GroupCosts, check_group_count
 from ..policy.prefill import PrefillPolicy
 from ..policy.table import DEFAULT_SINK_TOKENS, DEFAULT_WINDOW, PolicyEntry, PolicyTable
@@ -54,6 +54,7 @@ STAGES = ("decode", "prefill")
 STAGE_CHOICES = (("decode", "prefill"), ("decode",), ("prefill",))
 """Both stages, the decode table only, or the prefill companion only (it runs with decode all-high either way)."""
 REPORT_NAME = "calibration_report.json"
+DECODE_FOLDER, PREFILL_FOLDER = "decode", "prefill"  # where a two-stage result puts its two policies
 
 
 @dataclass(frozen=True)
@@ -128,14 +129,20 @@ class CalibrationResult:
     report: dict[str, Any] = field(default_factory=dict)
 
     def save_pretrained(self, directory: str | Path) -> None:
-        """Write ``policy_table.json`` + ``README.md`` and ``prefill_policy.json``, each when present, and the
-        report."""
+        """Write the report (``calibration_report.json``) and each selected policy as a loadable folder with its card.
+
+        One stage: the policy is written into ``directory`` itself (``policy_table.json`` or ``prefill_policy.json``,
+        and ``README.md``). Both stages: the table into ``directory / "decode"`` and the prefill policy into
+        ``directory / "prefill"``, so each keeps its own card (``README.md`` is never shared by two artifacts).
+        """
         directory = Path(directory)
+        both = self.table is not None and self.prefill_policy is not None
         if self.table is not None:
-            self.table.save_pretrained(directory)
+            self.table.save_pretrained(directory / DECODE_FOLDER if both else directory)
         if self.prefill_policy is not None:
-            self.prefill_policy.save_pretrained(directory)
-        (directory / REPORT_NAME).write_text(json.dumps(self.report, indent=1) + "\n", encoding="utf-8")
+            self.prefill_policy.save_pretrained(directory / PREFILL_FOLDER if both else directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        write_text_file(directory / REPORT_NAME, json.dumps(self.report, indent=1) + "\n")
 
 
 @dataclass

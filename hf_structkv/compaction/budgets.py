@@ -20,23 +20,22 @@ import importlib.resources
 import json
 import math
 import numbers
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..persistence import (
     CARD_NAME,
     STRUCTURE_FIELDS,
+    SavedArtifact,
     base_model,
+    card_front_matter,
     check_same_model,
     check_same_tokenizer,
     model_fingerprint,
-    resolve_folder,
-    upload_folder,
     write_text_file,
 )
 from ..validation import check_int
@@ -57,7 +56,6 @@ FORMAT_VERSION = 1
 CAP_FRACTION = 0.75
 BUDGETS_NAME = "head_budgets.json"
 LEGACY_BUDGETS_NAME = "config.json"  # the file name before the rename: it collided with a CompactedCache's
-BUDGET_FILES = (BUDGETS_NAME, LEGACY_BUDGETS_NAME, CARD_NAME)
 DEFAULT_MODEL_BUDGETS = "qwen2.5-coder-0.5b-instruct"
 
 
@@ -119,7 +117,7 @@ def is_real(value: Any) -> bool:
 
 # ---------------------------------------------------------------------------------------------------- HeadBudgets
 @dataclass(frozen=True)
-class HeadBudgets:
+class HeadBudgets(SavedArtifact):
     """A ratio-agnostic allocation of kept cache entries to the KV heads of one model.
 
     Attributes:
@@ -135,6 +133,9 @@ class HeadBudgets:
     weights: dict[int, list[float]]
     fingerprint: dict[str, Any]
     provenance: dict[str, Any] = field(default_factory=dict)
+
+    # head_budgets.json, or the config.json of a repository pushed before the rename, and the card
+    SAVED_FILES: ClassVar[tuple[str, ...]] = (BUDGETS_NAME, LEGACY_BUDGETS_NAME, CARD_NAME)
 
     def __post_init__(self) -> None:
         if not isinstance(self.fingerprint, dict) or any(name not in self.fingerprint for name in STRUCTURE_FIELDS):
@@ -274,15 +275,8 @@ class HeadBudgets:
         """Raise ValueError naming the first model-structure field where ``model`` differs from the fingerprint."""
         check_same_model(self.fingerprint, model_fingerprint(model), what="head-budget allocation")
 
-    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
-        """Write ``head_budgets.json`` (the budgets) and ``README.md`` (a model card) into ``save_directory``.
-
-        Each file is written to a temporary name and renamed into place; ``head_budgets.json`` (which makes the folder
-        an allocation) is removed first and written last.
-        """
-        self._write_folder(Path(save_directory), repo_id=None)
-
     def _write_folder(self, directory: Path, repo_id: str | None) -> None:
+        """``head_budgets.json`` (removed first, written last) and the card."""
         config = self.to_config()
         directory.mkdir(parents=True, exist_ok=True)
         (directory / BUDGETS_NAME).unlink(missing_ok=True)
@@ -290,30 +284,22 @@ class HeadBudgets:
         write_text_file(directory / BUDGETS_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     @classmethod
-    def from_pretrained(
-        cls,
-        path_or_repo_id: str | os.PathLike,
-        *,
-        model: PreTrainedModel | None = None,
-        tokenizer: PreTrainedTokenizerBase | None = None,
-        revision: str | None = None,
-        token: str | None = None,
+    def _from_folder(
+        cls, source: Path, *, model: PreTrainedModel | None, tokenizer: PreTrainedTokenizerBase | None
     ) -> HeadBudgets:
-        """Load budgets saved by `save_pretrained`: a folder, its JSON file, or a Hub repository id.
-
-        Reads JSON only (``head_budgets.json``, else the ``config.json`` of a folder saved before the rename). With
-        ``model``, checks the fingerprint against it; with ``tokenizer``, its vocabulary hash (when recorded).
+        """Read ``head_budgets.json`` (``source`` itself, or in the folder ``source``; else the ``config.json`` of a
+        folder saved before the rename). With ``model``, checks the fingerprint against it; with ``tokenizer``, its
+        vocabulary hash (when recorded).
 
         Raises:
             ValueError: naming the problem (missing file, invalid JSON, not a head-budget file, shares that do not
                 fit the fingerprint, another model or tokenizer).
         """
-        file = Path(path_or_repo_id)
-        if not file.is_file():
-            folder = resolve_folder(path_or_repo_id, BUDGET_FILES, revision=revision, token=token)
-            found = [folder / name for name in (BUDGETS_NAME, LEGACY_BUDGETS_NAME) if (folder / name).is_file()]
+        file = source
+        if not source.is_file():
+            found = [source / name for name in (BUDGETS_NAME, LEGACY_BUDGETS_NAME) if (source / name).is_file()]
             if not found:
-                raise ValueError(f"{path_or_repo_id} holds no head budgets: {BUDGETS_NAME} is missing")
+                raise ValueError(f"{source} holds no head budgets: {BUDGETS_NAME} is missing")
             file = found[0]
         try:
             config = json.loads(file.read_text(encoding="utf-8"))
@@ -324,28 +310,8 @@ class HeadBudgets:
             check_same_tokenizer(budgets.fingerprint, tokenizer, what="head-budget allocation")
         return budgets
 
-    load = from_pretrained
-
-    def push_to_hub(
-        self,
-        repo_id: str,
-        *,
-        private: bool | None = None,
-        token: str | None = None,
-        revision: str | None = None,
-        commit_message: str | None = None,
-    ) -> str:
-        """Upload ``head_budgets.json`` and the model card to a Hub model repository (created if needed, ``private``
-        then applies; branch ``revision`` created if given). Returns the commit URL."""
-        return upload_folder(
-            lambda folder: self._write_folder(folder, repo_id=repo_id),
-            (BUDGETS_NAME, CARD_NAME),
-            repo_id,
-            commit_message=commit_message or "Upload per-head KV budgets with hf_structkv",
-            private=private,
-            token=token,
-            revision=revision,
-        )
+    def _commit_message(self) -> str:
+        return "Upload per-head KV budgets with hf_structkv"
 
 
 @dataclass(frozen=True)
@@ -373,16 +339,13 @@ def _model_card(config: dict[str, Any], repo_id: str | None) -> str:
     """``README.md`` of saved budgets: what they are, how to use them, how they were computed."""
     metadata = {"fingerprint": config["fingerprint"]}
     base = base_model(metadata)
-    front = ["library_name: hf_structkv", "tags:", "- hf_structkv", "- kv-cache", "- head-budgets"]
-    if base:
-        front.append(f"base_model: {json.dumps(base)}")
     fingerprint = config["fingerprint"]
     layers = len(config["weights"])
     provenance = json.dumps(config["provenance"], indent=2, sort_keys=True)
     return "\n".join(
         [
             "---",
-            *front,
+            card_front_matter(["head-budgets"], base),
             "---",
             f"# Per-head KV budgets for {base or fingerprint['architecture']}",
             "",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.resources
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -14,12 +13,11 @@ from typing import Any, ClassVar, TypeVar
 from ..persistence import (
     CARD_NAME,
     STRUCTURE_FIELDS,
+    SavedArtifact,
     check_same_model,
     check_same_tokenizer,
     model_fingerprint,
     read_json_object,
-    resolve_folder,
-    upload_folder,
     write_text_file,
 )
 from ..validation import is_int, is_number
@@ -33,13 +31,14 @@ PROVENANCES = ("calibrated", "illustrative", "reference")
 SavedPolicy = TypeVar("SavedPolicy", bound="PolicyFile")
 
 
-class PolicyFile:
+class PolicyFile(SavedArtifact):
     """What `PolicyTable` and `PrefillPolicy` share as policies saved in one JSON file: the checks of their
     ``provenance``, ``description``, ``thresholds``, ``calibration`` and ``fingerprint`` fields (`_check_records`,
     run by their ``__post_init__`` after ``costs`` is checked and the mappings frozen), and the
     persistence convention.
 
-    A subclass names its JSON file (``_FILE_NAME``) and itself in messages (``_WHAT``), and implements
+    A subclass names its JSON file (``_FILE_NAME``), the files it saves (``SAVED_FILES``: that file and the card) and
+    itself in messages (``_WHAT``), and implements
     ``to_json_dict``, ``from_json_dict`` and ``render_card(repo_id)``; this class gives it the persistence convention
     of every hf_structkv artifact (`from_pretrained`, `save_pretrained`, `push_to_hub`, a model card).
     """
@@ -110,40 +109,22 @@ class PolicyFile:
         }
 
     @classmethod
-    def from_pretrained(
-        cls: type[SavedPolicy],
-        path_or_repo_id: str | os.PathLike,
-        *,
-        model: Any = None,
-        tokenizer: Any = None,
-        revision: str | None = None,
-        token: str | None = None,
-    ) -> SavedPolicy:
-        """Load what `save_pretrained` wrote, from a folder or a Hub repository (JSON only, no code runs).
-
-        Args:
-            model: when given, the policy must fit it (`check_model`).
-            tokenizer: when given, its vocabulary hash must equal the fingerprint's (a policy whose fingerprint has
-                no tokenizer hash cannot be checked and raises).
-            revision: Hub branch, tag or commit (ignored for a folder).
-            token: Hub token for private repositories.
+    def _from_folder(cls: type[SavedPolicy], source: Path, *, model: Any, tokenizer: Any) -> SavedPolicy:
+        """Read the JSON record (in ``source``, or ``source`` itself), then check ``model`` (`check_model`) and
+        ``tokenizer`` (its vocabulary hash must equal the fingerprint's; a policy without one cannot be checked and
+        raises) when given.
 
         Raises:
             ValueError: a missing or invalid JSON file (see ``from_json_dict``), or a model / tokenizer the policy
                 was not built for.
         """
-        folder = resolve_folder(path_or_repo_id, cls.saved_files(), revision=revision, token=token)
-        policy = cls.from_json_dict(read_json_object(folder, cls._FILE_NAME, cls._WHAT))
+        folder, name = (source.parent, source.name) if source.is_file() else (source, cls._FILE_NAME)
+        policy = cls.from_json_dict(read_json_object(folder, name, cls._WHAT))
         if model is not None:
             policy.check_model(model)
         if tokenizer is not None:
             check_same_tokenizer(dict(policy.fingerprint or {}), tokenizer, what=cls._WHAT)
         return policy
-
-    @classmethod
-    def saved_files(cls) -> tuple[str, ...]:
-        """The files `save_pretrained` writes: the JSON record and the model card."""
-        return (cls._FILE_NAME, CARD_NAME)
 
     def check_model(self, model: Any) -> None:
         """Raise ``ValueError`` unless ``model`` has this policy's fingerprint (when recorded) and layer-group costs."""
@@ -156,15 +137,9 @@ class PolicyFile:
                 f"model's are {costs}"
             )
 
-    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
-        """Write the JSON record and a model card ``README.md`` into ``save_directory``.
-
-        Each file is written to a temporary name and renamed into place; the JSON record (which makes the folder a
-        policy) is removed first and written last, so a crash never leaves a loadable mix of two policies.
-        """
-        self._write_folder(Path(save_directory), repo_id=None)
-
     def _write_folder(self, directory: Path, repo_id: str | None) -> None:
+        """The JSON record and the card; the record (which makes the folder a policy) removed first and written
+        last, so a crash never leaves a loadable mix of two policies."""
         text = json_text(self.to_json_dict()) + "\n"
         card = self.render_card(repo_id=repo_id)
         directory.mkdir(parents=True, exist_ok=True)
@@ -172,32 +147,8 @@ class PolicyFile:
         write_text_file(directory / CARD_NAME, card)
         write_text_file(directory / self._FILE_NAME, text)
 
-    def push_to_hub(
-        self,
-        repo_id: str,
-        *,
-        private: bool | None = None,
-        token: str | None = None,
-        revision: str | None = None,
-        commit_message: str | None = None,
-    ) -> str:
-        """Save the policy (with a card whose snippet loads ``repo_id``) and upload it to a Hub model repository.
-
-        Creates the repository if needed (``private`` applies only then) and the branch ``revision`` if given;
-        ``token`` is the Hub write token (``None``: the logged-in user's).
-
-        Returns:
-            The URL of the upload commit.
-        """
-        return upload_folder(
-            lambda folder: self._write_folder(folder, repo_id=repo_id),
-            self.saved_files(),
-            repo_id,
-            commit_message=commit_message or f"Upload {self.provenance} PASK {self._WHAT} with hf_structkv",
-            private=private,
-            token=token,
-            revision=revision,
-        )
+    def _commit_message(self) -> str:
+        return f"Upload {self.provenance} PASK {self._WHAT} with hf_structkv"
 
 
 def shipped_policy(cls: type[SavedPolicy], name: str, model: Any) -> SavedPolicy:

@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..persistence import base_model, markdown_items, render_card
+from ..persistence import CARD_NAME, base_model, card_front_matter, markdown_items, render_card
 from ..structure.prompt_spans import PROMPT_LABELS, label_prompt, token_labels
 from ..validation import check_int, is_number
 from ..version import __version__
@@ -112,6 +112,7 @@ class PrefillPolicy(PolicyFile):
     fingerprint: Mapping[str, Any] | None = None
 
     _FILE_NAME: ClassVar[str] = PREFILL_POLICY_NAME
+    SAVED_FILES: ClassVar[tuple[str, ...]] = (PREFILL_POLICY_NAME, CARD_NAME)
     _WHAT: ClassVar[str] = "prefill policy"
 
     def __post_init__(self) -> None:
@@ -202,17 +203,13 @@ class PrefillPolicy(PolicyFile):
         """The ``README.md`` of a saved prefill policy, from the ``model_cards/prefill_policy.md`` template."""
         fingerprint = dict(self.fingerprint or {})
         base = base_model({"fingerprint": fingerprint})
-        front_matter = ["library_name: hf_structkv", "tags:", "- hf_structkv", "- kv-cache", "- pask-prefill-policy"]
-        front_matter.append(f"- {self.provenance}")
-        if base:
-            front_matter.append(f"base_model: {json.dumps(base)}")
         rows = [
             f"| {label} | {' '.join(a.name for a in entry.action)} | {' '.join(a.name for a in entry.floor)} |"
             for label, entry in sorted(self.entries.items(), key=lambda item: _label_order(item[0]))
         ]
         return render_card(
             "prefill_policy.md",
-            front_matter="\n".join(front_matter),
+            front_matter=card_front_matter(["pask-prefill-policy", self.provenance], base),
             model_name=base or fingerprint.get("architecture", "any model with these layer dimensions"),
             provenance=self.provenance,
             description=self.description or "none",

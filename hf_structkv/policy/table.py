@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from ..persistence import model_fingerprint
+from ..persistence import CARD_NAME, model_fingerprint
 from ..structure.tags import NEXT, ROLES, STATES, TAG_CLASSES, StructuralTag, check_tag_view, view_vocabulary
 from ..validation import is_int, is_number
 from ..version import __version__
@@ -164,6 +164,7 @@ class PolicyTable(PolicyFile, RetentionPolicy):
     fingerprint: Mapping[str, Any] | None = None
 
     _FILE_NAME: ClassVar[str] = TABLE_NAME
+    SAVED_FILES: ClassVar[tuple[str, ...]] = (TABLE_NAME, CARD_NAME)
     _WHAT: ClassVar[str] = "policy table"
 
     def __post_init__(self) -> None:

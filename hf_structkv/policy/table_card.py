@@ -6,7 +6,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ..persistence import base_model, markdown_items, render_card
+from ..persistence import base_model, card_front_matter, markdown_items, render_card
 from ..version import __version__
 from .costs import Action, GroupCosts, group_names
 from .entries import UPGRADE_STEPS, PolicyEntry
@@ -19,10 +19,6 @@ def render_table_card(table: Any, repo_id: str | None = None) -> str:
     """The ``README.md`` of a saved `PolicyTable` ``table``, from the ``model_cards/policy_table.md`` template."""
     fingerprint = dict(table.fingerprint or {})
     base = base_model({"fingerprint": fingerprint})
-    front_matter = ["library_name: hf_structkv", "tags:", "- hf_structkv", "- kv-cache", "- pask-policy-table"]
-    front_matter.append(f"- {table.provenance}")
-    if base:
-        front_matter.append(f"base_model: {json.dumps(base)}")
     banners = {
         "calibrated": "Calibrated offline (PASK Algorithm 1) on the data recorded under Calibration.",
         "illustrative": (
@@ -36,7 +32,7 @@ def render_table_card(table: Any, repo_id: str | None = None) -> str:
     bins = f" (bins start at {list(table.position_bins)})" if table.position_bins else ""
     return render_card(
         "policy_table.md",
-        front_matter="\n".join(front_matter),
+        front_matter=card_front_matter(["pask-policy-table", table.provenance], base),
         model_name=base or fingerprint.get("architecture", "any model with these layer dimensions"),
         provenance=table.provenance,
         provenance_banner=banners[table.provenance],
