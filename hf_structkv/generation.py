@@ -47,6 +47,11 @@ def generation_inputs(
     context part is a run of placeholder ids with mask 1; a left-padded batch of questions keeps its padding, which
     then sits between the shared context and each question.
 
+    A ``CompactedCache`` knows its context's length, so one that already holds appended tokens (a question answered
+    on it) is refused: placeholders for those tokens would silently answer the new question after the old one. A
+    ``DynamicCache`` cannot tell its context from tokens appended later, so everything it holds is read as context;
+    pass ``context_copy(cache)`` to ``generate`` to keep it reusable.
+
     Args:
         cache: a cache pre-filled with the context (``CompactedCache`` or ``DynamicCache``), nothing appended yet.
         question_ids: ``[B, q]`` token ids (left padded for B > 1).
@@ -54,6 +59,10 @@ def generation_inputs(
 
     Returns:
         ``{"input_ids": [B, T + q], "attention_mask": [B, T + q]}`` with ``T = cache.get_seq_length()``.
+
+    Raises:
+        ValueError: ``question_ids`` is not ``[B, q]``, ``attention_mask`` has another shape, the cache is empty, or
+            a ``CompactedCache`` holds appended tokens.
     """
     if not isinstance(question_ids, torch.Tensor) or question_ids.dim() != 2:
         raise ValueError("question_ids must be a [batch, length] LongTensor (tokenizer(..., return_tensors='pt'))")
@@ -66,6 +75,12 @@ def generation_inputs(
     context_length = cache.get_seq_length()
     if context_length == 0:
         raise ValueError("cache is empty: prefill it with the context (or load a CompactedCache) first")
+    if isinstance(cache, CompactedCache) and context_length != cache.original_length:
+        raise ValueError(
+            f"cache holds {context_length - cache.original_length} appended tokens after its "
+            f"{cache.original_length}-token context (an earlier question and answer): pass cache.copy() to generate, "
+            "or call cache.reset() first"
+        )
     batch = question_ids.shape[0]
     placeholders = question_ids.new_zeros(batch, context_length)
     return {

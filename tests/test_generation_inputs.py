@@ -111,6 +111,26 @@ def test_left_padded_batch_on_a_compacted_cache_equals_each_real_prompt():
         assert torch.equal(got[row], want), (row, got[row], want)
 
 
+def test_a_used_compacted_cache_is_refused_until_copied_or_reset(llama):
+    """Asking a second question on a cache that answered one would continue after the first answer: refused."""
+    context, (first, second) = context_and_questions(seed=3, lengths=(4, 5))
+    full = prefill_context(llama, context)
+    cache = CompactedCache.from_selection(full, keep_all(copy.deepcopy(full)))
+    hf_structkv.enable(llama)
+    fresh_answer = greedy(llama, generation_inputs(cache.copy(), second), cache=cache.copy())
+    greedy(llama, generation_inputs(cache, first), cache=cache)  # appends the first question and its answer
+    appended = cache.get_seq_length() - CONTEXT_LEN
+    assert appended == 4 + 8 - 1
+    with pytest.raises(
+        ValueError, match=rf"cache holds {appended} appended tokens .* cache\.copy\(\).*cache\.reset\(\)"
+    ):
+        generation_inputs(cache, second)
+    copied = cache.copy()
+    assert torch.equal(greedy(llama, generation_inputs(copied, second), cache=copied), fresh_answer)
+    cache.reset()
+    assert torch.equal(greedy(llama, generation_inputs(cache, second), cache=cache), fresh_answer)
+
+
 class TestRejectsBadInput:
     def test_one_dimensional_ids(self, llama):
         cache = prefill_context(llama, context_and_questions()[0])
