@@ -1,6 +1,7 @@
 """``compact``: prefill once, keep StreamingLLM positions per KV head, build a `CompactedCache` with metadata."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -448,14 +449,45 @@ def test_resolve_budgets_is_what_compact_keeps():
     assert [n for n in cache.head_lengths() if n] == [[10, 10], [10, 10]]
 
 
+def test_a_hub_repository_id_of_budgets_goes_to_head_budgets_load(llama, monkeypatch):
+    from hf_structkv.compaction import pipeline
+
+    loaded = []
+    monkeypatch.setattr(pipeline.HeadBudgets, "load", lambda path, model: loaded.append(path) or FakeBudgets())
+    compact(llama, None, context_ids(40), ratio=4, method="streaming_llm", budgets="someone/head-budgets")
+    assert loaded == ["someone/head-budgets"]
+
+
 class TestBudgetsRejectBadInput:
     def test_not_a_budget(self, llama):
-        with pytest.raises(TypeError, match=r"budgets must be 'uniform', 'auto', a HeadBudgets .* got int"):
+        with pytest.raises(TypeError, match=r"budgets must be one of \('auto', 'uniform'\), a HeadBudgets .* got int"):
             compact(llama, None, context_ids(8), method="streaming_llm", budgets=3)
 
+    @pytest.mark.parametrize(
+        "budgets", ["nope", "Uniform", "auto ", "budgets/head_budgets.json", "./nope", "a/b/c", "~/budgets", ""]
+    )
+    def test_a_string_that_is_no_keyword_path_or_repo_id_is_refused_locally(self, llama, monkeypatch, budgets):
+        """Issue 34: ``budgets="nope"`` asked the Hub ("check your internet connection"); now no request is made."""
+        import huggingface_hub
+
+        from hf_structkv.compaction import pipeline
+
+        def no_request(*args, **kwargs):
+            raise AssertionError("the Hub was asked")
+
+        monkeypatch.setattr(huggingface_hub, "snapshot_download", no_request)
+        monkeypatch.setattr(pipeline, "prefill_context", no_request)  # refused before the prefill
+        expected = r"budgets must be one of \('auto', 'uniform'\), the path of a saved head-budgets folder or file, "
+        expected += rf"or a Hub repository id 'owner/name'; {re.escape(repr(budgets))} is no such keyword"
+        with pytest.raises(ValueError, match=expected):
+            compact(llama, None, context_ids(8), method="streaming_llm", budgets=budgets)
+
     def test_missing_file(self, llama, tmp_path):
-        with pytest.raises(ValueError, match="is neither an existing folder nor a Hub repository id"):
-            compact(llama, None, context_ids(8), method="streaming_llm", budgets=str(tmp_path / "nope.json"))
+        missing = tmp_path / "nope.json"
+        with pytest.raises(ValueError, match=f"{re.escape(repr(str(missing)))} is no such keyword, no existing path"):
+            compact(llama, None, context_ids(8), method="streaming_llm", budgets=missing)
+        with pytest.raises(ValueError, match="no existing path"):
+            compact(llama, None, context_ids(8), method="streaming_llm", budgets=str(missing))
 
     @pytest.mark.parametrize("budgets", [FakeBudgets(shares=(1.0,)), FakeBudgets(layers=(0,))])
     def test_budgets_of_another_model(self, llama, budgets):

@@ -36,7 +36,7 @@ from .layer_compaction import CacheSelection, compact_layer
 from .queries import DEFAULT_CAP, DEFAULT_INSTRUCTION, Conversation
 from .query_sources import ConversationRuns, QuerySource, calibration_conversations, query_source
 from .self_study import SelfStudy
-from .settings import CompactionSettings
+from .settings import CompactionSettings, check_budgets
 
 __all__ = ["compact", "resolve_budgets"]
 
@@ -51,8 +51,9 @@ def resolve_budgets(budgets, model: PreTrainedModel, ratio: float) -> tuple[obje
     computed for ``model``. An object with ``token_budgets`` is used as it is.
 
     Raises:
-        TypeError: ``budgets`` is none of these.
+        TypeError, ValueError: ``budgets`` is none of these (`check_budgets`).
     """
+    check_budgets(budgets)
     uniform = {"source": "uniform", "rule": "max(1, floor(chunk_length / ratio)) per KV head"}
     if isinstance(budgets, str) and budgets == "uniform":
         return UniformBudgets.of(model), uniform
@@ -66,13 +67,8 @@ def resolve_budgets(budgets, model: PreTrainedModel, ratio: float) -> tuple[obje
         return shipped, {"source": "shipped", "requested": "auto", "provenance": shipped.provenance}
     if isinstance(budgets, (str, os.PathLike)):
         source, record = HeadBudgets.load(budgets, model=model), {"source": "HeadBudgets.load", "path": str(budgets)}
-    elif callable(getattr(budgets, "token_budgets", None)):
-        source, record = budgets, {"source": type(budgets).__name__}
     else:
-        raise TypeError(
-            "budgets must be 'uniform', 'auto', a HeadBudgets (an object with token_budgets(ratio, length)) or the "
-            f"path of a saved one, got {type(budgets).__name__}"
-        )
+        source, record = budgets, {"source": type(budgets).__name__}
     provenance = getattr(source, "provenance", None)
     if provenance is not None:
         record["provenance"] = provenance

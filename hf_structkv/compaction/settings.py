@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 
 from ..validation import check_bool
 from .chunks import Context
@@ -13,15 +18,52 @@ from .head_method import CalibratedMethod
 from .queries import DEFAULT_CAP
 from .self_study import SelfStudy
 
-__all__ = ["DEFAULT_REFIT_GUARD", "METHODS", "QUERY_TIERS", "CompactionSettings"]
+__all__ = ["BUDGET_KEYWORDS", "DEFAULT_REFIT_GUARD", "METHODS", "QUERY_TIERS", "CompactionSettings", "check_budgets"]
 
 METHODS = tuple(sorted(HEAD_METHODS))
 QUERY_TIERS = ("repeat", "self_study")
+BUDGET_KEYWORDS = ("auto", "uniform")
 DEFAULT_REFIT_GUARD = 0.2
 """``compact``'s default ``refit_guard`` for refitting methods: per head, 20% of the fitting queries decide between the
 refit and plain eviction of the same selection (`CalibratedMethod.complete`). The paper always refits
 (``refit_guard=0``); on the embedded model some heads' value solves overfit the calibration queries (held-out loss
 above 10 for LOO and AM-HAK on a SQuAD document at 10x), which the guard turns into eviction."""
+
+
+def check_budgets(budgets: Any) -> None:
+    """Check ``compact``'s ``budgets`` argument without reading anything: one of ``BUDGET_KEYWORDS``, an object with
+    ``token_budgets``, an existing path (a saved head-budgets folder or file) or a Hub repository id ``owner/name``
+    (a string that is neither, e.g. a mistyped keyword or path, is refused here instead of being asked of the Hub).
+
+    Raises:
+        TypeError: ``budgets`` is none of a string, a path or an object with ``token_budgets``.
+        ValueError: a string or path that is no keyword, no existing path and no ``owner/name`` repository id.
+    """
+    if callable(getattr(budgets, "token_budgets", None)):
+        return
+    if not isinstance(budgets, (str, os.PathLike)):
+        raise TypeError(
+            f"budgets must be one of {BUDGET_KEYWORDS}, a HeadBudgets (an object with token_budgets(ratio, length)), "
+            f"the path of a saved one or its Hub repository id, got {type(budgets).__name__}"
+        )
+    text = os.fspath(budgets)
+    if text in BUDGET_KEYWORDS or (text and Path(text).exists()) or (isinstance(budgets, str) and _is_hub_id(text)):
+        return
+    raise ValueError(
+        f"budgets must be one of {BUDGET_KEYWORDS}, the path of a saved head-budgets folder or file, or a Hub "
+        f"repository id 'owner/name'; {text!r} is no such keyword, no existing path and no repository id"
+    )
+
+
+def _is_hub_id(text: str) -> bool:
+    """``owner/name`` that the Hub accepts, not a ``.json`` file name."""
+    if text.count("/") != 1 or text.endswith(".json"):
+        return False
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -33,8 +75,10 @@ class CompactionSettings:
 
     Raises:
         ValueError: an unknown ``method`` or ``queries`` tier (for a method that needs queries), a ``ratio`` that is
-            not a finite number >= 1, a ``heldout_fraction`` outside ``[0, 1)``, a bad hyper-parameter of the method.
-        TypeError: ``block_replay`` is not a bool, ``self_study`` is not a `SelfStudy` or None.
+            not a finite number >= 1, a ``heldout_fraction`` outside ``[0, 1)``, a bad hyper-parameter of the method,
+            ``budgets`` refused by `check_budgets`.
+        TypeError: ``block_replay`` is not a bool, ``self_study`` is not a `SelfStudy` or None, ``budgets`` of
+            another type (`check_budgets`).
     """
 
     ratio: float = 50.0
@@ -66,6 +110,7 @@ class CompactionSettings:
         HEAD_METHODS[self.method](**hparams)  # validates the hyper-parameters before the long prefill
         if self.needs_queries and self.queries not in QUERY_TIERS:
             raise ValueError(f"queries must be one of {QUERY_TIERS} for method {self.method!r}, got {self.queries!r}")
+        check_budgets(self.budgets)
         if not 0 <= self.heldout_fraction < 1:
             raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction!r}")
         check_bool("block_replay", self.block_replay)
