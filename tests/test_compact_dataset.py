@@ -5,6 +5,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -152,6 +153,41 @@ def test_load_rows_rejects_unknown_suffix(tmp_path):
         load_rows(path)
 
 
+@pytest.mark.parametrize("name", ["missing.jsonl", "missing.csv", "sub/missing.parquet", "./missing", "../a/b/c"])
+def test_load_rows_refuses_a_missing_path_at_once(tmp_path, monkeypatch, name):
+    """Issue 34: a mistyped file name went to the Hub (27 s, then ConnectionError)."""
+
+    def no_request(*args, **kwargs):
+        raise AssertionError("datasets.load_dataset was asked")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(datasets, "load_dataset", no_request)
+    with pytest.raises(ValueError, match=rf"data '{re.escape(name)}' does not exist: pass a \.json/\.jsonl/"):
+        load_rows(name)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("", r"is empty: it must hold one row per context"),
+        ("\n\n", r"holds no rows readable as json"),
+        ("not json\n", r"holds no rows readable as json"),
+    ],
+)
+def test_load_rows_refuses_an_empty_or_unreadable_data_file(tmp_path, content, message):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=rf"data file '{re.escape(str(path))}' {message}"):
+        load_rows(path)
+
+
+def test_load_rows_refuses_another_split_of_a_data_file(tmp_path, rows):
+    rows.to_json(tmp_path / "rows.jsonl")
+    assert load_rows(tmp_path / "rows.jsonl", split="train").to_list() == ROWS
+    with pytest.raises(ValueError, match=r"a data file has one split, 'train'; got split 'test'"):
+        load_rows(tmp_path / "rows.jsonl", split="test")
+
+
 def test_dataset_contexts_names_and_deduplicates(rows):
     repeated = datasets.Dataset.from_list(ROWS + [ROWS[1], {**ROWS[0], "question": "another"}])
     by_id = dataset_contexts(repeated, id_column="id")
@@ -178,6 +214,11 @@ def test_dataset_contexts_names_and_deduplicates(rows):
 def test_dataset_contexts_rejects_bad_columns(table, kwargs, error, message):
     with pytest.raises(error, match=message):
         dataset_contexts(datasets.Dataset.from_dict(table), **kwargs)
+
+
+def test_dataset_contexts_refuses_a_dataset_without_rows():
+    with pytest.raises(ValueError, match="dataset has no rows"):
+        dataset_contexts(datasets.Dataset.from_dict({"context": []}))
 
 
 def test_dataset_contexts_needs_a_dataset(rows):

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -61,18 +63,48 @@ def load_rows(data: str | os.PathLike, split: str | None = None) -> datasets.Dat
             (a folder of data files, or a dataset name already in the local Hugging Face cache).
         split: which split (default: ``"train"``, the only split of a data file; for a saved ``DatasetDict`` its one
             split when it has exactly one).
+
+    Raises:
+        ValueError: ``data`` names a data file (by its suffix) or a path (not a dataset name) that does not exist, a
+            data file with another suffix, an empty data file or one that ``datasets`` cannot read as its suffix
+            says; a ``split`` that is not there.
     """
     path = Path(data)
     if path.is_file():
-        builder = DATA_FILE_BUILDERS.get(path.suffix.lower())
-        if builder is None:
-            raise ValueError(
-                f"data file {str(path)!r} has suffix {path.suffix!r}; use one of {sorted(DATA_FILE_BUILDERS)}"
-            )
-        return datasets.load_dataset(builder, data_files=str(path), split=split or "train")
+        return _read_data_file(path, split)
     if path.is_dir() and ((path / "state.json").exists() or (path / "dataset_dict.json").exists()):
         return _one_split(datasets.load_from_disk(str(path)), split, str(path))
+    if not path.exists() and (path.suffix.lower() in DATA_FILE_BUILDERS or not _is_dataset_name(str(data))):
+        raise ValueError(
+            f"data {str(data)!r} does not exist: pass a {'/'.join(DATA_FILE_BUILDERS)} file, a folder written by "
+            "save_to_disk, or the name of a dataset in the local Hugging Face cache"
+        )
     return _one_split(datasets.load_dataset(str(data), split=split), split, str(data))
+
+
+def _read_data_file(path: Path, split: str | None) -> datasets.Dataset:
+    builder = DATA_FILE_BUILDERS.get(path.suffix.lower())
+    if builder is None:
+        raise ValueError(f"data file {str(path)!r} has suffix {path.suffix!r}; use one of {sorted(DATA_FILE_BUILDERS)}")
+    if split not in (None, "train"):
+        raise ValueError(f"a data file has one split, 'train'; got split {split!r} for {str(path)!r}")
+    if path.stat().st_size == 0:
+        raise ValueError(f"data file {str(path)!r} is empty: it must hold one row per context")
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    except (datasets.exceptions.DatasetGenerationError, ValueError) as err:
+        raise ValueError(
+            f"data file {str(path)!r} holds no rows readable as {builder}: {err.__cause__ or err}"
+        ) from err
+
+
+def _is_dataset_name(text: str) -> bool:
+    """Whether ``text`` is spelled as a Hub dataset name (``name`` or ``owner/name``), not as a local path."""
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
 
 
 def _one_split(loaded, split: str | None, where: str) -> datasets.Dataset:
@@ -111,7 +143,8 @@ def dataset_contexts(
 
     A context is named by its ``id_column`` value (a folder name: letters, digits, ``_``, ``.``, ``-``, not starting
     with ``.`` or ``-``) or, without an id column, by the first 16 hex digits of its text's SHA-256. Rows repeating a
-    context (e.g. one row per question) share it; two different texts under one name are an error.
+    context (e.g. one row per question) share it; two different texts under one name are an error, and so is a
+    dataset without rows.
     """
     if not isinstance(dataset, datasets.Dataset):
         raise TypeError(
@@ -121,6 +154,8 @@ def dataset_contexts(
     for role, column in (("text_column", text_column), ("id_column", id_column)):
         if column is not None and column not in dataset.column_names:
             raise ValueError(f"{role} {column!r} is not a column of the dataset; columns: {dataset.column_names}")
+    if len(dataset) == 0:
+        raise ValueError("dataset has no rows: give it one row per context")
     texts = dataset[text_column]
     ids = dataset[id_column] if id_column is not None else [None] * len(texts)
     contexts: dict[str, DatasetContext] = {}
