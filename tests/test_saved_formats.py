@@ -5,6 +5,7 @@ prefill policy) still load, and survive a save / load round trip unchanged."""
 from __future__ import annotations
 
 import inspect
+import hashlib
 import json
 from pathlib import Path
 
@@ -65,8 +66,11 @@ def test_a_compacted_cache_saved_by_0_1_loads_and_round_trips_bit_for_bit(tmp_pa
     old_config = json.loads((folder / "config.json").read_text())
     new_config = json.loads((tmp_path / "config.json").read_text())
     assert {k: v for k, v in old_config.items() if k != "hf_structkv_version"} == {
-        k: v for k, v in new_config.items() if k != "hf_structkv_version"
+        k: v for k, v in new_config.items() if k not in ("hf_structkv_version", "tensors_sha256")
     }
+    # 0.1 recorded no hash; a save now binds config.json to its tensors file
+    assert "tensors_sha256" not in old_config
+    assert new_config["tensors_sha256"] == hashlib.sha256((tmp_path / "cache.safetensors").read_bytes()).hexdigest()
 
 
 def test_head_budgets_saved_by_0_1_in_config_json_load_and_resave_under_their_own_name(tmp_path):

@@ -1,17 +1,33 @@
 """Checks of a saved `CompactedCache`'s ``config.json`` and ``cache.safetensors`` against each other and against the
-model structure recorded in its fingerprint (`compacted_files` runs them before every save and after every load)."""
+model structure recorded in its fingerprint (`compacted_files` runs them before every save and after every load).
+
+Beyond shapes and dtypes, the stored numbers must be servable: every key and value within `value_limit` and every
+bias within `BIAS_LIMIT` (finite is not enough: a key of 3e38 is finite, but its attention scores are not), and the
+recorded sizes (``context_nbytes``, ``full_kv_nbytes``) must be what the tensors and ``original_length`` give, so an
+edited ``original_length`` is refused rather than served at the wrong positions.
+"""
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 import torch
 
-from ..persistence import STRUCTURE_FIELDS
+from ..persistence import check_fingerprint, check_format_version
 from ..validation import is_int
-from ..version import __version__
 
-__all__ = ["CONFIG_NAME", "DTYPES", "FORMAT_VERSION", "TENSORS_NAME", "TENSOR_SUFFIXES", "validate_cache_files"]
+__all__ = [
+    "BIAS_LIMIT",
+    "CONFIG_NAME",
+    "DTYPES",
+    "FORMAT_VERSION",
+    "TENSORS_NAME",
+    "TENSOR_SUFFIXES",
+    "validate_cache_files",
+    "value_limit",
+]
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
@@ -22,6 +38,22 @@ TENSOR_SUFFIXES = {
     "compacted": ("keys", "values", "bias", "offsets"),
     "sliding": ("window_keys", "window_values"),
 }
+FP32_MAX = torch.finfo(torch.float32).max
+BIAS_LIMIT = math.log(FP32_MAX)
+"""The largest ``|bias|`` stored (~88.72): a bias is the log of an attention multiplier, and ``e^bias`` beyond it
+is not a float32 number (KV-Surgeon's refit keeps ``|bias| <= bias_bound``, 3 by default)."""
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def value_limit(head_dim: int) -> float:
+    """The largest ``|x|`` of a stored key or value of a model with ``head_dim``: ``sqrt(FP32_MAX / sqrt(D))``.
+
+    The attention function forms the scores ``q·k / sqrt(D)`` in float32; with ``|q_i|, |k_i| <= B`` a score is at
+    most ``D B^2 / sqrt(D)``, finite exactly when ``B <= sqrt(FP32_MAX / sqrt(D))`` (~6.5e18 for D = 64, far above
+    any real key). Values share the bound: the attention output is their convex combination and the input of the
+    output projection, so it must keep the same headroom.
+    """
+    return math.sqrt(FP32_MAX / math.sqrt(head_dim))
 
 
 def validate_cache_files(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -48,37 +80,70 @@ def validate_cache_files(config: dict[str, Any], tensors: dict[str, torch.Tensor
             _check_compacted_layer(i, desc, tensors, dtype, fingerprint)
         else:
             _check_sliding_layer(i, desc, tensors, dtype, config["original_length"], fingerprint)
+    _check_magnitudes(tensors, fingerprint["head_dim"])
+    _check_sizes(config, tensors)
+
+
+def _check_magnitudes(tensors: dict[str, torch.Tensor], head_dim: int) -> None:
+    """Every float tensor finite, biases within `BIAS_LIMIT`, keys and values within `value_limit`."""
     for name in sorted(tensors):
         tensor = tensors[name]
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        if not tensor.is_floating_point():
+            continue
+        if not torch.isfinite(tensor).all():
             bad = int((~torch.isfinite(tensor)).sum())
             raise ValueError(f"tensor {name} holds NaN or infinite values ({bad} entries)")
+        limit = BIAS_LIMIT if name.endswith(".bias") else value_limit(head_dim)
+        peak = float(tensor.abs().max()) if tensor.numel() else 0.0
+        if peak > limit:
+            raise ValueError(
+                f"tensor {name} holds |x| = {peak:.4g}, above the {limit:.4g} its attention scores can be served with "
+                "in float32 (see hf_structkv.cache.compacted_checks.value_limit): the cache is corrupt"
+            )
+
+
+def _check_sizes(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """``context_nbytes`` is the tensors' bytes and ``full_kv_nbytes`` the bytes of ``original_length`` tokens in
+    every layer (a compacted layer's ``T * H_kv * (D + D_v)`` elements, a sliding layer's window as stored)."""
+    context = sum(t.numel() * t.element_size() for t in tensors.values())
+    full = 0
+    for i, desc in enumerate(config["layers"]):
+        prefix = f"layers.{i}."
+        if desc["type"] == "compacted":
+            keys, values = tensors[prefix + "keys"], tensors[prefix + "values"]
+            width = keys.shape[-1] + values.shape[-1]
+            full += config["original_length"] * len(desc["head_lengths"]) * width * keys.element_size()
+        else:
+            full += sum(
+                t.numel() * t.element_size()
+                for t in (tensors[prefix + "window_keys"], tensors[prefix + "window_values"])
+            )
+    for name, expected in (("context_nbytes", context), ("full_kv_nbytes", full)):
+        if config.get(name) != expected or not is_int(config.get(name)):
+            raise ValueError(
+                f"{name} in {CONFIG_NAME} is {config.get(name)!r} but the tensors and original_length "
+                f"({config['original_length']}) give {expected}: {CONFIG_NAME} was edited or belongs to another cache"
+            )
 
 
 def _check_config(config: dict[str, Any]) -> None:
-    """Check the format fields of ``config.json`` (version first: a newer format may change the others)."""
-    version = config.get("format_version")
-    if version != FORMAT_VERSION:
-        raise ValueError(
-            f"unknown format_version {version!r} in {CONFIG_NAME} (this hf_structkv {__version__} reads format "
-            f"{FORMAT_VERSION}); a newer hf_structkv may read it"
-        )
+    """Check the format fields of ``config.json`` (version first: a newer format may change the others; the
+    fingerprint next: it sizes everything else)."""
+    check_format_version(config.get("format_version"), FORMAT_VERSION, CONFIG_NAME)
+    check_fingerprint(config.get("fingerprint"), f"the fingerprint in {CONFIG_NAME}")
     length = config.get("original_length")
     if not is_int(length) or length < 1:
         raise ValueError(f"original_length in {CONFIG_NAME} must be a positive integer, got {length!r}")
-    if config.get("dtype") not in DTYPES:
+    if not isinstance(config.get("dtype"), str) or config["dtype"] not in DTYPES:
         raise ValueError(f"dtype in {CONFIG_NAME} must be one of {sorted(DTYPES)}, got {config.get('dtype')!r}")
+    digest = config.get("tensors_sha256")
+    if digest is not None and (not isinstance(digest, str) or not _SHA256.fullmatch(digest)):
+        raise ValueError(f"tensors_sha256 in {CONFIG_NAME} must be 64 lowercase hex digits, got {digest!r}")
     layers = config.get("layers")
     if not isinstance(layers, list) or not layers:
         raise ValueError(f"layers in {CONFIG_NAME} must be a non-empty list of layer descriptions")
     for i, desc in enumerate(layers):
         _check_layer_description(i, desc, length)
-    fingerprint = config.get("fingerprint")
-    if not isinstance(fingerprint, dict):
-        raise ValueError(f"{CONFIG_NAME} has no model fingerprint")
-    missing = [field for field in STRUCTURE_FIELDS if field not in fingerprint]
-    if missing:
-        raise ValueError(f"the fingerprint in {CONFIG_NAME} lacks the fields {missing}")
 
 
 def _check_layer_description(i: int, desc: Any, original_length: int) -> None:

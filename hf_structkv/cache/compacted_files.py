@@ -10,7 +10,9 @@ executes code:
   and ``layers.{i}.window_values`` ``[1, H_kv, w, D_v]``.
 * ``config.json``: ``format_version``, ``hf_structkv_version``, ``original_length``, ``dtype``, ``layers`` (one
   description per layer: ``{"type": "compacted", "head_lengths": [...]}`` or ``{"type": "sliding",
-  "sliding_window": w}``), ``context_nbytes`` / ``full_kv_nbytes``, and every key of ``cache.metadata`` (the model
+  "sliding_window": w}``), ``context_nbytes`` / ``full_kv_nbytes``, ``tensors_sha256`` (the SHA-256 of
+  ``cache.safetensors``: a folder holding one save's config and another's tensors is refused, whoever wrote it;
+  caches saved by 0.1 lack it), and every key of ``cache.metadata`` (the model
   fingerprint under ``fingerprint``; by convention also ``method``, ``hyperparameters``, ``calibration``,
   ``quality`` and ``base_model``).
 * ``README.md``: a model card rendered from ``model_cards/compacted_cache.md``.
@@ -21,6 +23,7 @@ from its ``from_pretrained``, ``save_pretrained`` and ``push_to_hub``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save
 
 from ..persistence import (
     CARD_NAME,
@@ -64,7 +67,16 @@ __all__ = [
 CACHE_FILES = (CONFIG_NAME, TENSORS_NAME, CARD_NAME)
 # config.json keys written by this module; every other key comes from (and goes back to) ``cache.metadata``.
 FORMAT_KEYS = frozenset(
-    {"format_version", "hf_structkv_version", "original_length", "dtype", "layers", "context_nbytes", "full_kv_nbytes"}
+    {
+        "format_version",
+        "hf_structkv_version",
+        "original_length",
+        "dtype",
+        "layers",
+        "context_nbytes",
+        "full_kv_nbytes",
+        "tensors_sha256",
+    }
 )
 _CARD_KNOWN_KEYS = ("fingerprint", "base_model", "method", "hyperparameters", "calibration", "quality")
 
@@ -77,24 +89,45 @@ def write_cache_folder(
 ) -> None:
     """Write ``cache.safetensors``, ``config.json`` and ``README.md`` of a cache's ``layers`` and ``metadata``.
 
-    The cache is validated exactly as loading would validate it, so a saved folder always loads. Each file is written
-    to a temporary name and renamed into place, and ``config.json`` (which makes the folder a cache) is removed first
-    and written last: a crash leaves the old cache, the new one, or a folder that loading rejects, never a mix. The
-    model card's usage snippet names ``repo_id`` when given.
+    The cache is validated exactly as loading would validate it, so a saved folder always loads. ``config.json``
+    records the SHA-256 of the tensors file it belongs to. Each file is written to a temporary name and renamed into
+    place, and ``config.json`` (which makes the folder a cache) is removed first and written last: a crash leaves the
+    old cache, the new one, or a folder that loading rejects, never a mix (`SavedArtifact.save_pretrained` holds
+    the folder's lock around it). The model card's usage snippet names ``repo_id`` when given.
 
     Raises:
         ValueError: ``metadata`` has no ``fingerprint``, uses a key reserved by the file format, is not
             JSON-serialisable, or the tensors are inconsistent (mixed dtypes, NaN, a layer that does not fit the
-            fingerprint).
+            fingerprint); ``directory`` holds a ``config.json`` that is not a compacted cache's (a model's, or head
+            budgets saved by 0.1).
     """
     config = cache_config(layers, metadata)
     tensors = _cache_tensors(layers)
     validate_cache_files(config, tensors)
+    data = save(tensors, metadata={"format": "pt"})
+    config["tensors_sha256"] = hashlib.sha256(data).hexdigest()
     directory.mkdir(parents=True, exist_ok=True)
+    _check_config_is_a_cache(directory)
     (directory / CONFIG_NAME).unlink(missing_ok=True)
-    replace_file(directory / TENSORS_NAME, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    replace_file(directory / TENSORS_NAME, lambda tmp: tmp.write_bytes(data))
     write_text_file(directory / CARD_NAME, render_model_card(config, repo_id=repo_id))
     write_text_file(directory / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True, allow_nan=False) + "\n")
+
+
+def _check_config_is_a_cache(directory: Path) -> None:
+    """A ``config.json`` already in ``directory`` is a compacted cache's (one with ``layers`` and
+    ``original_length``), so a save never overwrites a model's configuration or 0.1 head budgets."""
+    if not (directory / CONFIG_NAME).exists():
+        return
+    try:
+        existing = read_json_object(directory, CONFIG_NAME, "compacted cache")
+    except ValueError:
+        existing = None
+    if existing is None or not {"layers", "original_length"} <= existing.keys():
+        raise ValueError(
+            f"{directory / CONFIG_NAME} is not a compacted cache's configuration (a model's, or other hf_structkv "
+            "files?); saving a cache there would overwrite it: save the cache into a folder of its own"
+        )
 
 
 def cache_config(layers: Sequence[CacheLayer], metadata: dict[str, Any]) -> dict[str, Any]:
@@ -185,8 +218,11 @@ def read_cache_folder(
     if not folder.is_dir():
         raise ValueError(f"{folder} is a file: a compacted cache is loaded from its folder (or a Hub repository id)")
     config = read_json_object(folder, CONFIG_NAME, "compacted cache")
-    tensors = _read_tensors(folder)
+    data = _read_tensors_file(folder)
+    tensors = _parse_tensors(folder / TENSORS_NAME, data)
     validate_cache_files(config, tensors)
+    _check_tensors_belong_to_config(config, data)
+    del data
     if model is not None:
         check_same_model(config["fingerprint"], model_fingerprint(model))
     if tokenizer is not None:
@@ -197,15 +233,35 @@ def read_cache_folder(
     return _build_layers(config, tensors), metadata
 
 
-def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Load ``cache.safetensors`` on CPU."""
+def _read_tensors_file(folder: Path) -> bytes:
+    """The bytes of ``cache.safetensors``, read into memory: the loaded tensors are the process's own, so truncating
+    or rewriting the file after loading changes nothing served (no memory map, no SIGBUS), and the bytes checked are
+    the bytes used."""
     path = folder / TENSORS_NAME
-    if not path.is_file():
-        raise ValueError(f"{folder} is not a complete compacted cache: {TENSORS_NAME} is missing")
     try:
-        return load_file(path, device="cpu")
+        return path.read_bytes()
+    except (FileNotFoundError, IsADirectoryError):
+        raise ValueError(f"{folder} is not a complete compacted cache: {TENSORS_NAME} is missing") from None
+
+
+def _parse_tensors(path: Path, data: bytes) -> dict[str, torch.Tensor]:
+    """The CPU tensors in the safetensors ``data`` (copied out of it, so they own their memory)."""
+    try:
+        return load(data)
     except SafetensorError as err:
         raise ValueError(f"{path} is truncated or corrupt ({err}); download or save it again") from None
+
+
+def _check_tensors_belong_to_config(config: dict[str, Any], data: bytes) -> None:
+    """``cache.safetensors`` is the file ``config.json`` was saved with (its SHA-256 recorded as ``tensors_sha256``;
+    caches saved by 0.1 have none to check)."""
+    expected = config.get("tensors_sha256")
+    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+        raise ValueError(
+            f"{TENSORS_NAME} is not the file {CONFIG_NAME} was saved with (its SHA-256 differs from tensors_sha256): "
+            "the folder holds parts of two saves (written at once without hf_structkv's lock, or copied by hand); "
+            "save or download the cache again"
+        )
 
 
 def _build_layers(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list[CacheLayer]:

@@ -1,17 +1,17 @@
-"""What every saved hf_structkv artifact shares: folder or Hub resolution, atomic writes, upload, model fingerprints
-and their check, and model-card helpers.
+"""What every saved hf_structkv artifact shares: folder or Hub resolution, atomic all-or-nothing saves, upload, model
+fingerprints and their check, and model-card helpers.
 
 Every artifact (`CompactedCache`, `PolicyTable`, `PrefillPolicy`, `HeadBudgets`) follows one convention built on this
-module: ``Cls.from_pretrained(path_or_repo_id, *, model=None, tokenizer=None, revision=None, token=None)``,
+package: ``Cls.from_pretrained(path_or_repo_id, *, model=None, tokenizer=None, revision=None, token=None)``,
 ``save_pretrained(directory)``, ``push_to_hub(repo_id, *, private=None, token=None, revision=None,
 commit_message=None)`` and a ``README.md`` model card. Each artifact names its own JSON file (``config.json`` for a
 compacted cache, ``policy_table.json``, ``prefill_policy.json``, ``head_budgets.json``), so no two artifacts give one
-file name two meanings. Loading reads JSON and safetensors only: no code runs.
+file name two meanings. Loading reads JSON and safetensors only: no code runs. Fingerprints live in `fingerprints`,
+folders, locks and bounded JSON reading in `folders`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.resources
 import json
 import os
@@ -25,19 +25,42 @@ import huggingface_hub
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
-from .version import __version__
+from .fingerprints import (
+    FINGERPRINT_LIMITS,
+    STRUCTURE_FIELDS,
+    check_fingerprint,
+    check_same_model,
+    check_same_tokenizer,
+    config_fingerprint,
+    model_fingerprint,
+    tokenizer_hash,
+)
+from .folders import (
+    check_format_version,
+    check_no_other_artifact,
+    folder_lock,
+    read_json_object,
+    remove_stale_temporaries,
+    replace_file,
+    resolve_folder,
+    write_text_file,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
     "CARD_NAME",
+    "FINGERPRINT_LIMITS",
     "STRUCTURE_FIELDS",
     "SavedArtifact",
     "base_model",
     "card_front_matter",
+    "check_fingerprint",
+    "check_format_version",
     "check_same_model",
     "check_same_tokenizer",
+    "config_fingerprint",
     "human_bytes",
     "markdown_items",
     "model_fingerprint",
@@ -52,169 +75,6 @@ __all__ = [
 ]
 
 CARD_NAME = "README.md"
-
-# Fingerprint fields that must match between a saved artifact and the model it is used with (in this order, so the
-# first difference is the one reported). "architecture" (a class name: LlamaForCausalLM and LlamaModel make the same
-# keys), "name_or_path" (a local path or a Hub id) and "tokenizer_hash" (checked only when a tokenizer is given) are
-# not.
-STRUCTURE_FIELDS = (
-    "model_type",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_size",
-    "layer_types",
-    "sliding_window",
-    "rope_parameters",
-)
-
-
-# ---------------------------------------------------------------------------------------------------- fingerprints
-def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
-    """SHA-256 (hex) of the tokenizer's vocabulary (sorted ``get_vocab()`` items) and its special tokens.
-
-    Deterministic across processes and independent of dict order; any object with ``get_vocab()`` works (special
-    tokens are read from ``special_tokens_map`` when it has one).
-    """
-    payload = {
-        "vocab": sorted(tokenizer.get_vocab().items()),
-        "special_tokens": getattr(tokenizer, "special_tokens_map", None) or {},
-    }
-    encoded = json.dumps(payload, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8")
-    return hashlib.sha256(encoded).hexdigest()
-
-
-def model_fingerprint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None) -> dict[str, Any]:
-    """What a saved artifact depends on: the model's attention structure, RoPE and (optionally) tokenizer.
-
-    Returns a JSON-serialisable dict: ``architecture``, ``name_or_path`` (``None`` when unknown), ``model_type``,
-    ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``hidden_size``,
-    ``layer_types`` and ``sliding_window`` (``None`` when the config has none), ``rope_parameters`` (transformers
-    5.x ``config.rope_parameters``, else ``rope_theta`` / ``rope_scaling``) and ``tokenizer_hash`` (``None``
-    without ``tokenizer``). Multimodal models are described by their text (decoder) config.
-    """
-    config = model.config
-    text = config.get_text_config(decoder=True)
-    architectures = getattr(config, "architectures", None)
-    heads = text.num_attention_heads
-    fingerprint = {
-        "architecture": architectures[0] if architectures else type(model).__name__,
-        "name_or_path": getattr(config, "_name_or_path", None) or None,
-        "model_type": text.model_type,
-        "num_hidden_layers": text.num_hidden_layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
-        "hidden_size": text.hidden_size,
-        "layer_types": getattr(text, "layer_types", None),
-        "sliding_window": getattr(text, "sliding_window", None),
-        "rope_parameters": _rope_parameters(text),
-        "tokenizer_hash": None if tokenizer is None else tokenizer_hash(tokenizer),
-    }
-    return json.loads(json.dumps(fingerprint, default=str))
-
-
-def _rope_parameters(config: Any) -> dict[str, Any] | None:
-    """``config.rope_parameters`` (transformers 5.x), else the older ``rope_theta`` / ``rope_scaling`` fields."""
-    parameters = getattr(config, "rope_parameters", None)
-    if parameters is not None:
-        return parameters
-    legacy = {name: getattr(config, name, None) for name in ("rope_theta", "rope_scaling")}
-    return {name: value for name, value in legacy.items() if value is not None} or None
-
-
-def check_same_model(saved: dict[str, Any], current: dict[str, Any], what: str = "cache") -> None:
-    """The model-structure fields of the ``what``'s fingerprint equal the model's; names the first that differs."""
-    for field in STRUCTURE_FIELDS:
-        if saved[field] != current[field]:
-            raise ValueError(
-                f"this {what} was built for another model: {field} is {saved[field]!r} in the {what}'s fingerprint "
-                f"but {current[field]!r} in the given model ({current['architecture']})"
-            )
-
-
-def check_same_tokenizer(saved: dict[str, Any], tokenizer: PreTrainedTokenizerBase, what: str = "cache") -> None:
-    """The tokenizer's vocabulary hash equals the one in the ``what``'s fingerprint ``saved``."""
-    expected = saved.get("tokenizer_hash")
-    if expected is None:
-        raise ValueError(
-            f"this {what}'s fingerprint has no tokenizer hash, so tokenizer= cannot be checked: load without it, or "
-            f"save the {what} with model_fingerprint(model, tokenizer)"
-        )
-    actual = tokenizer_hash(tokenizer)
-    if actual != expected:
-        raise ValueError(
-            f"tokenizer mismatch: the {what} was built with a tokenizer whose vocabulary hash is {expected[:16]}..., "
-            f"the given tokenizer's is {actual[:16]}..."
-        )
-
-
-# ---------------------------------------------------------------------------------------------------- files
-def resolve_folder(
-    path_or_repo_id: str | os.PathLike, files: tuple[str, ...], *, revision: str | None = None, token: str | None = None
-) -> Path:
-    """The local folder ``path_or_repo_id``, else a snapshot of that Hub repository holding only ``files``.
-
-    Raises:
-        ValueError: ``path_or_repo_id`` is neither an existing folder nor a valid Hub repository id.
-    """
-    if Path(path_or_repo_id).is_dir():
-        return Path(path_or_repo_id)
-    repo_id = str(path_or_repo_id)
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError:
-        raise ValueError(f"{repo_id!r} is neither an existing folder nor a Hub repository id") from None
-    return Path(
-        huggingface_hub.snapshot_download(
-            repo_id,
-            revision=revision,
-            token=token,
-            allow_patterns=list(files),
-            library_name="hf_structkv",
-            library_version=__version__,
-        )
-    )
-
-
-def read_json_object(folder: Path, name: str, what: str) -> dict[str, Any]:
-    """Parse ``folder / name``, the JSON object of a saved ``what`` (named in the errors).
-
-    Raises:
-        ValueError: the file is missing, is not UTF-8 JSON, or holds something other than an object.
-    """
-    path = folder / name
-    if not path.is_file():
-        raise ValueError(f"{folder} is not a saved {what}: {name} is missing")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
-    return config
-
-
-def replace_file(path: Path, write: Callable[[Path], Any]) -> None:
-    """Write ``path`` through ``write(tmp)`` on a temporary file beside it, then rename it into place (with the
-    permissions a plain ``open`` would give, not ``mkstemp``'s owner-only 0600)."""
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def write_text_file(path: Path, text: str) -> None:
-    """`replace_file` for a UTF-8 text file."""
-    replace_file(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 # ---------------------------------------------------------------------------------------------------- Hub
@@ -322,6 +182,17 @@ class SavedArtifact:
     classmethod: build and check the artifact from a resolved folder or file), ``_write_folder(directory, repo_id)``
     (write every file, all-or-nothing per file, the file that makes the folder an artifact last) and
     ``_commit_message()`` (the default message of an upload).
+
+    A save is all-or-nothing for the folder as a whole, here for every artifact: it holds an exclusive advisory lock
+    on the folder (`folders.folder_lock`, a ``flock`` of the directory itself) while it writes, and a load holds a
+    shared one while it reads, so two processes saving into one folder at once serialise (the folder ends as one of
+    the two artifacts, whole) and a reader sees the folder before or after a save, never during it. A lock rather
+    than a fresh sibling folder swapped in: a folder cannot be replaced atomically while it keeps the user's other
+    files (a calibration report beside a policy), and readers of a half-swapped folder would find nothing there. The
+    lock binds only processes that take it; a compacted cache, the one artifact of two data files, also records the
+    SHA-256 of its tensors in its ``config.json`` and refuses a mix on load whoever wrote it. A save removes the
+    temporary files a save killed mid-write left (a failing save removes its own), and refuses a folder that holds
+    another kind of artifact.
     """
 
     SAVED_FILES: tuple[str, ...] = ()
@@ -349,11 +220,13 @@ class SavedArtifact:
             ValueError: naming the problem: a missing or invalid file, or a model / tokenizer the artifact was not
                 built for.
         """
-        path = Path(path_or_repo_id)
+        path = _path_argument("path_or_repo_id", path_or_repo_id)
         if path.is_file():
-            return cls._from_folder(path, model=model, tokenizer=tokenizer)
+            with folder_lock(path.parent, exclusive=False):
+                return cls._from_folder(path, model=model, tokenizer=tokenizer)
         folder = resolve_folder(path_or_repo_id, cls.SAVED_FILES, revision=revision, token=token)
-        return cls._from_folder(folder, model=model, tokenizer=tokenizer)
+        with folder_lock(folder, exclusive=False):
+            return cls._from_folder(folder, model=model, tokenizer=tokenizer)
 
     @classmethod
     def load(cls, path_or_repo_id: str | os.PathLike, **kwargs: Any):
@@ -361,9 +234,28 @@ class SavedArtifact:
         return cls.from_pretrained(path_or_repo_id, **kwargs)
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
-        """Write the artifact's files and its model card ``README.md`` into ``save_directory`` (each file written to a
-        temporary name and renamed into place)."""
-        self._write_folder(Path(save_directory), repo_id=None)
+        """Write the artifact's files and its model card ``README.md`` into ``save_directory``, all-or-nothing for
+        the folder (see the class docstring): under an exclusive lock, each file written to a temporary name and
+        renamed into place.
+
+        Raises:
+            ValueError: ``save_directory`` is a file, or holds another kind of saved artifact; or the artifact is
+                invalid (nothing is written then, and a folder this call created is removed again).
+        """
+        directory = _path_argument("save_directory", save_directory)
+        if directory.exists() and not directory.is_dir():
+            raise ValueError(f"save_directory {directory} is a file: give the folder to save into")
+        created = not directory.exists()
+        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            with folder_lock(directory, exclusive=True):
+                check_no_other_artifact(directory, self.SAVED_FILES, type(self).__name__)
+                remove_stale_temporaries(directory, self.SAVED_FILES)
+                self._write_folder(directory, repo_id=None)
+        except BaseException:
+            if created and not any(directory.iterdir()):
+                directory.rmdir()
+            raise
 
     def push_to_hub(
         self,
@@ -401,3 +293,12 @@ class SavedArtifact:
 
     def _commit_message(self) -> str:
         return f"Upload {type(self).__name__} with hf_structkv"
+
+
+def _path_argument(name: str, value: Any) -> Path:
+    """``value`` as a ``Path`` (with ``~`` expanded), after checking it is a non-empty ``str`` or ``os.PathLike``."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a str or os.PathLike (a folder or a Hub repository id), got {value!r}")
+    if not os.fspath(value):
+        raise ValueError(f"{name} is empty: give a folder (or a Hub repository id)")
+    return Path(value).expanduser()
