@@ -43,11 +43,17 @@ def quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = (peak / 7.0).to(torch.float16).clamp_min(SMALLEST_FP16)
     scales = torch.where(peak == 0, torch.ones_like(scales), scales)
     codes = torch.round(xf / scales.float()).clamp_(-7, 7).to(torch.int8)
+    return pack_int4(codes), scales
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Packed uint8 ``[..., ceil(d / 2)]`` from signed int8 ``codes [..., d]`` in ``[-8, 7]``: element ``2i`` in the
+    low nibble of byte ``i``, element ``2i + 1`` in its high nibble, an odd ``d`` padded with a zero code (the
+    inverse of `unpack_int4`)."""
     if codes.shape[-1] % 2:
         codes = torch.nn.functional.pad(codes, (0, 1))
     nibbles = (codes & 0x0F).to(torch.uint8)
-    packed = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
-    return packed, scales
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
 
 
 def unpack_int4(codes: torch.Tensor, d: int) -> torch.Tensor:
