@@ -15,7 +15,7 @@ def brute_force(row: list[float]) -> tuple[list[int], float]:
     peak = max(abs(x) for x in row)
     if peak == 0:
         return [0] * len(row), 1.0
-    scale = max(float(torch.tensor(peak / 7.0, dtype=torch.float32).to(torch.float16)), SMALLEST_FP16)
+    scale = max(float(torch.tensor(min(peak / 7.0, 65504.0), dtype=torch.float32).to(torch.float16)), SMALLEST_FP16)
     codes = []
     for x in row:
         q = x / float(torch.tensor(scale, dtype=torch.float16))
@@ -35,6 +35,21 @@ def test_codes_and_scales_equal_brute_force(d):
         want_codes, want_scale = brute_force(x[i].tolist())
         assert signed[i].tolist() == want_codes
         assert float(scales[i]) == want_scale
+
+
+def test_rows_beyond_the_fp16_range_saturate_finitely_as_brute_force():
+    # a scale max|x| / 7 above 65504 would overflow FP16 to inf and dequantise to NaN (inf * 0)
+    x = torch.tensor([[4.6e5, -1.0, 3.0], [1e12, -2.5e11, 7.0], [-7 * 65504.0, 65504.0, 0.5], [3e38, 1e30, -3e38]])
+    codes, scales = quantize_int4(x)
+    signed = unpack_int4(codes, 3)
+    for i in range(x.shape[0]):
+        want_codes, want_scale = brute_force(x[i].tolist())
+        assert signed[i].tolist() == want_codes and float(scales[i]) == want_scale
+    recon = dequantize_int4(codes, scales, 3)
+    assert torch.isfinite(recon).all()
+    assert float(scales[1]) == 65504.0 and recon[1].tolist() == [7 * 65504.0, -7 * 65504.0, 0.0]
+    inside = x[2].abs() <= 7 * scales[2].float()  # the documented bound holds wherever the code does not saturate
+    assert ((recon[2] - x[2]).abs()[inside] <= scales[2].float() / 2).all()
 
 
 def test_packing_layout_low_nibble_first_twos_complement():

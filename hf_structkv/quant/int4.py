@@ -1,10 +1,11 @@
 """Symmetric per-row INT4 quantisation with two signed nibbles per byte (PASK B.5).
 
-Each row of the last dimension (one token x KV head row of K or V) gets its own scale ``max|x| / 7``, rounded to
-FP16 and floored at the smallest positive FP16 (``2**-24``); codes are ``clip(round(x / scale), -7, 7)`` (round half
-to even, as ``torch.round``), stored as 4-bit two's complement: element ``2i`` in the low nibble of byte ``i``,
-element ``2i + 1`` in its high nibble; an odd last dimension is padded with a zero code. An all-zero row gets zero
-codes and scale 1.
+Each row of the last dimension (one token x KV head row of K or V) gets its own scale ``max|x| / 7``, clamped to
+the largest finite FP16 (``65504``: beyond ``|x| = 7 * 65504`` the codes saturate instead of the scale overflowing to
+inf, which would dequantise to NaN), rounded to FP16 and floored at the smallest positive FP16 (``2**-24``); codes
+are ``clip(round(x / scale), -7, 7)`` (round half to even, as ``torch.round``), stored as 4-bit two's complement:
+element ``2i`` in the low nibble of byte ``i``, element ``2i + 1`` in its high nibble; an odd last dimension is
+padded with a zero code. An all-zero row gets zero codes and scale 1.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from ..validation import is_int
 
 SMALLEST_FP16 = 2.0**-24
 """The smallest positive (subnormal) FP16 value: the floor of every scale."""
+LARGEST_FP16 = 65504.0
+"""The largest finite FP16 value: the ceiling of every scale."""
 
 
 def _check_float(name: str, x: object) -> torch.Tensor:
@@ -32,15 +35,16 @@ def quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns:
         ``(codes, scales)``: ``codes`` uint8 ``[..., ceil(d / 2)]`` (two nibbles per byte), ``scales`` fp16
-        ``[..., 1]``. Dequantised values are ``code * scale``; every element is within ``scale / 2`` of ``x``
-        unless ``|x|`` exceeds ``7 * scale`` after the FP16 rounding of the scale (then the code saturates at +-7).
+        ``[..., 1]``, finite for every finite ``x``. Dequantised values are ``code * scale``; every element is
+        within ``scale / 2`` of ``x`` unless ``|x|`` exceeds ``7 * scale`` after the FP16 rounding of the scale, or
+        the row's ``max|x|`` exceeds ``7 * 65504`` (then the code saturates at +-7).
     """
     x = _check_float("x", x)
     if not torch.isfinite(x).all():
         raise ValueError("x must be finite (no NaN or inf) to be quantised")
     xf = x.float()
     peak = xf.abs().amax(dim=-1, keepdim=True)
-    scales = (peak / 7.0).to(torch.float16).clamp_min(SMALLEST_FP16)
+    scales = (peak / 7.0).clamp_max(LARGEST_FP16).to(torch.float16).clamp_min(SMALLEST_FP16)
     scales = torch.where(peak == 0, torch.ones_like(scales), scales)
     codes = torch.round(xf / scales.float()).clamp_(-7, 7).to(torch.int8)
     return pack_int4(codes), scales

@@ -14,10 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..validation import check_int
-from .int4 import SMALLEST_FP16, pack_int4, unpack_int4
-
-LARGEST_FP16 = 65504.0
-"""The largest finite FP16 value: the ceiling of every per-channel scale."""
+from .int4 import LARGEST_FP16, SMALLEST_FP16, pack_int4, unpack_int4
 
 
 def _group_size(group: object, rows: int) -> int:
