@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from hf_structkv.calibration import Bucket, BucketIntervention, reaches_generation
+from hf_structkv.calibration import BfclTask, Bucket, BucketIntervention, reaches_generation
 from hf_structkv.calibration.interventions import prefill_intervention_plan, prefill_positions
 from hf_structkv.calibration.references import reference_trajectories, run_case
 from hf_structkv.calibration.resume import ReferenceKV, first_changed_forward, resumed_case_run
@@ -33,6 +33,8 @@ from hf_structkv.structure.prompt_spans import PROMPT_LABELS
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bfcl_budget import load_model  # noqa: E402
 from results_json import write_json  # noqa: E402
+
+BFCL = BfclTask()
 
 
 def spread(items: list, count: int) -> list:
@@ -63,10 +65,10 @@ def main(argv: list[str] | None = None) -> dict:
     model, tokenizer = load_model(args.tiny)
     entry = bfcl_split([args.category], "calibration", limit=args.case_index + 1)[args.case_index]
     window, cap = args.window, args.max_new_tokens
-    (reference,) = reference_trajectories(model, tokenizer, [entry], cap, window, 4)
+    (reference,) = reference_trajectories(model, tokenizer, BFCL, [entry], cap, window, 4)
     start = time.perf_counter()
     all_high = PolicyTable.all_high(model, window=window, sink_tokens=4)
-    recorded = ReferenceKV.record(model, tokenizer, entry, reference, all_high, cap)
+    recorded = ReferenceKV.record(model, tokenizer, BFCL, entry, reference, all_high, cap)
     record_seconds = time.perf_counter() - start
     if recorded is None:
         raise SystemExit("the recording did not reproduce the reference: nothing to resume")
@@ -85,10 +87,10 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             policy, plan = all_high, prefill_intervention_plan(reference, bucket, Action.R, 4, window)
         start = time.perf_counter()
-        fresh = run_case(model, tokenizer, entry, policy, cap, prefill_plan=plan)[0]
+        fresh = run_case(model, tokenizer, BFCL, entry, policy, cap, prefill_plan=plan)[0]
         fresh_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        resumed = resumed_case_run(model, tokenizer, entry, policy, cap, recorded, forward, prefill_plan=plan)
+        resumed = resumed_case_run(model, tokenizer, BFCL, entry, policy, cap, recorded, forward, prefill_plan=plan)
         resumed_seconds = time.perf_counter() - start
         rows.append(
             {

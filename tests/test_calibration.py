@@ -11,6 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from hf_structkv.calibration import (
+    BfclTask,
     Bucket,
     BucketIntervention,
     CalibrationSettings,
@@ -55,6 +56,7 @@ from hf_structkv.structure.tags import StructuralTag, position_bin_starts, view_
 from hf_structkv.structured_generation import generate_calls
 
 R, L, H = Action.R, Action.L, Action.H
+BFCL = BfclTask()
 COSTS = GroupCosts.from_dims([2] * 6, [16] * 6)
 
 
@@ -235,7 +237,7 @@ MAX_NEW = 24
 @pytest.fixture(scope="module")
 def references(model, tokenizer, cases, tmp_path_factory):
     return reference_trajectories(
-        model, tokenizer, cases[0], MAX_NEW, WINDOW, 4, cache_dir=tmp_path_factory.mktemp("refs")
+        model, tokenizer, BFCL, cases[0], MAX_NEW, WINDOW, 4, cache_dir=tmp_path_factory.mktemp("refs")
     )
 
 
@@ -253,7 +255,7 @@ def test_window_shortcut_equals_a_real_intervened_generation(model, tokenizer, c
                     continue
                 for group, action in ((0, R), (2, L)):
                     policy = BucketIntervention(costs, Bucket(key, group), action, 4, window)
-                    run = run_case(model, tokenizer, entry, policy, MAX_NEW)[0]
+                    run = run_case(model, tokenizer, BFCL, entry, policy, MAX_NEW)[0]
                     assert run.tokens == reference.tokens and run.valid == reference.valid
     assert checked[True] and checked[False]
 
@@ -265,10 +267,10 @@ def test_a_resumed_intervention_is_the_fresh_intervened_generation(model, tokeni
     entries = cases[0] + bfcl_split(["parallel"], "calibration", limit=1)  # a longer, multi-call reply too
     compared = 0
     for window in (WINDOW, 8):
-        references = reference_trajectories(model, tokenizer, entries, 40, window, 4)
+        references = reference_trajectories(model, tokenizer, BFCL, entries, 40, window, 4)
         for entry, reference in zip(entries, references, strict=True):
             all_high = PolicyTable.all_high(model, window=window, sink_tokens=4)
-            recorded = ReferenceKV.record(model, tokenizer, entry, reference, all_high, 40)
+            recorded = ReferenceKV.record(model, tokenizer, BFCL, entry, reference, all_high, 40)
             assert recorded is not None and recorded.keys[0].shape[-2] >= len(reference.prompt_ids) + 1
             for key in sorted({key for tags in reference.tags if tags for key in tags}):
                 if not reaches_generation(reference, key, window):
@@ -276,8 +278,8 @@ def test_a_resumed_intervention_is_the_fresh_intervened_generation(model, tokeni
                 forward = first_changed_forward(reference, key, window)
                 for group, action in ((0, R), (2, L)):
                     policy = BucketIntervention(costs, Bucket(key, group), action, 4, window)
-                    fresh = run_case(model, tokenizer, entry, policy, 40)[0]
-                    assert resumed_case_run(model, tokenizer, entry, policy, 40, recorded, forward) == fresh
+                    fresh = run_case(model, tokenizer, BFCL, entry, policy, 40)[0]
+                    assert resumed_case_run(model, tokenizer, BFCL, entry, policy, 40, recorded, forward) == fresh
                     compared += 1
     assert compared >= 20
 
@@ -287,22 +289,22 @@ def test_a_resumed_prefill_intervention_is_the_fresh_generation(model, tokenizer
     forward, gives the fresh generation; so does prefill_generator with and without resume."""
     compared = 0
     for window in (WINDOW, 8):
-        references = reference_trajectories(model, tokenizer, cases[0], MAX_NEW, window, 4)
+        references = reference_trajectories(model, tokenizer, BFCL, cases[0], MAX_NEW, window, 4)
         all_high = PolicyTable.all_high(model, window=window, sink_tokens=4)
         for entry, reference in zip(cases[0], references, strict=True):
-            recorded = ReferenceKV.record(model, tokenizer, entry, reference, all_high, MAX_NEW)
+            recorded = ReferenceKV.record(model, tokenizer, BFCL, entry, reference, all_high, MAX_NEW)
             for label in PROMPT_LABELS:
                 if not prefill_positions(reference, label, 4, window):
                     continue
                 for group, action in ((0, R), (1, L), (2, R)):
                     plan = prefill_intervention_plan(reference, Bucket(label, group), action, 4, window)
-                    fresh = run_case(model, tokenizer, entry, all_high, MAX_NEW, prefill_plan=plan)[0]
-                    resumed = resumed_case_run(model, tokenizer, entry, all_high, MAX_NEW, recorded, 1, plan)
+                    fresh = run_case(model, tokenizer, BFCL, entry, all_high, MAX_NEW, prefill_plan=plan)[0]
+                    resumed = resumed_case_run(model, tokenizer, BFCL, entry, all_high, MAX_NEW, recorded, 1, plan)
                     assert resumed == fresh
                     compared += 1
     assert compared >= 12
     bucket = Bucket(next(label for label in PROMPT_LABELS if prefill_positions(reference, label, 4, 8)), 1)
-    generators = [prefill_generator(model, tokenizer, all_high, MAX_NEW, resume=flag) for flag in (True, False)]
+    generators = [prefill_generator(model, tokenizer, BFCL, all_high, MAX_NEW, resume=flag) for flag in (True, False)]
     assert generators[0](entry, reference, bucket, R) == generators[1](entry, reference, bucket, R)
 
 
@@ -310,15 +312,17 @@ def test_resume_refuses_what_it_cannot_replay(model, tokenizer, cases, reference
     entry, reference = cases[0][0], references[0]
     all_high = PolicyTable.all_high(model, window=WINDOW, sink_tokens=4)
     other = dataclasses.replace(reference, tokens=reference.tokens[:-1] + (reference.tokens[-1] + 1,))
-    assert ReferenceKV.record(model, tokenizer, entry, other, all_high, MAX_NEW) is None  # not reproduced
-    recorded = ReferenceKV.record(model, tokenizer, entry, reference, all_high, MAX_NEW)
+    assert ReferenceKV.record(model, tokenizer, BFCL, entry, other, all_high, MAX_NEW) is None  # not reproduced
+    recorded = ReferenceKV.record(model, tokenizer, BFCL, entry, reference, all_high, MAX_NEW)
     with pytest.raises(ValueError, match="forward must be in"):
         recorded.fill(None, 0)
     with pytest.raises(ValueError, match="does not occur"):
         first_changed_forward(reference, "pure_scaffold|dispatch_key|stable|no_lookahead", WINDOW)
     assert first_changed_forward(reference, reference.tags[0][0], WINDOW) == WINDOW + 2
-    generate = decode_generator(model, tokenizer, GroupCosts.from_config(model.config), MAX_NEW, 4, WINDOW)
-    fresh = decode_generator(model, tokenizer, GroupCosts.from_config(model.config), MAX_NEW, 4, WINDOW, resume=False)
+    generate = decode_generator(model, tokenizer, BFCL, GroupCosts.from_config(model.config), MAX_NEW, 4, WINDOW)
+    fresh = decode_generator(
+        model, tokenizer, BFCL, GroupCosts.from_config(model.config), MAX_NEW, 4, WINDOW, resume=False
+    )
     bucket = Bucket(reference.tags[0][0], 1)
     assert generate(entry, reference, bucket, R) == fresh(entry, reference, bucket, R)
     assert generate(entry, other, bucket, R) == fresh(entry, other, bucket, R)  # not the recorded run: generated
@@ -344,37 +348,37 @@ def test_intervention_controller_lowers_only_occurrences():
 
 def test_generation_key_and_its_digest(model, tokenizer):
     table = PolicyTable.all_high(model, window=WINDOW)
-    key = generation_key(model, tokenizer, table, MAX_NEW)
+    key = generation_key(model, tokenizer, BFCL, table, MAX_NEW)
     assert key["max_new_tokens"] == MAX_NEW and key["window"] == WINDOW and "tag_view" not in key  # full: as before
-    assert generation_key(model, tokenizer, PolicyTable.all_high(model, tag_view="no_role"), MAX_NEW)["tag_view"]
-    assert generation_key(model, tokenizer, table, MAX_NEW + 1) != key
+    assert generation_key(model, tokenizer, BFCL, PolicyTable.all_high(model, tag_view="no_role"), MAX_NEW)["tag_view"]
+    assert generation_key(model, tokenizer, BFCL, table, MAX_NEW + 1) != key
     assert key_digest({"a": 1, "b": [2]}) == key_digest({"b": [2], "a": 1}) != key_digest({"a": 2, "b": [2]})
     assert len(key_digest(key)) == 20 and int(key_digest(key), 16) >= 0
 
 
 def test_reference_cache_is_reused_and_keyed(model, tokenizer, cases, tmp_path):
-    first = reference_trajectories(model, tokenizer, cases[0][:1], MAX_NEW, WINDOW, 4, cache_dir=tmp_path)
+    first = reference_trajectories(model, tokenizer, BFCL, cases[0][:1], MAX_NEW, WINDOW, 4, cache_dir=tmp_path)
     (path,) = tmp_path.glob("reference-*.json")
     record = json.loads(path.read_text())
     record["trajectory"]["text"] = "from the cache"
     path.write_text(json.dumps(record))
-    again = reference_trajectories(model, tokenizer, cases[0][:1], MAX_NEW, WINDOW, 4, cache_dir=tmp_path)
+    again = reference_trajectories(model, tokenizer, BFCL, cases[0][:1], MAX_NEW, WINDOW, 4, cache_dir=tmp_path)
     assert again[0].text == "from the cache" and again[0].tokens == first[0].tokens
-    other = reference_trajectories(model, tokenizer, cases[0][:1], MAX_NEW, WINDOW + 1, 4, cache_dir=tmp_path)
+    other = reference_trajectories(model, tokenizer, BFCL, cases[0][:1], MAX_NEW, WINDOW + 1, 4, cache_dir=tmp_path)
     assert other[0].text == first[0].text and len(list(tmp_path.glob("reference-*.json"))) == 2
     with pytest.raises(ValueError, match="non-empty list"):
-        reference_trajectories(model, tokenizer, [], MAX_NEW, WINDOW, 4)
+        reference_trajectories(model, tokenizer, BFCL, [], MAX_NEW, WINDOW, 4)
 
 
 def test_a_grown_split_generates_only_its_new_cases(model, tokenizer, cases, references, tmp_path):
     """References are cached per case: a split grown from one case to two reads the first and generates the second
     (equal to a fresh generation of both)."""
-    reference_trajectories(model, tokenizer, cases[0][:1], MAX_NEW, WINDOW, 4, cache_dir=tmp_path)
+    reference_trajectories(model, tokenizer, BFCL, cases[0][:1], MAX_NEW, WINDOW, 4, cache_dir=tmp_path)
     (path,) = tmp_path.glob("reference-*.json")
     record = json.loads(path.read_text())
     record["trajectory"]["text"] = "from the cache"
     path.write_text(json.dumps(record))
-    grown = reference_trajectories(model, tokenizer, cases[0][:2], MAX_NEW, WINDOW, 4, cache_dir=tmp_path)
+    grown = reference_trajectories(model, tokenizer, BFCL, cases[0][:2], MAX_NEW, WINDOW, 4, cache_dir=tmp_path)
     assert [r.case_id for r in grown] == [e.id for e in cases[0][:2]] and grown[0].text == "from the cache"
     assert dataclasses.replace(grown[1], seconds=0.0) == dataclasses.replace(references[1], seconds=0.0)
     assert len(list(tmp_path.glob("reference-*.json"))) == 2
@@ -505,9 +509,13 @@ def test_intervention_runs_generate_each_needed_case_once_with_a_store(tmp_path)
         calls.append((entry.id, action))
         return dataclasses.replace(reference, valid=entry.id == "a" and action == L)
 
-    first = intervention_runs(entries, refs, [BUCKET], "decode", generate, 4, 3, store=VerdictStore.open(tmp_path, {}))
+    first = intervention_runs(
+        BFCL, entries, refs, [BUCKET], "decode", generate, 4, 3, store=VerdictStore.open(tmp_path, {})
+    )
     assert len(calls) == 4 and first.reused == 0
-    second = intervention_runs(entries, refs, [BUCKET], "decode", generate, 4, 3, store=VerdictStore.open(tmp_path, {}))
+    second = intervention_runs(
+        BFCL, entries, refs, [BUCKET], "decode", generate, 4, 3, store=VerdictStore.open(tmp_path, {})
+    )
     assert len(calls) == 4 and second.reused == 4
     assert second.verdicts == first.verdicts == {(BUCKET, L): [True, False], (BUCKET, R): [False, False]}
     assert second.generated == first.generated == {(BUCKET, L): 2, (BUCKET, R): 2}
@@ -617,9 +625,9 @@ def test_evaluate_controller_scores_the_all_high_policy_as_its_references_with_f
     model, tokenizer, cases, capsys
 ):
     development = cases[1]
-    refs = reference_trajectories(model, tokenizer, development, MAX_NEW, WINDOW, 4)
+    refs = reference_trajectories(model, tokenizer, BFCL, development, MAX_NEW, WINDOW, 4)
     all_high = PolicyTable.all_high(model, window=WINDOW, sink_tokens=4)
-    result = evaluate_controller(model, tokenizer, development, all_high, MAX_NEW, progress=True)
+    result = evaluate_controller(model, tokenizer, BFCL, development, all_high, MAX_NEW, progress=True)
     assert result.valid == tuple(r.valid for r in refs)
     assert result.error_rate == sum(not r.valid for r in refs) / len(refs)
     assert result.decode_ratio == pytest.approx(1.0) and result.prefill_ratio == pytest.approx(1.0)
@@ -631,17 +639,17 @@ def test_evaluate_controller_with_a_store_generates_each_case_once(model, tokeni
     development = cases[1]
     all_high = PolicyTable.all_high(model, window=WINDOW, sink_tokens=4)
     first = evaluate_controller(
-        model, tokenizer, development, all_high, MAX_NEW, store=DevelopmentStore.open(tmp_path, {"m": 1})
+        model, tokenizer, BFCL, development, all_high, MAX_NEW, store=DevelopmentStore.open(tmp_path, {"m": 1})
     )
     assert first.reused == 0
     second = evaluate_controller(
-        None, None, development, all_high, MAX_NEW, store=DevelopmentStore.open(tmp_path, {"m": 1})
+        None, None, BFCL, development, all_high, MAX_NEW, store=DevelopmentStore.open(tmp_path, {"m": 1})
     )
     assert second == dataclasses.replace(first, reused=len(development))
-    plain = evaluate_controller(model, tokenizer, development[:1], all_high, MAX_NEW)
+    plain = evaluate_controller(model, tokenizer, BFCL, development[:1], all_high, MAX_NEW)
     assert plain.valid == first.valid[:1] and plain.reused == 0
-    with pytest.raises(ValueError, match="at least one BfclEntry"):
-        evaluate_controller(model, tokenizer, [], all_high, MAX_NEW)
+    with pytest.raises(ValueError, match="non-empty list of BfclEntry"):
+        evaluate_controller(model, tokenizer, BFCL, [], all_high, MAX_NEW)
 
 
 @pytest.fixture(scope="module")
@@ -724,9 +732,9 @@ def test_calibrate_with_a_tag_view_runs_on_viewed_tags_and_records_the_view(mode
     result = calibrate(model, tokenizer, *cases, settings, cache_dir=tmp_path, log=lambda _: None)
     assert result.table.tag_view == "no_role" and result.report["settings"]["tag_view"] == "no_role"
     refs = reference_trajectories(
-        model, tokenizer, cases[0], MAX_NEW, WINDOW, 4, cache_dir=tmp_path, tag_view="no_role"
+        model, tokenizer, BFCL, cases[0], MAX_NEW, WINDOW, 4, cache_dir=tmp_path, tag_view="no_role"
     )
-    full_refs = reference_trajectories(model, tokenizer, cases[0], MAX_NEW, WINDOW, 4, cache_dir=tmp_path)
+    full_refs = reference_trajectories(model, tokenizer, BFCL, cases[0], MAX_NEW, WINDOW, 4, cache_dir=tmp_path)
     n_cases = len(cases[0]) + len(cases[1]) + len(cases[0])  # per case: cal + dev of the view, cal of the full view
     assert len(list(tmp_path.glob("reference-*.json"))) == n_cases
     for full, viewed in zip(full_refs, refs, strict=True):
@@ -780,8 +788,8 @@ def test_calibrate_on_position_bins_replaces_the_parser_tags_by_bins(model, toke
     assert bins and max(bins) < max(r.num_decoded for r in references)
     table = PolicyTable.all_high(model, window=WINDOW, sink_tokens=4, tag_view="position_bins", position_bins=bins)
     for entry, reference in zip(cases[0], references, strict=True):
-        run = run_case(model, tokenizer, entry, table, MAX_NEW)[0]
-        relabelled = with_position_tags(reference, bins)
+        run = run_case(model, tokenizer, BFCL, entry, table, MAX_NEW)[0]
+        relabelled = with_position_tags(reference, bins, "function_calling")
         assert run.tokens == relabelled.tokens and run.tags == relabelled.tags and run.valid == relabelled.valid
     settings = dataclasses.replace(SETTINGS, tag_view="position_bins", stages=("decode",))
     result = calibrate(model, tokenizer, *cases, settings, cache_dir=tmp_path, log=lambda _: None)
@@ -848,7 +856,7 @@ def test_a_prefill_stage_without_a_passing_candidate_gives_the_all_high_prefill_
 def test_calibrate_errors_are_named(model, tokenizer, cases):
     with pytest.raises(ValueError, match="disjoint"):
         calibrate(model, tokenizer, cases[0], cases[0], SETTINGS)
-    with pytest.raises(ValueError, match="at least one"):
+    with pytest.raises(ValueError, match="calibration must be a non-empty list of BfclEntry"):
         calibrate(model, tokenizer, [], cases[1], SETTINGS)
 
 

@@ -87,11 +87,11 @@ def decode_candidate(
     (Reserve(D_cal, f, B_D)).
 
     Args:
-        table_fields: the remaining `PolicyTable` fields (``sink_tokens``, ``window``, ``fingerprint``,
-            ``description``, ``thresholds``, ``calibration``).
+        table_fields: the remaining `PolicyTable` fields (``family``, ``sink_tokens``, ``window``, ``fingerprint``,
+            ``description``, ``thresholds``, ``calibration``, ``tag_view``, ``position_bins``).
     """
     entries = compile_entries(actions, floors, priorities, len(costs.groups))
-    table = PolicyTable(family="function_calling", costs=costs, entries=entries, budget=1.0, **table_fields)
+    table = PolicyTable(costs=costs, entries=entries, budget=1.0, **table_fields)
     budget = decode_cost_ratio(table, references)
     floor_costs, states = [], []
     for reference in references:
@@ -134,12 +134,13 @@ def prefill_candidate(
 
 
 def all_high_candidate(
-    costs: GroupCosts, tag_view: str = "full", position_bins: tuple[int, ...] = (), **table_fields: Any
+    costs: GroupCosts, family: str, tag_view: str = "full", position_bins: tuple[int, ...] = (), **table_fields: Any
 ) -> PolicyTable:
-    """The fallback controller (A.4): ``B_D = 1``, all-high actions and floors, ``Γ = 0``, for tags of ``tag_view``."""
-    entries = all_high_entries(len(costs.groups), "function_calling", tag_view, position_bins)
+    """The fallback controller (A.4): ``B_D = 1``, all-high actions and floors, ``Γ = 0``, for ``family``'s tags of
+    ``tag_view``."""
+    entries = all_high_entries(len(costs.groups), family, tag_view, position_bins)
     return PolicyTable(
-        family="function_calling",
+        family=family,
         costs=costs,
         entries=entries,
         budget=1.0,

@@ -10,6 +10,7 @@ import torch
 
 from ..policy.costs import GROUP_COUNTS
 from ..structure.tags import TAG_VIEWS
+from ..validation import int_option
 
 __all__ = ["CPU_SIZES", "PAPER_SIZES", "add_calibrate_options", "run_calibrate"]
 
@@ -34,15 +35,17 @@ def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--benchmark", default="bfcl", choices=["bfcl"], help="calibration data (BFCL v4)")
     parser.add_argument("--out", required=True, help="folder for policy_table.json, prefill_policy.json, report")
     parser.add_argument("--categories", nargs="+", default=["simple_python", "multiple"], choices=CATEGORIES)
-    parser.add_argument("--calibration-cases", type=int, help="cases per category of the calibration partition")
-    parser.add_argument("--dev-cases", type=int, help="cases per category of the development partition")
+    parser.add_argument(
+        "--calibration-cases", type=int_option(1), help="cases per category of the calibration partition"
+    )
+    parser.add_argument("--dev-cases", type=int_option(1), help="cases per category of the development partition")
     parser.add_argument(
         "--max-dev-candidates",
-        type=int,
+        type=int_option(1),
         help="candidates evaluated per greedy path, spread along it, cheapest first, stopping at the first within "
         "alpha (default 3; --paper-sizes: all)",
     )
-    parser.add_argument("--max-new-tokens", type=int, help="generation cap (default 128; --paper-sizes: 192)")
+    parser.add_argument("--max-new-tokens", type=int_option(1), help="generation cap (default 128; --paper-sizes: 192)")
     parser.add_argument(
         "--paper-sizes",
         action="store_true",
@@ -51,7 +54,7 @@ def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tau", type=_tau, action="append", help="threshold pair LOW,HIGH (repeatable)")
     parser.add_argument("--alpha-decode", type=float, default=0.05)
     parser.add_argument("--alpha-prefill", type=float, default=0.02)
-    parser.add_argument("--window", type=int, default=None, help="recent window of the table (default 32)")
+    parser.add_argument("--window", type=int_option(1), default=None, help="recent window of the table (default 32)")
     stages = parser.add_mutually_exclusive_group()
     stages.add_argument("--decode-only", action="store_true", help="skip the prefill companion")
     stages.add_argument(
@@ -83,7 +86,7 @@ def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
         "again resumes from it "
         "(default ~/.cache/hf_structkv/calibration)",
     )
-    parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument("--threads", type=int_option(1), help="torch CPU threads")
 
 
 def run_calibrate(args: argparse.Namespace, load_model) -> int:
@@ -91,7 +94,8 @@ def run_calibrate(args: argparse.Namespace, load_model) -> int:
     from ..eval.bfcl import bfcl_split
     from ..policy.table import DEFAULT_WINDOW
     from .floors import DEFAULT_THRESHOLDS
-    from .runner import CalibrationSettings, calibrate
+    from .runner import calibrate
+    from .settings import CalibrationSettings
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,9 +1,10 @@
 """Reference trajectories: greedy generations of calibration / development cases under the all-high policy, with each
-generated token's candidate tags, each prompt token's span labels and the AST checker's verdict; cached on disk.
+generated token's candidate tags, each prompt token's span labels and the task's verdict; cached on disk.
 
-One case is generated alone (batch 1): BFCL cases mostly carry their own tools, and one ``generate`` call serves one
-grammar; batch 1 also makes the window shortcut of `task_sensitivity` exact (a batch's padding and shapes change the
-floating-point results of the other rows).
+What a case is, how it is generated and scored is the `CalibrationTask`'s (`BfclTask`, `SpiderTask`). One case is
+generated alone (batch 1): BFCL cases mostly carry their own tools, Spider cases their database, and one ``generate``
+call serves one grammar; batch 1 also makes the window shortcut of `task_sensitivity` exact (a batch's padding and
+shapes change the floating-point results of the other rows).
 
 The cache is one JSON file per (`generation_key`, case id), named by the hash of that key, in ``cache_dir``: a
 re-run with the same model and settings reads the cases it has instead of generating them, also when the split grew
@@ -24,14 +25,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..eval.bfcl import BfclEntry
-from ..eval.bfcl_checker import check_calls
 from ..persistence import model_fingerprint
 from ..policy.table import PolicyTable
-from ..structure.prompt_spans import label_prompt, token_labels
 from ..structure.tags import StructuralTag, position_tag
-from ..structured_generation import call_prompt, generate_calls, parse_calls
 from ..version import __version__
+from .task import CalibrationTask
 
 __all__ = [
     "CaseRun",
@@ -41,6 +39,7 @@ __all__ = [
     "key_digest",
     "reference_trajectories",
     "run_case",
+    "stop_index",
     "with_position_tags",
 ]
 
@@ -55,7 +54,7 @@ class CaseRun:
     Attributes:
         tokens: the generated ids up to and including the first stop token (``T`` tokens).
         tags: per generated token its candidate tag keys (`TokenTags`).
-        valid: the AST checker's verdict.
+        valid: the task's verdict (`CalibrationTask.score`).
         text: the generated text.
     """
 
@@ -75,9 +74,10 @@ class ReferenceTrajectory(CaseRun):
     """A `CaseRun` under the all-high policy, with what the distortion and prefill measurements need.
 
     Attributes:
-        case_id, category: the BFCL case.
+        case_id, category: the case (`CalibrationTask.case_id`, `CalibrationTask.category`).
         prompt_ids: the prompt's ids (``P``).
-        prompt_labels: per prompt token its span labels (`token_labels`).
+        prompt_labels: per prompt token its span labels (`CalibrationTask.prompt_labels`; ``()`` each for a task
+            without them).
         seconds: the generation's wall time.
     """
 
@@ -97,55 +97,61 @@ class ReferenceTrajectory(CaseRun):
 def run_case(
     model,
     tokenizer,
-    entry: BfclEntry,
+    task: CalibrationTask,
+    case,
     policy,
     max_new_tokens: int,
     prefill_plan: torch.Tensor | None = None,
-) -> tuple[CaseRun, int, str]:
-    """Generate one case with `generate_calls` (greedy, batch 1) under ``policy`` and score it.
+) -> tuple[CaseRun, tuple[int, ...]]:
+    """Generate one case with `CalibrationTask.generate` (greedy, batch 1) under ``policy`` and score it.
 
     Args:
         prefill_plan: optional prompt actions ``[1, P, 3]``.
 
     Returns:
-        ``(run, prompt_length, prompt_text)``.
+        ``(run, prompt_ids)``: the scored run and the prompt's ``P`` ids.
     """
-    result = generate_calls(
-        model, tokenizer, list(entry.messages), entry.tools, policy, max_new_tokens, prefill_plan=prefill_plan
-    )
-    run = case_run(model, tokenizer, entry, result.sequences, result.prompt_length, result.processor)
-    return run, result.prompt_length, call_prompt(tokenizer, list(entry.messages), entry.tools)
+    result = task.generate(model, tokenizer, case, policy, max_new_tokens, prefill_plan=prefill_plan)
+    run = case_run(model, tokenizer, task, case, result.sequences, result.prompt_length, result.processor)
+    return run, tuple(result.sequences[0, : result.prompt_length].tolist())
 
 
-def case_run(model, tokenizer, entry: BfclEntry, sequences: torch.Tensor, prompt_length: int, processor) -> CaseRun:
-    """Score one generation of ``entry``: ``sequences`` ``[1, prompt_length + n]`` from ``generate`` under
-    ``processor`` (its `StructuralLogitsProcessor`), cut after the first stop token, tagged and checked."""
+def stop_index(generated: list[int], stop_token_ids) -> int | None:
+    """The index of the first stop token among the ``generated`` ids, ``None`` when there is none."""
+    return next((i for i, token in enumerate(generated) if token in stop_token_ids), None)
+
+
+def case_run(
+    model, tokenizer, task: CalibrationTask, case, sequences: torch.Tensor, prompt_length: int, processor
+) -> CaseRun:
+    """Score one generation of ``case``: ``sequences`` ``[1, prompt_length + n]`` from ``generate`` under
+    ``processor`` (its `StructuralLogitsProcessor`), cut after the first stop token, tagged and scored."""
     generated = sequences[0, prompt_length:].tolist()
-    stops = processor.adapter.stop_token_ids
-    end = next((i + 1 for i, token in enumerate(generated) if token in stops), len(generated))
+    stop = stop_index(generated, processor.adapter.stop_token_ids)
+    end = len(generated) if stop is None else stop + 1
     if processor.num_tagged(0) < end:  # the last token was never fed back: let the processor tag it
         processor(sequences[:, : prompt_length + end], torch.zeros(1, model.config.vocab_size))
     tags = tuple(None if tags is None else tuple("|".join(tag) for tag in tags) for tags in processor.tags(0)[:end])
     text = tokenizer.decode(sequences[0, prompt_length:], skip_special_tokens=True)
-    verdict = check_calls(entry.category, entry.tools, entry.ground_truth, parse_calls(text))
-    return CaseRun(tokens=tuple(generated[:end]), tags=tags, valid=bool(verdict["valid"]), text=text)
+    valid = task.score(case, text, stopped=stop is not None)
+    return CaseRun(tokens=tuple(generated[:end]), tags=tags, valid=valid, text=text)
 
 
-def _reference(model, tokenizer, entry: BfclEntry, policy: PolicyTable, max_new_tokens: int) -> ReferenceTrajectory:
+def _reference(model, tokenizer, task: CalibrationTask, case, policy: PolicyTable, max_new_tokens: int):
+    """The `ReferenceTrajectory` of ``case`` under the all-high ``policy``."""
     start = time.perf_counter()
-    run, prompt_length, prompt = run_case(model, tokenizer, entry, policy, max_new_tokens)
+    run, prompt_ids = run_case(model, tokenizer, task, case, policy, max_new_tokens)
     seconds = time.perf_counter() - start
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    if len(prompt_ids) != prompt_length:
+    labels = task.prompt_labels(tokenizer, case) if task.labels_prompts else [()] * len(prompt_ids)
+    if len(labels) != len(prompt_ids):
         raise RuntimeError(
-            f"case {entry.id}: the rebuilt prompt has {len(prompt_ids)} tokens, generation saw {prompt_length}"
+            f"case {task.case_id(case)}: the rebuilt prompt has {len(labels)} tokens, generation saw {len(prompt_ids)}"
         )
-    labels = token_labels(tokenizer, prompt, label_prompt(prompt, entry.tools))
     return ReferenceTrajectory(
         **asdict(run),
-        case_id=entry.id,
-        category=entry.category,
-        prompt_ids=tuple(prompt_ids),
+        case_id=task.case_id(case),
+        category=task.category(case),
+        prompt_ids=prompt_ids,
         prompt_labels=tuple(tuple(token) for token in labels),
         seconds=seconds,
     )
@@ -156,10 +162,12 @@ def key_digest(key: Any) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def generation_key(model, tokenizer, policy: PolicyTable, max_new_tokens: int) -> dict[str, Any]:
+def generation_key(model, tokenizer, task: CalibrationTask, policy: PolicyTable, max_new_tokens: int) -> dict[str, Any]:
     """What a calibration's generations depend on besides the case and the intervention: package version, model
-    fingerprint, dtype, generation cap, and ``policy``'s window, sinks and tag view (the key of the on-disk caches)."""
+    fingerprint, dtype, generation cap, ``policy``'s window, sinks and tag view, and the task's `cache_key` (the key
+    of the on-disk caches)."""
     return {
+        **task.cache_key,  # BFCL: nothing, its keys stay as before
         "hf_structkv_version": __version__,
         "fingerprint": model_fingerprint(model, tokenizer),
         "dtype": str(model.dtype),
@@ -173,7 +181,8 @@ def generation_key(model, tokenizer, policy: PolicyTable, max_new_tokens: int) -
 def reference_trajectories(
     model,
     tokenizer,
-    entries: Sequence[BfclEntry],
+    task: CalibrationTask,
+    cases: Sequence,
     max_new_tokens: int,
     window: int,
     sink_tokens: int,
@@ -182,23 +191,23 @@ def reference_trajectories(
     desc: str = "reference",
     tag_view: str = "full",
 ) -> list[ReferenceTrajectory]:
-    """All-high greedy trajectories of ``entries`` (in order), each read from / written to ``cache_dir`` when given
+    """All-high greedy trajectories of ``cases`` (in order), each read from / written to ``cache_dir`` when given
     (one file per case, written as soon as it is generated).
 
     Args:
+        task: what the cases are (`BfclTask`, `SpiderTask`).
         window, sink_tokens, tag_view: the all-high policy's recent window, sinks and tag view (the settings of the
             calibrated table; the recorded tags are of that view).
     """
-    if not entries or not all(isinstance(entry, BfclEntry) for entry in entries):
-        raise ValueError("entries must be a non-empty list of BfclEntry objects (bfcl_split)")
-    policy = PolicyTable.all_high(model, window=window, sink_tokens=sink_tokens, tag_view=tag_view)
-    common = generation_key(model, tokenizer, policy, max_new_tokens)
-    keys = [{**common, "case": entry.id} for entry in entries]
+    task.check_cases(cases, "cases")
+    policy = PolicyTable.all_high(model, family=task.family, window=window, sink_tokens=sink_tokens, tag_view=tag_view)
+    common = generation_key(model, tokenizer, task, policy, max_new_tokens)
+    keys = [{**common, "case": task.case_id(case)} for case in cases]
     paths = [None if cache_dir is None else Path(cache_dir) / f"reference-{key_digest(key)}.json" for key in keys]
     trajectories = [_read_reference(path, key) for path, key in zip(paths, keys, strict=True)]
     missing = [i for i, trajectory in enumerate(trajectories) if trajectory is None]
     for i in tqdm(missing, desc=desc, unit="case", disable=not progress):
-        trajectories[i] = _reference(model, tokenizer, entries[i], policy, max_new_tokens)
+        trajectories[i] = _reference(model, tokenizer, task, cases[i], policy, max_new_tokens)
         if paths[i] is not None:
             _write_json(paths[i], {"key": keys[i], "trajectory": asdict(trajectories[i])})
     return trajectories
@@ -221,13 +230,15 @@ def _write_json(path: Path, record: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def with_position_tags(reference: ReferenceTrajectory, position_bins: Sequence[int]) -> ReferenceTrajectory:
-    """``reference`` as a processor of the ``"position_bins"`` view records it: the same tokens (the all-high policy
-    ignores tags, so the trajectory does not depend on the view), each non-stop token tagged with its bin alone."""
+def with_position_tags(
+    reference: ReferenceTrajectory, position_bins: Sequence[int], family: str
+) -> ReferenceTrajectory:
+    """``reference`` as a processor of the ``"position_bins"`` view of ``family``'s grammar records it: the same
+    tokens (the all-high policy ignores tags, so the trajectory does not depend on the view), each non-stop token
+    tagged with its bin alone."""
     bins = tuple(position_bins)
     tags = tuple(
-        None if keys is None else ("|".join(position_tag(i, bins, "function_calling")),)
-        for i, keys in enumerate(reference.tags)
+        None if keys is None else ("|".join(position_tag(i, bins, family)),) for i, keys in enumerate(reference.tags)
     )
     return replace(reference, tags=tags)
 

@@ -22,13 +22,12 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.mixed_precision import MixedPrecisionLayer, StructuredMixedPrecisionCache
-from ..eval.bfcl import BfclEntry
 from ..policy.retention import RetentionPolicy
 from ..policy.table import PolicyTable
-from ..structure.processor import StructuralLogitsProcessor
-from ..structured_generation import generate_calls, generate_structured
+from ..structured_generation import generate_structured
 from .interventions import occurrences
 from .references import CaseRun, ReferenceTrajectory, case_run
+from .task import CalibrationTask
 
 __all__ = ["RecordedReferences", "ReferenceKV", "first_changed_forward", "resumed_case_run"]
 
@@ -58,12 +57,19 @@ class ReferenceKV:
 
     @classmethod
     def record(
-        cls, model, tokenizer, entry: BfclEntry, reference: ReferenceTrajectory, policy: PolicyTable, max_new_tokens
+        cls,
+        model,
+        tokenizer,
+        task: CalibrationTask,
+        case,
+        reference: ReferenceTrajectory,
+        policy: PolicyTable,
+        max_new_tokens: int,
     ) -> ReferenceKV | None:
-        """Generate ``entry`` under the all-high ``policy`` (the reference's) and keep its K/V; ``None`` when the
+        """Generate ``case`` under the all-high ``policy`` (the reference's) and keep its K/V; ``None`` when the
         model has sliding layers or the run does not reproduce ``reference``'s tokens."""
-        result = generate_calls(model, tokenizer, list(entry.messages), entry.tools, policy, max_new_tokens)
-        run = case_run(model, tokenizer, entry, result.sequences, result.prompt_length, result.processor)
+        result = task.generate(model, tokenizer, case, policy, max_new_tokens)
+        run = case_run(model, tokenizer, task, case, result.sequences, result.prompt_length, result.processor)
         layers = result.cache.layers
         if run.tokens != reference.tokens or not all(isinstance(layer, MixedPrecisionLayer) for layer in layers):
             return None
@@ -98,15 +104,17 @@ class RecordedReferences:
         all_high: the all-high reference policy (window and sinks of the calibrated table).
     """
 
-    def __init__(self, model, tokenizer, all_high: PolicyTable, max_new_tokens: int):
-        self.model, self.tokenizer, self.all_high, self.max_new_tokens = model, tokenizer, all_high, max_new_tokens
+    def __init__(self, model, tokenizer, task: CalibrationTask, all_high: PolicyTable, max_new_tokens: int):
+        self.model, self.tokenizer, self.task = model, tokenizer, task
+        self.all_high, self.max_new_tokens = all_high, max_new_tokens
         self._case: tuple[str, ReferenceKV | None] | None = None
 
-    def get(self, entry: BfclEntry, reference: ReferenceTrajectory) -> ReferenceKV | None:
-        """The recording of ``entry`` if it reproduces ``reference`` (recorded now when ``entry`` is a new case)."""
-        if self._case is None or self._case[0] != entry.id:
-            args = (self.model, self.tokenizer, entry, reference, self.all_high, self.max_new_tokens)
-            self._case = entry.id, ReferenceKV.record(*args)
+    def get(self, case, reference: ReferenceTrajectory) -> ReferenceKV | None:
+        """The recording of ``case`` if it reproduces ``reference`` (recorded now when ``case`` is a new case)."""
+        case_id = self.task.case_id(case)
+        if self._case is None or self._case[0] != case_id:
+            args = (self.model, self.tokenizer, self.task, case, reference, self.all_high, self.max_new_tokens)
+            self._case = case_id, ReferenceKV.record(*args)
         recorded = self._case[1]
         return recorded if recorded is not None and recorded.reference.tokens == reference.tokens else None
 
@@ -114,14 +122,15 @@ class RecordedReferences:
 def resumed_case_run(
     model,
     tokenizer,
-    entry: BfclEntry,
+    task: CalibrationTask,
+    case,
     policy: RetentionPolicy,
     max_new_tokens: int,
     recorded: ReferenceKV,
     forward: int,
     prefill_plan: torch.Tensor | None = None,
 ) -> CaseRun:
-    """The generation of ``entry`` under ``policy`` and ``prefill_plan``, which lower nothing before forward
+    """The generation of ``case`` under ``policy`` and ``prefill_plan``, which lower nothing before forward
     ``forward`` (a decode intervention: its first changed forward; a prefill plan: 1, the prompt's first commit),
     run from forward ``forward`` on (module docstring); equal to `run_case`'s."""
     reference = recorded.reference
@@ -129,12 +138,7 @@ def resumed_case_run(
     shared = torch.tensor([reference.tokens[:forward]], device=model.device)
     if shared.shape[1] != forward or forward >= max_new_tokens:
         raise ValueError(f"forward {forward} is not inside the reference's {len(reference.tokens)} generated tokens")
-    processor = StructuralLogitsProcessor(
-        tokenizer,
-        tools=entry.tools,
-        tag_view=policy.tag_view,
-        position_bins=policy.position_bins,
-    )
+    processor = task.processor(tokenizer, case, policy)
     blank = torch.zeros(1, model.config.vocab_size, device=model.device)
     for j in range(forward):  # the calls of forwards 0 .. forward - 1: tokens 0 .. forward - 2 advanced and tagged
         processor(torch.cat([prompt, shared[:, :j]], dim=1), blank)
@@ -143,4 +147,4 @@ def resumed_case_run(
     batch = {"input_ids": torch.cat([prompt, shared], dim=1)}
     batch["attention_mask"] = torch.ones_like(batch["input_ids"])
     output = generate_structured(model, tokenizer, batch, processor, policy, max_new_tokens - forward, cache=cache)
-    return case_run(model, tokenizer, entry, output.sequences, prompt.shape[1], processor)
+    return case_run(model, tokenizer, task, case, output.sequences, prompt.shape[1], processor)

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from ..eval.bfcl import BfclEntry
-from ..eval.bfcl_checker import check_calls
-from ..structured_generation import generate_calls
 from ..validation import check_int
 from .development_store import DevCase, DevelopmentStore, candidate_digest
+from .references import stop_index
+from .task import CalibrationTask
 
 __all__ = ["DevResult", "dev_candidate_indices", "evaluate_controller", "select_cheapest"]
 
@@ -44,10 +43,10 @@ class DevResult:
     """A controller on the development cases.
 
     Attributes:
-        error_rate: ``R̂_dev``: the fraction of cases the AST checker rejects.
+        error_rate: ``R̂_dev``: the fraction of cases the task's verdict rejects.
         decode_ratio: scheduled decode payload over Full KV, pooled over the cases' non-stop generated tokens.
         prefill_ratio: scheduled prompt payload over Full KV, pooled over the cases' prompt tokens.
-        valid: the checker's verdict per case.
+        valid: the verdict per case.
         reused: how many of the cases were read from a `DevelopmentStore` instead of generated.
     """
 
@@ -61,7 +60,8 @@ class DevResult:
 def evaluate_controller(
     model,
     tokenizer,
-    entries: Sequence[BfclEntry],
+    task: CalibrationTask,
+    cases: Sequence,
     policy,
     max_new_tokens: int,
     prefill_policy=None,
@@ -71,37 +71,36 @@ def evaluate_controller(
     """Generate each case (batch 1) under ``policy`` (and ``prefill_policy``), score it, pool the measured costs
     (``progress``: a bar over the cases). With ``store``, a case already stored under this candidate
     (`candidate_digest`) is read instead of generated, and each generated case is appended to it."""
-    if not entries:
-        raise ValueError("entries must hold at least one BfclEntry (the development cases)")
+    task.check_cases(cases, "cases (the development cases)")
     candidate = None if store is None else candidate_digest(policy, prefill_policy)
-    cases, reused = [], 0
-    for entry in tqdm(entries, desc="development", unit="case", disable=not progress, leave=False):
-        case = None if store is None else store.get(entry.id, candidate)
-        if case is None:
-            case = _generate_case(model, tokenizer, entry, policy, max_new_tokens, prefill_policy)
+    results, reused = [], 0
+    for case in tqdm(cases, desc="development", unit="case", disable=not progress, leave=False):
+        result = None if store is None else store.get(task.case_id(case), candidate)
+        if result is None:
+            result = _generate_case(model, tokenizer, task, case, policy, max_new_tokens, prefill_policy)
             if store is not None:
-                store.put(entry.id, candidate, case)
+                store.put(task.case_id(case), candidate, result)
         else:
             reused += 1
-        cases.append(case)
-    decode_bits, decode_tokens = sum(c.decode_bits for c in cases), sum(c.decode_tokens for c in cases)
-    prompt_bits, prompt_tokens = sum(c.prompt_bits for c in cases), sum(c.prompt_tokens for c in cases)
-    full = cases[-1].full_bits
+        results.append(result)
+    decode_bits, decode_tokens = sum(r.decode_bits for r in results), sum(r.decode_tokens for r in results)
+    prompt_bits, prompt_tokens = sum(r.prompt_bits for r in results), sum(r.prompt_tokens for r in results)
+    full = results[-1].full_bits
     return DevResult(
-        error_rate=sum(not c.valid for c in cases) / len(cases),
+        error_rate=sum(not r.valid for r in results) / len(results),
         decode_ratio=decode_bits / (decode_tokens * full) if decode_tokens else 1.0,
         prefill_ratio=prompt_bits / (prompt_tokens * full) if prompt_tokens else 1.0,
-        valid=tuple(c.valid for c in cases),
+        valid=tuple(r.valid for r in results),
         reused=reused,
     )
 
 
-def _generate_case(model, tokenizer, entry: BfclEntry, policy, max_new_tokens: int, prefill_policy) -> DevCase:
-    """One development case generated under the candidate, scored and measured."""
-    result = generate_calls(
-        model, tokenizer, list(entry.messages), entry.tools, policy, max_new_tokens, prefill_policy=prefill_policy
-    )
-    valid = bool(check_calls(entry.category, entry.tools, entry.ground_truth, result.calls[0])["valid"])
+def _generate_case(model, tokenizer, task: CalibrationTask, case, policy, max_new_tokens: int, prefill_policy):
+    """One development case generated under the candidate, scored and measured (a `DevCase`)."""
+    result = task.generate(model, tokenizer, case, policy, max_new_tokens, prefill_policy=prefill_policy)
+    generated = result.sequences[0, result.prompt_length :].tolist()
+    stopped = stop_index(generated, result.processor.adapter.stop_token_ids) is not None
+    valid = task.score(case, result.texts[0], stopped)
     schedule = result.cache.schedule
     prompt, decode, prompt_length = schedule.scheduled_bits_by_stage(result.cache.get_seq_length())
     return DevCase(

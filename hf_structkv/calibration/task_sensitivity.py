@@ -1,5 +1,5 @@
 """Runtime-V: task sensitivity ``V(q, a) = R̂_cal(π_{q,a}) − R̂_cal(π_ref)`` by interventions over complete
-autoregressive generation, scored by BFCL's AST checker (PASK §3.4).
+autoregressive generation, scored by the task's verdict (BFCL's AST checker in PASK §3.4; `CalibrationTask.score`).
 
 Each calibration case is generated under the intervention (batch 1, `run_case`; only from the first forward where it
 can differ from the reference, `resume`: the same generation) unless the intervention provably
@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
-from ..eval.bfcl import BfclEntry
 from ..policy.costs import Action, GroupCosts
 from ..policy.table import PolicyTable
 from .buckets import Bucket
 from .interventions import BucketIntervention, prefill_intervention_plan, prefill_positions, reaches_generation
 from .references import CaseRun, ReferenceTrajectory, run_case
 from .resume import RecordedReferences, first_changed_forward, resumed_case_run
+from .task import CalibrationTask
 from .verdicts import VerdictStore
 
 __all__ = [
@@ -67,11 +67,12 @@ def needs_generation(reference: ReferenceTrajectory, bucket: Bucket, stage: str,
 
 
 def intervention_runs(
-    entries: Sequence[BfclEntry],
+    task: CalibrationTask,
+    cases: Sequence,
     references: Sequence[ReferenceTrajectory],
     buckets: Sequence[Bucket],
     stage: str,
-    generate: Callable[[BfclEntry, ReferenceTrajectory, Bucket, Action], CaseRun],
+    generate: Callable[[object, ReferenceTrajectory, Bucket, Action], CaseRun],
     sink_tokens: int,
     window: int,
     progress: bool = False,
@@ -80,12 +81,12 @@ def intervention_runs(
     """Verdicts of every intervention ``(bucket, a)``, ``a ∈ {L, R}``, on every case.
 
     Args:
-        entries, references: the calibration cases and their reference trajectories (same order).
-        generate: ``(entry, reference, bucket, action) -> CaseRun`` of one intervened generation.
+        task, cases, references: the calibration cases (``task``'s) and their reference trajectories (same order).
+        generate: ``(case, reference, bucket, action) -> CaseRun`` of one intervened generation.
         store: verdicts read before generating and written after (``None``: every needed case is generated).
     """
-    if len(entries) != len(references) or any(e.id != r.case_id for e, r in zip(entries, references)):
-        raise ValueError("entries and references must be the same cases in the same order")
+    if len(cases) != len(references) or any(task.case_id(c) != r.case_id for c, r in zip(cases, references)):
+        raise ValueError("cases and references must be the same cases in the same order")
     todo = [[needs_generation(ref, bucket, stage, sink_tokens, window) for ref in references] for bucket in buckets]
     runs = InterventionRuns()
     total = sum(map(sum, todo)) * len(ACTIONS)
@@ -93,15 +94,15 @@ def intervention_runs(
     runs.verdicts = {(bucket, action): [] for bucket in buckets for action in ACTIONS}
     runs.generated = {(bucket, action): sum(needed) for bucket, needed in zip(buckets, todo) for action in ACTIONS}
     with tqdm(total=total, desc=f"runtime-V ({stage})", unit="gen", disable=not progress) as bar:
-        for case, (entry, reference) in enumerate(zip(entries, references)):  # case by case: one reference at a time
+        for index, (case, reference) in enumerate(zip(cases, references)):  # case by case: one reference at a time
             for bucket, needed in zip(buckets, todo):
                 for action in ACTIONS:
-                    if not needed[case]:
+                    if not needed[index]:
                         runs.verdicts[bucket, action].append(reference.valid)
                         continue
                     valid = None if store is None else store.get(reference, bucket, action)
                     if valid is None:
-                        valid = generate(entry, reference, bucket, action).valid
+                        valid = generate(case, reference, bucket, action).valid
                         if store is not None:
                             store.put(reference, bucket, action, valid)
                     else:
@@ -127,6 +128,7 @@ def task_sensitivity(
 def decode_generator(
     model,
     tokenizer,
+    task: CalibrationTask,
     costs: GroupCosts,
     max_new_tokens: int,
     sink_tokens: int,
@@ -142,33 +144,36 @@ def decode_generator(
     (`resumed_case_run`, the same generation): the case's reference is generated once more under the all-high policy
     to record its K/V (`RecordedReferences`), and a case it does not reproduce, or a model with sliding layers, is
     generated in full."""
-    recorded = RecordedReferences(
-        model, tokenizer, PolicyTable.all_high(model, window=window, sink_tokens=sink_tokens), max_new_tokens
-    )
+    all_high = PolicyTable.all_high(model, family=task.family, window=window, sink_tokens=sink_tokens)
+    recorded = RecordedReferences(model, tokenizer, task, all_high, max_new_tokens)
 
-    def generate(entry: BfclEntry, reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> CaseRun:
+    def generate(case, reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> CaseRun:
         policy = BucketIntervention(costs, bucket, action, sink_tokens, window, tag_view, position_bins)
-        kv = recorded.get(entry, reference) if resume else None
+        kv = recorded.get(case, reference) if resume else None
         if kv is None:
-            return run_case(model, tokenizer, entry, policy, max_new_tokens)[0]
+            return run_case(model, tokenizer, task, case, policy, max_new_tokens)[0]
         forward = first_changed_forward(reference, bucket.key, window)
-        return resumed_case_run(model, tokenizer, entry, policy, max_new_tokens, kv, forward)
+        return resumed_case_run(model, tokenizer, task, case, policy, max_new_tokens, kv, forward)
 
     return generate
 
 
-def prefill_generator(model, tokenizer, reference_policy, max_new_tokens: int, resume: bool = True):
+def prefill_generator(
+    model, tokenizer, task: CalibrationTask, reference_policy, max_new_tokens: int, resume: bool = True
+):
     """``generate`` for `intervention_runs` of prefill buckets: decode all-high (``reference_policy``), the prompt
     under `prefill_intervention_plan`; with ``resume`` from forward 1 (the prompt forward is the reference's)."""
-    recorded = RecordedReferences(model, tokenizer, reference_policy, max_new_tokens)
+    recorded = RecordedReferences(model, tokenizer, task, reference_policy, max_new_tokens)
 
-    def generate(entry: BfclEntry, reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> CaseRun:
+    def generate(case, reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> CaseRun:
         plan = prefill_intervention_plan(
             reference, bucket, action, reference_policy.sink_tokens, reference_policy.window
         )
-        kv = recorded.get(entry, reference) if resume else None
+        kv = recorded.get(case, reference) if resume else None
         if kv is None:
-            return run_case(model, tokenizer, entry, reference_policy, max_new_tokens, prefill_plan=plan)[0]
-        return resumed_case_run(model, tokenizer, entry, reference_policy, max_new_tokens, kv, 1, prefill_plan=plan)
+            return run_case(model, tokenizer, task, case, reference_policy, max_new_tokens, prefill_plan=plan)[0]
+        return resumed_case_run(
+            model, tokenizer, task, case, reference_policy, max_new_tokens, kv, 1, prefill_plan=plan
+        )
 
     return generate

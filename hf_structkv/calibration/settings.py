@@ -1,0 +1,91 @@
+"""`CalibrationSettings`: what a calibration run is parameterised by (validated once, recorded in the card)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..policy.costs import check_group_count
+from ..policy.table import DEFAULT_SINK_TOKENS, DEFAULT_WINDOW
+from ..structure.tags import TAG_VIEWS
+from ..validation import check_int
+from .floors import DEFAULT_THRESHOLDS, check_thresholds
+from .reserve import DEFAULT_RESERVE_HORIZON, DEFAULT_RESERVE_QUANTILE
+from .selection import dev_candidate_indices
+
+__all__ = ["STAGES", "STAGE_CHOICES", "CalibrationSettings", "settings_json"]
+
+STAGES = ("decode", "prefill")
+STAGE_CHOICES = (("decode", "prefill"), ("decode",), ("prefill",))
+"""Both stages, the decode table only, or the prefill companion only (it runs with decode all-high either way)."""
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """What a calibration run is parameterised by (all recorded in the card).
+
+    Attributes:
+        max_new_tokens: generation cap of every run (reference, interventions, development).
+        window, sink_tokens: the recent window and sinks of the calibrated table (and of every run).
+        thresholds: the threshold pairs ``τ = (τ_low, τ_high)``, one greedy path each.
+        alpha_decode, alpha_prefill: development tolerances ``α_D``, ``α_P``.
+        reserve_horizon, reserve_quantile: ``K`` and ``β`` of the reserve.
+        max_dev_candidates: candidates evaluated per path (`dev_candidate_indices`); ``None`` = all.
+        stages: one of `STAGE_CHOICES`: ``("decode", "prefill")``, ``("decode",)`` or ``("prefill",)``. The prefill
+            stage holds decode all-high (D.8), so it can be calibrated on its own and served next to any decode table.
+        tag_view: what the parser tells the cache in every run and the calibrated table (`TAG_VIEWS`): ``"full"``,
+            or a structural ablation of PASK Fig. 5 (``"no_role"``, ``"no_class"``, ``"no_state_lookahead"``, or
+            ``"position_bins"``: no parser transitions, each token tagged by its position bin, the bins made from the
+            calibration references' lengths by `position_bin_starts`).
+        layer_groups: 3 (A.2), or 1 for the Fig. 5 "no layer groups" ablation: one bucket per tag covering every
+            layer, so a token's action is tied across depth (decode stage only: the prefill companion keeps 3).
+        seed: seeds torch (greedy decoding is deterministic; the split seed is the caller's).
+    """
+
+    max_new_tokens: int = 128
+    window: int = DEFAULT_WINDOW
+    sink_tokens: int = DEFAULT_SINK_TOKENS
+    thresholds: tuple[tuple[float, float], ...] = DEFAULT_THRESHOLDS
+    alpha_decode: float = 0.05
+    alpha_prefill: float = 0.02
+    reserve_horizon: int = DEFAULT_RESERVE_HORIZON
+    reserve_quantile: float = DEFAULT_RESERVE_QUANTILE
+    max_dev_candidates: int | None = None
+    stages: tuple[str, ...] = STAGES
+    seed: int = 0
+    tag_view: str = "full"
+    layer_groups: int = 3
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "thresholds", check_thresholds(self.thresholds))
+        check_int("max_new_tokens", self.max_new_tokens, 1)
+        check_int("window", self.window, 1)
+        check_int("sink_tokens", self.sink_tokens, 0)
+        for name in ("alpha_decode", "alpha_prefill"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
+        if tuple(self.stages) not in STAGE_CHOICES:
+            raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {self.stages!r}")
+        object.__setattr__(self, "stages", tuple(self.stages))
+        dev_candidate_indices(1, self.max_dev_candidates)  # validates max_dev_candidates
+        if self.tag_view not in TAG_VIEWS:
+            raise ValueError(f"tag_view must be one of {TAG_VIEWS}, got {self.tag_view!r}")
+        check_group_count(self.layer_groups)
+        if self.layer_groups != 3 and "prefill" in self.stages:
+            raise ValueError(
+                "layer_groups=1 (the no-layer-groups ablation) calibrates the decode table only: pass "
+                "stages=('decode',) (CLI: --decode-only)"
+            )
+        if self.tag_view != "full" and "decode" not in self.stages:
+            raise ValueError(
+                f"tag_view={self.tag_view!r} is an ablation of the decode table; a prefill-only run "
+                "(stages=('prefill',)) uses tag_view='full'"
+            )
+
+
+def settings_json(settings: CalibrationSettings) -> dict[str, Any]:
+    """``settings`` as the report and the cards record them (JSON lists for the tuples)."""
+    values = {name: getattr(settings, name) for name in settings.__dataclass_fields__}
+    values["thresholds"] = [list(pair) for pair in settings.thresholds]
+    values["stages"] = list(settings.stages)
+    return values
