@@ -5,33 +5,114 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 
 from .compaction.settings import METHODS, QUERY_TIERS
 from .prompts import question_text
+from .validation import int_option
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RUNTIME_ERRORS = (ValueError, TypeError, OSError)
+"""What the library raises for bad input or unreadable files: printed as one ``hf-structkv: error:`` line (exit 2)
+unless ``--debug`` asks for the traceback."""
 
 
 def load_model(name: str, dtype: torch.dtype):
-    """``default`` = the embedded Qwen2.5-Coder-0.5B-Instruct; otherwise a local transformers model folder."""
+    """``default`` = the embedded Qwen2.5-Coder-0.5B-Instruct; otherwise a local transformers model folder, or a Hub
+    model id already in the local cache.
+
+    Raises:
+        OSError: ``name`` is a Hub model id missing from the local cache (or the folder's files cannot be read).
+    """
     if name == "default":
         from .models import load_default_model
 
         return load_default_model(dtype=dtype)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=True).eval()
-    return model, AutoTokenizer.from_pretrained(name, local_files_only=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=True).eval()
+        return model, AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except OSError as err:
+        if Path(name).is_dir():
+            raise
+        raise OSError(
+            f"--model {name!r} is no local folder and is not in the local Hugging Face cache (models are never "
+            f"downloaded here): pass a folder, or download it first (hf download {name})"
+        ) from err
+
+
+def model_name(text: str) -> str:
+    """``--model``: ``default``, an existing folder, or a Hub model id (read from the local cache only); a path that
+    does not exist is refused at once."""
+    if text == "default" or Path(text).is_dir():
+        return text
+    if Path(text).exists():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; pass 'default' or a local transformers model folder")
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} does not exist; pass 'default' or a local transformers model folder"
+        ) from None
+    return text
+
+
+def question(text: str) -> str:
+    """``--question``: a text with something besides white space."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must hold a question, got {text!r}")
+    return text
+
+
+def read_text_file(option: str, name: str) -> str:
+    """The UTF-8 text of the file ``name`` given to ``option``.
+
+    Raises:
+        ValueError: naming ``option`` and the file: it is not a file, not UTF-8, or holds only white space.
+    """
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(f"{option} {name!r} is not a file; pass a UTF-8 text file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{option} {name!r} is not UTF-8 text ({err.reason} at byte {err.start}); pass a UTF-8 text file"
+        ) from None
+    if not text.strip():
+        raise ValueError(f"{option} {name!r} is empty; it must hold the text to read")
+    return text
+
+
+def check_out(out: str) -> None:
+    """``--out`` names a folder that exists or can be made and written: checked before any work.
+
+    Raises:
+        ValueError: ``out`` is an existing file, lies under a file, or its nearest existing folder is not writable.
+    """
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {out!r} is an existing file; pass a folder (it is made when missing)")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"--out {out!r} lies under the file {str(existing)!r}; pass a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out!r}: {str(existing)!r} is not writable; pass a folder you can write")
 
 
 def read_context(args) -> str:
     if args.context_file:
-        return Path(args.context_file).read_text(encoding="utf-8")
+        return read_text_file("--context-file", args.context_file)
     from .eval.squad import squad_document
 
     return squad_document(args.squad_article, args.squad_paragraphs).text
@@ -115,7 +196,7 @@ def cmd_head_budgets(args) -> int:
 
     if args.text_file:
         names = list(args.text_file)
-        texts = [Path(name).read_text(encoding="utf-8") for name in names]
+        texts = [read_text_file("--text-file", name) for name in names]
     else:
         names = list(args.squad_article or CALIBRATION_ARTICLES)
         texts = [squad_document(name, args.squad_paragraphs or CALIBRATION_PARAGRAPHS).text for name in names]
@@ -181,17 +262,28 @@ def cmd_calibrate(args) -> int:
 
 
 def _fractions(text: str) -> list[float]:
-    return [float(part) for part in text.split(",")]
+    try:
+        return [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes comma-separated numbers (e.g. 0,0.02,0.1), got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-structkv", description="Smaller KV caches for transformers: compacted reusable contexts."
     )
+    parser.add_argument(
+        "--debug", action="store_true", help="show the full traceback of an error (before the command's name)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     def model_options(p):
-        p.add_argument("--model", default="default", help="'default' (embedded Qwen2.5-Coder-0.5B) or a local folder")
+        p.add_argument(
+            "--model",
+            default="default",
+            type=model_name,
+            help="'default' (embedded Qwen2.5-Coder-0.5B) or a local folder",
+        )
         p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
 
     def compaction_options(p):
@@ -202,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
             action="store_true",
             help="calibrate layer l with layers < l already compacted (the paper's setting; blocks replayed)",
         )
-        p.add_argument("--query-cap", type=int, default=4096, help="calibration queries per KV head")
+        p.add_argument("--query-cap", type=int_option(1), default=4096, help="calibration queries per KV head")
         p.add_argument(
             "--queries",
             default="repeat",
@@ -218,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument(
             "--chunk-tokens",
-            type=int,
+            type=int_option(1),
             default=None,
             help="compact the context in chunks of at most this many tokens (default: one chunk)",
         )
@@ -234,7 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     source = compact_p.add_mutually_exclusive_group()
     source.add_argument("--context-file", help="UTF-8 text file holding the context")
     source.add_argument("--squad-article", default="Normans", help="a SQuAD dev article title (default: Normans)")
-    compact_p.add_argument("--squad-paragraphs", type=int, default=20, help="paragraphs of the article to use")
+    compact_p.add_argument(
+        "--squad-paragraphs", type=int_option(1), default=20, help="paragraphs of the article to use"
+    )
     compaction_options(compact_p)
     compact_p.add_argument("--out", required=True, help="folder to write cache.safetensors, config.json, README.md")
     compact_p.add_argument("--push", metavar="REPO_ID", help="also push to this Hub repository")
@@ -244,8 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen_p = sub.add_parser("generate", help="answer questions from a saved compacted cache")
     model_options(gen_p)
     gen_p.add_argument("--cache", required=True, help="a saved cache folder or Hub repository id")
-    gen_p.add_argument("--question", action="append", required=True, help="question text (repeatable)")
-    gen_p.add_argument("--max-new-tokens", type=int, default=48)
+    gen_p.add_argument("--question", action="append", required=True, type=question, help="question text (repeatable)")
+    gen_p.add_argument("--max-new-tokens", type=int_option(1), default=48)
     gen_p.set_defaults(func=cmd_generate)
 
     info_p = sub.add_parser("info", help="print a saved cache's metadata and bytes")
@@ -279,7 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     texts.add_argument(
         "--squad-article", action="append", help="SQuAD dev article title (repeatable; default: Force, Prime_number)"
     )
-    budgets_p.add_argument("--squad-paragraphs", type=int, help="paragraphs of each article to use (default: 5)")
+    budgets_p.add_argument(
+        "--squad-paragraphs", type=int_option(1), help="paragraphs of each article to use (default: 5)"
+    )
     budgets_p.add_argument(
         "--fractions",
         type=_fractions,
@@ -287,10 +383,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     budgets_p.add_argument("--method", default="kv_surgeon", choices=METHODS, help="per-head compaction method")
     budgets_p.add_argument(
-        "--quotes", type=int, default=0, help="exact-lookup references per text (sentences continued verbatim)"
+        "--quotes",
+        type=int_option(0),
+        default=0,
+        help="exact-lookup references per text (sentences continued verbatim)",
     )
-    budgets_p.add_argument("--max-answer-tokens", type=int, default=48, help="length of each reference answer")
-    budgets_p.add_argument("--query-cap", type=int, default=4096, help="calibration queries per KV head")
+    budgets_p.add_argument(
+        "--max-answer-tokens", type=int_option(1), default=48, help="length of each reference answer"
+    )
+    budgets_p.add_argument("--query-cap", type=int_option(1), default=4096, help="calibration queries per KV head")
     budgets_p.add_argument("--out", required=True, help="folder to write config.json and README.md")
     budgets_p.add_argument("--push", metavar="REPO_ID", help="also push to this Hub repository")
     budgets_p.add_argument("--private", action="store_true", help="create the Hub repository private")
@@ -306,8 +407,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command; bad arguments exit 2 from the parser, a runtime error (`RUNTIME_ERRORS`) prints one line
+    ``hf-structkv: error: ...`` and returns 2 (``--debug``: raised with its traceback)."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        if getattr(args, "out", None) is not None:
+            check_out(args.out)
+        return args.func(args)
+    except RUNTIME_ERRORS as err:
+        if args.debug:
+            raise
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"hf-structkv: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

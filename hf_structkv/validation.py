@@ -7,11 +7,13 @@ A value that is not an integer raises ``TypeError``; an integer outside the rang
 
 from __future__ import annotations
 
+import argparse
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["check_bool", "check_int", "is_int", "is_number"]
+__all__ = ["check_bool", "check_int", "int_option", "is_int", "is_number"]
 
 
 def is_int(value: Any) -> bool:
@@ -72,3 +74,19 @@ def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")
     return value
+
+
+def int_option(minimum: int) -> Callable[[str], int]:
+    """An ``argparse`` ``type`` reading an integer >= ``minimum``: the parser refuses anything else with
+    ``argument --NAME: must be an integer >= minimum, got 'text'`` (and exit status 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse

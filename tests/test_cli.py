@@ -106,7 +106,7 @@ def test_help_exits_0_and_lists_the_options(capsys, command, options):
         (["generate", "--cache", "x"], r"the following arguments are required: --question"),
         (["info"], r"the following arguments are required: cache"),
         (["compact", "--out", "x", "--queries", "ruler"], r"argument --queries: invalid choice: 'ruler'"),
-        (["compact", "--out", "x", "--chunk-tokens", "1.5"], r"argument --chunk-tokens: invalid int value"),
+        (["compact", "--out", "x", "--chunk-tokens", "1.5"], r"argument --chunk-tokens: must be an integer >= 1"),
         ([], r"the following arguments are required: command"),
     ],
 )
