@@ -160,7 +160,7 @@ def test_shares_are_normalised_and_validated():
     for weights, message in cases:
         with pytest.raises(ValueError, match=message):
             HeadBudgets(weights, fingerprint)
-    with pytest.raises(ValueError, match="fingerprint must be a model fingerprint"):
+    with pytest.raises(ValueError, match=r"fingerprint lacks the fields \[.num_hidden_layers.,"):
         HeadBudgets({0: [1.0, 1.0]}, {"model_type": "llama"})
 
 
@@ -206,8 +206,19 @@ def edit_config(folder: Path, change) -> None:
         (lambda c: c.update(weights={"first": [1, 1]}), "must map global layer indices"),
         (lambda c: c["weights"].pop("1"), "one entry per global layer"),
         (lambda c: c["weights"].update({"0": [1.0, "x"]}), r"weights\[0\] must list 2 finite shares"),
-        (lambda c: c["fingerprint"].pop("head_dim"), "fingerprint must be a model fingerprint"),
-        (lambda c: c.update(provenance=[1]), "provenance must be a dict"),
+        (lambda c: c["fingerprint"].pop("head_dim"), r"fingerprint lacks the fields \['head_dim'\]"),
+        (lambda c: c.update(provenance=[1]), "provenance in .* must be a JSON object"),
+        # issue 34: sizes bounded before anything is allocated, wrong JSON types named, no silent override
+        (lambda c: c["fingerprint"].update(num_hidden_layers=10**8), r"num_hidden_layers in .* \[1, 1024\]"),
+        (lambda c: c["fingerprint"].update(num_key_value_heads=[2]), r"num_key_value_heads in .* got \[2\]"),
+        (lambda c: c["fingerprint"].update(layer_types="x"), "layer_types in .* one type name per layer"),
+        (lambda c: c["fingerprint"].update(layer_types=[]), "layer_types in .* one type name per layer"),
+        (lambda c: c.update(fingerprint=[]), "fingerprint must be a JSON object"),
+        (lambda c: c["weights"].update({"00": [5.0, 5.0]}), r"plain decimals .*'00'"),
+        (lambda c: c["weights"].update({"0": [1e308, 1e308]}), "weights sum beyond the float range"),
+        (lambda c: c.update(format_version=True), "unknown format_version True"),
+        (lambda c: c.update(format_version=1.0), "unknown format_version 1.0"),
+        (lambda c: c.update(cap_fraction=[0.75]), r"cap_fraction .* must be 0.75, got \[0.75\]"),
     ],
 )
 def test_load_rejects_invalid_files(saved, change, message):

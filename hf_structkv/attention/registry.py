@@ -4,9 +4,15 @@ Nothing is registered at import: ``enable(model)`` registers (idempotently) and 
 ordinary caches the function is transformers' own SDPA path and its mask is transformers' ``sdpa_mask`` (sliding
 windows over padded rows measured in positions, see ``masks``), so an enabled model behaves as the stock ``"sdpa"``
 implementation; for a compacted layer it serves the compacted prefix with its biases.
+
+With the environment variable ``HF_STRUCTKV_DEBUG=1`` every output served over a compacted or mixed-precision cache is
+checked for NaN and inf (one reduction per layer and step), so a cache that the checks at load could not catch fails
+at the layer that produced the bad value instead of as wrong tokens.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
@@ -19,6 +25,17 @@ from .kwargs import MIXED_KWARG, PREFIX_KWARG
 from .masks import structkv_mask
 
 ATTENTION_NAME = "hf_structkv"
+DEBUG_VARIABLE = "HF_STRUCTKV_DEBUG"
+
+
+def _checked(out: torch.Tensor, module: torch.nn.Module, cache: str) -> tuple[torch.Tensor, None]:
+    """``(out, None)``; under ``HF_STRUCTKV_DEBUG=1``, after checking that ``out`` is finite."""
+    if os.environ.get(DEBUG_VARIABLE) == "1" and not torch.isfinite(out).all():
+        raise ValueError(
+            f"the attention output of layer {getattr(module, 'layer_idx', '?')} over the {cache} cache holds NaN or "
+            f"inf ({DEBUG_VARIABLE}=1): the cache holds values this model cannot serve"
+        )
+    return out, None
 
 
 def structkv_attention(
@@ -50,7 +67,7 @@ def structkv_attention(
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         out = mixed_precision_attention_for(query)(query, partitions, scaling=scaling, softcap=kwargs.get("softcap"))
         mixed_layer.record_attention(query, partitions, scaling, kwargs.get("softcap"), module)  # no-op unless asked
-        return out, None
+        return _checked(out, module, "mixed-precision")
     prefix_layer = kwargs.pop(PREFIX_KWARG, None)
     if prefix_layer is None:
         return sdpa_attention_forward(
@@ -64,12 +81,12 @@ def structkv_attention(
         raise NotImplementedError("attention sinks (s_aux) are not supported with a compacted cache")
     out = compacted_attention_for(query)(
         query,
-        CompactedPrefix(*prefix_layer.read_prefix()),
+        CompactedPrefix(*prefix_layer.read_prefix(module)),
         AppendedTokens(key, value, attention_mask),
         scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
         softcap=kwargs.get("softcap"),
     )
-    return out, None
+    return _checked(out, module, "compacted")
 
 
 def register() -> None:

@@ -48,6 +48,9 @@ class CompactedCache(SavedArtifact, Cache):
         self.original_length = lengths.pop()
         self.metadata = dict(metadata or {})
         self._last_updated_layer: int | None = None
+        fingerprint = self.metadata.get("fingerprint")
+        for layer in self.layers:  # checked by the attention function at the first forward (check_served_by)
+            layer.expected_model = (fingerprint if isinstance(fingerprint, dict) else None, len(self.layers))
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -75,8 +78,12 @@ class CompactedCache(SavedArtifact, Cache):
             raise TypeError(
                 f"cache must be a transformers Cache prefilled with the context, got {type(cache).__name__}"
             )
-        if len(indices) != len(cache.layers):
-            raise ValueError(f"indices has {len(indices)} layers, the cache has {len(cache.layers)}")
+        for name, per_layer in (("indices", indices), ("biases", biases), ("values", values)):
+            if per_layer is not None and len(per_layer) != len(cache.layers):
+                raise ValueError(
+                    f"{name} has {len(per_layer)} layers, the cache has {len(cache.layers)}: give one entry per layer "
+                    "(None for a sliding-window layer)"
+                )
         original_length = cache.get_seq_length()
         if original_length == 0:
             raise ValueError("cache is empty: prefill it with the context first (model(ids, cache=cache))")
@@ -109,6 +116,11 @@ class CompactedCache(SavedArtifact, Cache):
     # ------------------------------------------------------------------ serving
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         self._check_prefix_was_served()
+        if layer_idx >= len(self.layers):
+            raise ValueError(
+                f"this cache was built for another model: num_hidden_layers is {len(self.layers)} in the cache but "
+                f"the given model has a layer {layer_idx}"
+            )
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if isinstance(self.layers[layer_idx], CompactedLayer):
             self._last_updated_layer = layer_idx
@@ -194,6 +206,9 @@ def _select_layer(
             f"indices[{layer_idx}] must list one LongTensor per KV head ({n_heads}), got "
             f"{None if head_indices is None else len(head_indices)}"
         )
+    for name, per_head in (("biases", head_biases), ("values", head_values)):
+        if per_head is not None and len(per_head) != n_heads:
+            raise ValueError(f"{name}[{layer_idx}] must list one tensor per KV head ({n_heads}), got {len(per_head)}")
     kept_keys, kept_values, kept_bias, lengths = [], [], [], []
     for h in range(n_heads):
         where = f"indices[{layer_idx}][{h}]"

@@ -8,11 +8,13 @@ appended part and leaves the context as it was loaded.
 from __future__ import annotations
 
 from abc import abstractmethod
+from typing import Any
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..attention.kwargs import PREFIX_KWARG
+from ..persistence import check_same_model, config_fingerprint
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
@@ -34,16 +36,26 @@ class ContextLayer(CacheLayerMixin):
         self.original_length = int(original_length)
         self.num_kv_heads = int(num_kv_heads)
         self.device = device
+        self.expected_model: tuple[dict[str, Any] | None, int] = (None, 0)
+        self._checked_config: Any = None
+
+    def head_dim(self) -> int:
+        """The key width ``D`` of the stored context."""
+        return self.context_tensors()[0].shape[-1]
 
     def appended_length(self) -> int:
         return 0 if self.keys is None else self.keys.shape[-2]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        if key_states.shape[1] != self.num_kv_heads:
-            raise ValueError(
-                f"the model gives {key_states.shape[1]} KV heads but the cache layer holds {self.num_kv_heads}: "
-                "this cache was built for another model"
-            )
+        for field, got, held in (
+            ("num_key_value_heads", key_states.shape[1], self.num_kv_heads),
+            ("head_dim", key_states.shape[-1], self.head_dim()),
+        ):
+            if got != held:
+                raise ValueError(
+                    f"this cache was built for another model: {field} is {held} in the cache but {got} in the "
+                    "given model"
+                )
         self.keys = key_states[..., :0, :]
         self.values = value_states[..., :0, :]
         self.is_initialized = True
@@ -57,6 +69,30 @@ class ContextLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return self.original_length + self.appended_length()
+
+    def check_served_by(self, module: torch.nn.Module) -> None:
+        """Raise ``ValueError`` unless the model of the attention ``module`` (its ``config``) is the one this layer's
+        cache was built for: its fingerprint's structure (``expected_model[0]``, when recorded: the message of
+        ``CompactedCache.from_pretrained(..., model=)``), its layer count (``expected_model[1]``), this layer's KV
+        heads and head dim. Checked once per model config."""
+        config = getattr(module, "config", None)
+        if config is None or config is self._checked_config:
+            return
+        current = config_fingerprint(config)
+        fingerprint, num_layers = self.expected_model
+        if fingerprint is not None:
+            check_same_model(fingerprint, current)
+        for field, held in (
+            ("num_hidden_layers", num_layers),
+            ("num_key_value_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim()),
+        ):
+            if current[field] != held:
+                raise ValueError(
+                    f"this cache was built for another model: {field} is {held} in the cache but {current[field]} "
+                    f"in the given model ({current['model_type']})"
+                )
+        self._checked_config = config
 
     def get_max_length(self) -> int:
         return -1
@@ -171,9 +207,11 @@ class CompactedLayer(ContextLayer):
         self.awaiting_attention = True
         return self.keys, self.values
 
-    def read_prefix(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-        """Called by the attention function: the prefix tensors and the offsets as Python ints."""
+    def read_prefix(self, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """Called by the attention function of ``module``: the prefix tensors and the offsets as Python ints, after
+        checking that ``module``'s model is the one the cache was built for (`check_served_by`)."""
         self.awaiting_attention = False
+        self.check_served_by(module)
         return self.prefix_keys, self.prefix_values, self.prefix_bias, self._offsets_list
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -20,6 +20,7 @@ import importlib.resources
 import json
 import math
 import numbers
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,13 +30,15 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..persistence import (
     CARD_NAME,
-    STRUCTURE_FIELDS,
     SavedArtifact,
     base_model,
     card_front_matter,
+    check_fingerprint,
+    check_format_version,
     check_same_model,
     check_same_tokenizer,
     model_fingerprint,
+    read_json_object,
     write_text_file,
 )
 from ..validation import check_int
@@ -57,6 +60,7 @@ CAP_FRACTION = 0.75
 BUDGETS_NAME = "head_budgets.json"
 LEGACY_BUDGETS_NAME = "config.json"  # the file name before the rename: it collided with a CompactedCache's
 DEFAULT_MODEL_BUDGETS = "qwen2.5-coder-0.5b-instruct"
+_LAYER_KEY = re.compile(r"0|[1-9][0-9]{0,5}")  # a layer index as JSON keys spell it: no sign, no leading zero
 
 
 # ---------------------------------------------------------------------------------------------------- allocation
@@ -138,11 +142,7 @@ class HeadBudgets(SavedArtifact):
     SAVED_FILES: ClassVar[tuple[str, ...]] = (BUDGETS_NAME, LEGACY_BUDGETS_NAME, CARD_NAME)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.fingerprint, dict) or any(name not in self.fingerprint for name in STRUCTURE_FIELDS):
-            raise ValueError(
-                f"fingerprint must be a model fingerprint with the fields {list(STRUCTURE_FIELDS)} "
-                "(hf_structkv.persistence.model_fingerprint(model))"
-            )
+        check_fingerprint(self.fingerprint, "the head budgets' fingerprint")  # sizes bounded before anything is built
         if not isinstance(self.provenance, dict):
             raise TypeError(f"provenance must be a dict, got {type(self.provenance).__name__}")
         if not isinstance(self.weights, dict):
@@ -163,7 +163,12 @@ class HeadBudgets(SavedArtifact):
                 raise ValueError(
                     f"weights[{layer}] must list {heads} finite shares >= 0 (one per KV head), got {shares!r}"
                 )
-        total = math.fsum(s for layer in layers for s in self.weights[layer])
+        try:
+            total = math.fsum(s for layer in layers for s in self.weights[layer])
+        except OverflowError:
+            total = math.inf
+        if not math.isfinite(total):
+            raise ValueError("weights sum beyond the float range: scale the shares down (only their ratios matter)")
         if total <= 0:
             raise ValueError("weights are all zero: at least one KV head needs a positive share")
         scale = 1.0 if abs(total - 1.0) <= 1e-12 else total  # already normalised shares stay bit-identical
@@ -249,16 +254,19 @@ class HeadBudgets(SavedArtifact):
         if not isinstance(config, dict) or config.get("format") != FORMAT_NAME:
             found = config.get("format") if isinstance(config, dict) else type(config).__name__
             raise ValueError(f"{source} is not a head-budget file (format {found!r}, expected {FORMAT_NAME!r})")
-        if config.get("format_version") != FORMAT_VERSION:
-            raise ValueError(
-                f"unknown format_version {config.get('format_version')!r} in {source} (this hf_structkv {__version__} "
-                f"reads format {FORMAT_VERSION}); a newer hf_structkv may read it"
-            )
-        if config.get("cap_fraction") != CAP_FRACTION:
-            raise ValueError(f"cap_fraction in {source} must be {CAP_FRACTION}, got {config.get('cap_fraction')!r}")
+        check_format_version(config.get("format_version"), FORMAT_VERSION, source)
+        cap = config.get("cap_fraction")
+        if not is_real(cap) or cap != CAP_FRACTION:
+            raise ValueError(f"cap_fraction in {source} must be {CAP_FRACTION}, got {cap!r}")
         weights = config.get("weights")
-        if not isinstance(weights, dict) or not all(isinstance(k, str) and k.isdigit() for k in weights):
-            raise ValueError(f"weights in {source} must map global layer indices ('0', '1', ...) to share lists")
+        if not isinstance(weights, dict) or not all(isinstance(k, str) and _LAYER_KEY.fullmatch(k) for k in weights):
+            keys = sorted(map(str, weights))[:8] if isinstance(weights, dict) else weights
+            raise ValueError(
+                f"weights in {source} must map global layer indices written as plain decimals ('0', '1', ..., not "
+                f"'00') to share lists, got {keys!r}"
+            )
+        if not isinstance(config.get("provenance", {}), dict):
+            raise ValueError(f"provenance in {source} must be a JSON object")
         try:
             budgets = cls(
                 {int(layer): shares for layer, shares in weights.items()},
@@ -301,10 +309,7 @@ class HeadBudgets(SavedArtifact):
             if not found:
                 raise ValueError(f"{source} holds no head budgets: {BUDGETS_NAME} is missing")
             file = found[0]
-        try:
-            config = json.loads(file.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"{file} is not valid JSON: {err}") from None
+        config = read_json_object(file.parent, file.name, "head-budget allocation")
         budgets = cls.from_config(config, model=model, source=str(file))
         if tokenizer is not None:
             check_same_tokenizer(budgets.fingerprint, tokenizer, what="head-budget allocation")

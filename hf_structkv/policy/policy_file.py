@@ -12,15 +12,15 @@ from typing import Any, ClassVar, TypeVar
 
 from ..persistence import (
     CARD_NAME,
-    STRUCTURE_FIELDS,
     SavedArtifact,
+    check_fingerprint,
     check_same_model,
     check_same_tokenizer,
     model_fingerprint,
     read_json_object,
     write_text_file,
 )
-from ..validation import is_int, is_number
+from ..validation import is_number
 from .costs import GroupCosts
 from .policy_json import json_object, json_text
 
@@ -68,16 +68,9 @@ class PolicyFile(SavedArtifact):
             return
         if not isinstance(self.fingerprint, Mapping):
             raise TypeError(f"fingerprint must be a dict or None, got {type(self.fingerprint).__name__}")
-        missing = [name for name in STRUCTURE_FIELDS if name not in self.fingerprint]
-        if missing:
-            raise ValueError(
-                f"the fingerprint lacks the fields {missing}; build it with "
-                "hf_structkv.persistence.model_fingerprint(model)"
-            )
+        check_fingerprint(dict(self.fingerprint), "the fingerprint")  # sizes bounded before use
         layers = self.fingerprint["num_hidden_layers"]
         kv_heads, head_dim = self.fingerprint["num_key_value_heads"], self.fingerprint["head_dim"]
-        if not all(is_int(v) and v > 0 for v in (layers, kv_heads, head_dim)):
-            raise ValueError("the fingerprint's num_hidden_layers, num_key_value_heads and head_dim must be positive")
         groups = len(self.costs.groups)
         if GroupCosts.from_dims([kv_heads] * layers, [head_dim] * layers, groups) != self.costs:
             raise ValueError(
@@ -100,6 +93,10 @@ class PolicyFile(SavedArtifact):
     def _records_from_json(cls, record: dict[str, Any]) -> dict[str, Any]:
         """The constructor keywords of the records in a parsed file (``thresholds`` and ``calibration`` must be JSON
         objects; the rest is checked by `_check_records`)."""
+        for name, kind in (("provenance", str), ("description", str), ("fingerprint", (dict, type(None)))):
+            if not isinstance(record[name], kind):
+                expected = "a JSON object or null" if name == "fingerprint" else "a string"
+                raise ValueError(f"{name} in {cls._FILE_NAME} must be {expected}, got {type(record[name]).__name__}")
         return {
             "thresholds": json_object(record["thresholds"], "thresholds", file_name=cls._FILE_NAME),
             "calibration": json_object(record["calibration"], "calibration", file_name=cls._FILE_NAME),

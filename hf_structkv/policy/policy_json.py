@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..persistence import FINGERPRINT_LIMITS
 from ..validation import is_int
 from .costs import Action, GroupCosts
 from .entries import UPGRADE_STEPS, PolicyEntry, is_score
@@ -78,10 +79,13 @@ def costs_to_json(costs: GroupCosts) -> dict[str, list]:
 def costs_from_json(value: Any) -> GroupCosts:
     value = json_object(value, "group_costs", ("layer_groups", "elements", "rows", "padding"))
     bounds = value["layer_groups"]
+    most = FINGERPRINT_LIMITS["num_hidden_layers"]
     if not isinstance(bounds, list) or not all(
-        isinstance(b, list) and len(b) == 2 and all(is_int(x) for x in b) for b in bounds
+        isinstance(b, list) and len(b) == 2 and all(is_int(x) and 0 <= x <= most for x in b) for b in bounds
     ):
-        raise ValueError(f"group_costs.layer_groups must list [start, stop) integer pairs, got {bounds!r}")
+        raise ValueError(
+            f"group_costs.layer_groups must list [start, stop) pairs of layer indices in [0, {most}], got {bounds!r}"
+        )
     lists = []
     for name in ("elements", "rows", "padding"):
         if not isinstance(value[name], list):

@@ -38,7 +38,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..persistence import CARD_NAME, base_model, card_front_matter, markdown_items, render_card
+from ..persistence import (
+    CARD_NAME,
+    base_model,
+    card_front_matter,
+    check_format_version,
+    markdown_items,
+    render_card,
+)
 from ..structure.prompt_spans import PROMPT_LABELS, label_prompt, token_labels
 from ..validation import check_int, is_number
 from ..version import __version__
@@ -174,11 +181,7 @@ class PrefillPolicy(PolicyFile):
         """
         if not isinstance(record, dict):
             raise ValueError(f"{PREFILL_POLICY_NAME} must hold a JSON object, got {type(record).__name__}")
-        if record.get("format_version") != FORMAT_VERSION:
-            raise ValueError(
-                f"unknown format_version {record.get('format_version')!r} in {PREFILL_POLICY_NAME} (this hf_structkv "
-                f"reads format {FORMAT_VERSION}); a newer hf_structkv may read it"
-            )
+        check_format_version(record.get("format_version"), FORMAT_VERSION, PREFILL_POLICY_NAME)
         unknown, missing = sorted(record.keys() - set(_JSON_FIELDS)), sorted(set(_JSON_FIELDS) - record.keys())
         if unknown or missing:
             raise ValueError(f"{PREFILL_POLICY_NAME} has unknown fields {unknown} and lacks the fields {missing}")

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from ..persistence import CARD_NAME, model_fingerprint
+from ..persistence import CARD_NAME, check_format_version, model_fingerprint
 from ..structure.tags import NEXT, ROLES, STATES, TAG_CLASSES, StructuralTag, check_tag_view, view_vocabulary
 from ..validation import is_int, is_number
 from ..version import __version__
@@ -392,17 +392,13 @@ class PolicyTable(PolicyFile, RetentionPolicy):
         """
         if not isinstance(record, dict):
             raise ValueError(f"{TABLE_NAME} must hold a JSON object, got {type(record).__name__}")
-        if record.get("format_version") != FORMAT_VERSION:
-            raise ValueError(
-                f"unknown format_version {record.get('format_version')!r} in {TABLE_NAME} (this hf_structkv "
-                f"{__version__} reads format {FORMAT_VERSION}); a newer hf_structkv may read it"
-            )
+        check_format_version(record.get("format_version"), FORMAT_VERSION, TABLE_NAME)
         required = set(_JSON_FIELDS) - set(_OPTIONAL_JSON_FIELDS)
         unknown, missing = sorted(record.keys() - set(_JSON_FIELDS)), sorted(required - record.keys())
         if unknown or missing:
             raise ValueError(f"{TABLE_NAME} has unknown fields {unknown} and lacks the fields {missing}")
         family = record["family"]
-        if family not in ROLES:
+        if not isinstance(family, str) or family not in ROLES:
             raise ValueError(f"family in {TABLE_NAME} must be one of {tuple(ROLES)}, got {family!r}")
         if record["vocabulary"] != _vocabulary(family):
             raise ValueError(
