@@ -11,12 +11,10 @@ import time
 from pathlib import Path
 
 import torch
-from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils import validate_repo_id
 
 from .compaction.settings import METHODS, QUERY_TIERS
 from .prompts import question_text
-from .validation import int_option
+from .validation import int_option, is_hub_id
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RUNTIME_ERRORS = (ValueError, TypeError, OSError)
@@ -56,12 +54,10 @@ def model_name(text: str) -> str:
         return text
     if Path(text).exists():
         raise argparse.ArgumentTypeError(f"{text!r} is a file; pass 'default' or a local transformers model folder")
-    try:
-        validate_repo_id(text)
-    except HFValidationError:
+    if not is_hub_id(text):
         raise argparse.ArgumentTypeError(
             f"{text!r} does not exist; pass 'default' or a local transformers model folder"
-        ) from None
+        )
     return text
 
 

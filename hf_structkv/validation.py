@@ -1,5 +1,6 @@
 """Integer- and flag-argument checks shared by the whole package, so every such argument is validated the same way
 and its error says the same thing: the argument's name, the allowed range, what the number counts, and the bad value.
+The command line reads integers with `int_option`; `is_hub_id` tells a name the Hub could hold from a local path.
 
 ``bool`` is not an integer here (``True`` is never a token count); NumPy and other ``numbers.Integral`` integers are.
 A value that is not an integer raises ``TypeError``; an integer outside the range raises ``ValueError``.
@@ -13,7 +14,10 @@ import numbers
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["check_bool", "check_int", "int_option", "is_int", "is_number"]
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+
+__all__ = ["check_bool", "check_int", "int_option", "is_hub_id", "is_int", "is_number"]
 
 
 def is_int(value: Any) -> bool:
@@ -90,3 +94,13 @@ def int_option(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def is_hub_id(text: str) -> bool:
+    """Whether ``text`` is spelled as a Hub repository id (``name`` or ``namespace/name``); a path such as
+    ``/data/x``, ``./x`` or ``a/b/c`` is not."""
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True

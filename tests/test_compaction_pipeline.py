@@ -464,10 +464,21 @@ class TestBudgetsRejectBadInput:
             compact(llama, None, context_ids(8), method="streaming_llm", budgets=3)
 
     @pytest.mark.parametrize(
-        "budgets", ["nope", "Uniform", "auto ", "budgets/head_budgets.json", "./nope", "a/b/c", "~/budgets", ""]
+        "budgets, message",
+        [
+            ("nope", "is no such keyword and no existing file or folder"),
+            ("Uniform", "is no such keyword"),
+            ("auto ", "is no such keyword"),
+            ("", "is no such keyword"),
+            ("budgets/head_budgets.json", "is neither an existing folder nor a Hub repository id: it names a file"),
+            ("./nope", "is neither an existing folder nor a Hub repository id: it is a local path"),
+            ("a/b/c", "is neither an existing folder nor a Hub repository id"),
+            ("~/budgets", "is neither an existing folder nor a Hub repository id: it is a local path"),
+        ],
     )
-    def test_a_string_that_is_no_keyword_path_or_repo_id_is_refused_locally(self, llama, monkeypatch, budgets):
-        """Issue 34: ``budgets="nope"`` asked the Hub ("check your internet connection"); now no request is made."""
+    def test_a_mistyped_keyword_or_path_is_refused_locally(self, llama, monkeypatch, budgets, message):
+        """Issue 34: ``budgets="nope"`` asked the Hub ("check your internet connection"); now no request is made,
+        and a word that is no keyword lists the accepted ones."""
         import huggingface_hub
 
         from hf_structkv.compaction import pipeline
@@ -477,17 +488,21 @@ class TestBudgetsRejectBadInput:
 
         monkeypatch.setattr(huggingface_hub, "snapshot_download", no_request)
         monkeypatch.setattr(pipeline, "prefill_context", no_request)  # refused before the prefill
-        expected = r"budgets must be one of \('auto', 'uniform'\), the path of a saved head-budgets folder or file, "
-        expected += rf"or a Hub repository id 'owner/name'; {re.escape(repr(budgets))} is no such keyword"
-        with pytest.raises(ValueError, match=expected):
+        if "keyword" in message:
+            message = (
+                r"budgets must be one of \('auto', 'uniform'\), the path of a saved head-budgets folder or file, or a "
+                rf"Hub repository id 'namespace/name'; {re.escape(repr(budgets))} {message}"
+            )
+        with pytest.raises(ValueError, match=message):
             compact(llama, None, context_ids(8), method="streaming_llm", budgets=budgets)
 
     def test_missing_file(self, llama, tmp_path):
         missing = tmp_path / "nope.json"
-        with pytest.raises(ValueError, match=f"{re.escape(repr(str(missing)))} is no such keyword, no existing path"):
-            compact(llama, None, context_ids(8), method="streaming_llm", budgets=missing)
-        with pytest.raises(ValueError, match="no existing path"):
-            compact(llama, None, context_ids(8), method="streaming_llm", budgets=str(missing))
+        for budgets in (missing, str(missing)):
+            with pytest.raises(ValueError, match=f"{re.escape(repr(str(missing)))} is neither an existing folder"):
+                compact(llama, None, context_ids(8), method="streaming_llm", budgets=budgets)
+        with pytest.raises(ValueError, match="'nope.json' is no such keyword and no existing file or folder"):
+            compact(llama, None, context_ids(8), method="streaming_llm", budgets="nope.json")
 
     @pytest.mark.parametrize("budgets", [FakeBudgets(shares=(1.0,)), FakeBudgets(layers=(0,))])
     def test_budgets_of_another_model(self, llama, budgets):

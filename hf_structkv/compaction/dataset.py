@@ -22,8 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils import validate_repo_id
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -31,7 +29,7 @@ from ..cache.compacted import CompactedCache
 from ..cache.compacted_files import CACHE_FILES, CONFIG_NAME
 from ..persistence import STRUCTURE_FIELDS, model_fingerprint
 from ..prompts import document_chat_parts
-from ..validation import check_bool, check_int
+from ..validation import check_bool, check_int, is_hub_id
 from .pipeline import compact
 from .self_study import SelfStudy
 
@@ -74,7 +72,7 @@ def load_rows(data: str | os.PathLike, split: str | None = None) -> datasets.Dat
         return _read_data_file(path, split)
     if path.is_dir() and ((path / "state.json").exists() or (path / "dataset_dict.json").exists()):
         return _one_split(datasets.load_from_disk(str(path)), split, str(path))
-    if not path.exists() and (path.suffix.lower() in DATA_FILE_BUILDERS or not _is_dataset_name(str(data))):
+    if not path.exists() and (path.suffix.lower() in DATA_FILE_BUILDERS or not is_hub_id(str(data))):
         raise ValueError(
             f"data {str(data)!r} does not exist: pass a {'/'.join(DATA_FILE_BUILDERS)} file, a folder written by "
             "save_to_disk, or the name of a dataset in the local Hugging Face cache"
@@ -96,15 +94,6 @@ def _read_data_file(path: Path, split: str | None) -> datasets.Dataset:
         raise ValueError(
             f"data file {str(path)!r} holds no rows readable as {builder}: {err.__cause__ or err}"
         ) from err
-
-
-def _is_dataset_name(text: str) -> bool:
-    """Whether ``text`` is spelled as a Hub dataset name (``name`` or ``owner/name``), not as a local path."""
-    try:
-        validate_repo_id(text)
-    except HFValidationError:
-        return False
-    return True
 
 
 def _one_split(loaded, split: str | None, where: str) -> datasets.Dataset:

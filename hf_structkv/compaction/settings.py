@@ -8,9 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils import validate_repo_id
-
 from ..validation import check_bool
 from .chunks import Context
 from .head_compaction import HEAD_METHODS
@@ -32,12 +29,14 @@ above 10 for LOO and AM-HAK on a SQuAD document at 10x), which the guard turns i
 
 def check_budgets(budgets: Any) -> None:
     """Check ``compact``'s ``budgets`` argument without reading anything: one of ``BUDGET_KEYWORDS``, an object with
-    ``token_budgets``, an existing path (a saved head-budgets folder or file) or a Hub repository id ``owner/name``
-    (a string that is neither, e.g. a mistyped keyword or path, is refused here instead of being asked of the Hub).
+    ``token_budgets``, or the path or Hub repository id (``namespace/name``) of saved head budgets. A word without
+    ``/`` that is neither a keyword nor an existing path (a mistyped keyword) is refused here, listing what is
+    accepted; a missing path with ``/`` is refused by ``HeadBudgets.load`` (`persistence.resolve_folder`), never asked
+    of the Hub either.
 
     Raises:
         TypeError: ``budgets`` is none of a string, a path or an object with ``token_budgets``.
-        ValueError: a string or path that is no keyword, no existing path and no ``owner/name`` repository id.
+        ValueError: a word that is no keyword and no existing path.
     """
     if callable(getattr(budgets, "token_budgets", None)):
         return
@@ -47,23 +46,12 @@ def check_budgets(budgets: Any) -> None:
             f"the path of a saved one or its Hub repository id, got {type(budgets).__name__}"
         )
     text = os.fspath(budgets)
-    if text in BUDGET_KEYWORDS or (text and Path(text).exists()) or (isinstance(budgets, str) and _is_hub_id(text)):
+    if text in BUDGET_KEYWORDS or "/" in text or (text and Path(text).exists()):
         return
     raise ValueError(
         f"budgets must be one of {BUDGET_KEYWORDS}, the path of a saved head-budgets folder or file, or a Hub "
-        f"repository id 'owner/name'; {text!r} is no such keyword, no existing path and no repository id"
+        f"repository id 'namespace/name'; {text!r} is no such keyword and no existing file or folder"
     )
-
-
-def _is_hub_id(text: str) -> bool:
-    """``owner/name`` that the Hub accepts, not a ``.json`` file name."""
-    if text.count("/") != 1 or text.endswith(".json"):
-        return False
-    try:
-        validate_repo_id(text)
-    except HFValidationError:
-        return False
-    return True
 
 
 @dataclass(frozen=True)
