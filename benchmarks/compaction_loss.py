@@ -20,6 +20,17 @@ the repeat tier and printed as met / not met.
 subsample the heads, ``--query-cap`` / ``--heldout-cap`` cap the queries, ``--methods`` / ``--ratios`` /
 ``--self-study-ratios`` shrink the grid).
 
+``--storage bf16 int4`` measures at ratios of **bytes** instead: keys and values are cast to BF16 (the cache a BF16
+model holds; this CPU runs the embedded model in FP32, whose cache would be twice the bytes), the byte budget of a head
+is ``floor(T (D_k + D_v) 2 / ratio)``, and each method keeps as many entries as its storage format fits in it
+(`StorageLayout`: BF16 keys and values, or INT4 codes with per-channel key scales and offsets per ``--key-groups``
+kept entries, FP32 biases and row offsets counted); INT4 variants are named ``<method>+int4/g<n>``. Their targets
+(median INT4 loss <= 0.75x BF16's at 20x and 50x, <= 1x at 10x, no head above 1.5x) are printed and stored under
+``int4_targets``:
+
+    python benchmarks/compaction_loss.py --storage bf16 int4 --key-groups none 32 --methods kv_surgeon \
+        --ratios 10 20 50 --self-study-ratios --threads 1 --out benchmarks/results/compaction_loss_int4.json
+
 ``--tiny`` runs the same code on a random tiny model with random text (a smoke test, numbers meaningless).
 """
 
@@ -49,6 +60,7 @@ from hf_structkv.compaction import (
     prefill_context,
     relative_loss,
 )
+from hf_structkv.compaction.head_storage import STORAGES, StorageLayout
 from hf_structkv.compaction.queries import cap_queries, repeat_pass_queries
 from hf_structkv.compaction.self_study import self_study_queries
 from hf_structkv.eval.squad import squad_document, squad_titles
@@ -60,6 +72,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helper
 from results_json import write_json  # noqa: E402
 
 TIERS = ("repeat", "self_study")
+STORAGE_DTYPE = torch.bfloat16  # --storage: keys and values as a BF16 cache holds them; ratios are of its bytes
+TARGET_INT4_MEDIAN = {10: 1.0, 20: 0.75, 50: 0.75}  # median int4 loss <= factor x bf16's, kv_surgeon, same bytes
+TARGET_INT4_WORST_HEAD = 1.5  # no head's int4 loss above 1.5x its bf16 loss
 TARGET_BEATS_LOO = 0.9  # at 10x, kv_surgeon beats loo on >= 90% of heads
 TARGET_TIME_FACTOR = 1.5  # at 50x, kv_surgeon's time per head <= 1.5x loo's
 SELF_STUDY_PLOTTED = ("kv_surgeon", "loo", "am_hak")
@@ -82,6 +97,32 @@ class Workload:
     question_ids: list[torch.Tensor]
     question_suffix: str
     source: dict
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compacted cache to measure: a method stored in one format (``key_group`` for INT4 keys)."""
+
+    method: str
+    storage: str = "bf16"
+    key_group: int | None = None
+
+    @property
+    def label(self) -> str:
+        """The method's name for BF16, ``"<method>+int4"`` (``"+int4/g<n>"`` with key groups of ``n``) for INT4."""
+        if self.storage == "bf16":
+            return self.method
+        return f"{self.method}+{self.storage}" + ("" if self.key_group is None else f"/g{self.key_group}")
+
+    def budget(self, length: int, ratio: float, dims: tuple[int, int] | None) -> tuple[int, int | None]:
+        """``(kept entries, byte budget)``: ``floor(T / ratio)`` entries (``dims`` None: ratios of entries), or the
+        most entries whose bytes fit ``floor(full BF16 bytes / ratio)`` (``dims = (D_k, D_v)``)."""
+        if dims is None:
+            return max(1, math.floor(length / ratio)), None
+        element = torch.empty(0, dtype=STORAGE_DTYPE).element_size()
+        nbytes = math.floor(length * sum(dims) * element / ratio)
+        layout = StorageLayout(self.storage, *dims, element_bytes=element, key_group=self.key_group)
+        return max(1, layout.entries_for(nbytes)), nbytes
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> torch.Tensor:
@@ -167,25 +208,45 @@ def selected_heads(cache, layer_stride: int, kv_heads: int | None) -> list[tuple
 
 
 def evaluate_heads(
-    cache, heads, calibration: dict, heldout: dict, ratios, methods, scalings: dict, seed: int, tier: str
+    cache,
+    heads,
+    calibration: dict,
+    heldout: dict,
+    ratios,
+    variants,
+    scalings: dict,
+    seed: int,
+    tier: str,
+    by_bytes: bool,
 ) -> list[dict]:
-    """Compact every head with every method at every ratio; one record per (head, ratio, method) with the held-out
-    loss of the served head and of plain eviction of the same support (bias 0, original values)."""
+    """Compact every head with every variant at every ratio; one record per (head, ratio, variant) with the held-out
+    loss of the served head and of plain eviction of the same support (bias 0, original values). ``by_bytes``: ratios
+    of bytes (keys and values cast to BF16 first), else of entries."""
     records = []
     length = cache.get_seq_length()
     for number, (layer, head) in enumerate(heads, start=1):
         keys, values = cache.layers[layer].keys[0, head], cache.layers[layer].values[0, head]
+        if by_bytes:
+            keys, values = keys.to(STORAGE_DTYPE), values.to(STORAGE_DTYPE)
+        dims = (keys.shape[1], values.shape[1]) if by_bytes else None
         fit, held = calibration[layer][head], heldout[layer][head]
         scaling = scalings.get(layer)
         started = time.perf_counter()
         for ratio in ratios:
-            budget = max(1, math.floor(length / ratio))
-            for method in methods:
+            for variant in variants:
+                budget, nbytes = variant.budget(length, ratio, dims)
                 start = time.perf_counter()
-                compacted = compact_head(keys, values, fit, budget, method, scaling, seed)
+                compacted = compact_head(
+                    keys, values, fit, budget, variant.method, scaling, seed, variant.storage, variant.key_group
+                )
                 seconds = time.perf_counter() - start
-                record = {"tier": tier, "ratio": ratio, "method": method, "layer": layer, "kv_head": head}
+                record = {"tier": tier, "ratio": ratio, "method": variant.label, "layer": layer, "kv_head": head}
                 record |= {"budget": budget, "seconds": seconds, "train_loss": compacted.train_loss}
+                if by_bytes:
+                    record |= {"byte_budget": nbytes, "bytes": compacted.nbytes(keys.shape[1])}
+                    record |= {"storage": variant.storage, "storage_used": compacted.storage}
+                    record |= {"key_group": variant.key_group, "storage_fallback": compacted.storage_fallback}
+                    record["kept"] = int(compacted.indices.numel())
                 record["heldout_loss"] = relative_loss(compacted, keys, held, values, scaling)
                 evicted = CompactedHead(compacted.indices, torch.zeros_like(compacted.bias), values[compacted.indices])
                 record["heldout_eviction_loss"] = relative_loss(evicted, keys, held, values, scaling)
@@ -193,6 +254,48 @@ def evaluate_heads(
         elapsed = time.perf_counter() - started
         print(f"  [{tier}] head {number}/{len(heads)} (layer {layer}, kv head {head}): {elapsed:.1f}s", flush=True)
     return records
+
+
+def storage_verdicts(records: list[dict], method: str = "kv_surgeon") -> list[dict]:
+    """The INT4 targets on the repeat tier, per INT4 variant of ``method`` against its BF16 at the same bytes: median
+    held-out loss at most `TARGET_INT4_MEDIAN` times BF16's at each ratio, and no head above `TARGET_INT4_WORST_HEAD`
+    times its BF16 loss; with the measured medians, worst head ratio and fallback share."""
+    repeat = [r for r in records if r["tier"] == "repeat" and r.get("storage") is not None]
+    losses = {(r["ratio"], r["method"], r["layer"], r["kv_head"]): r for r in repeat}
+    verdicts = []
+    for label in sorted({r["method"] for r in repeat if r["method"].startswith(f"{method}+")}):
+        for ratio in sorted({r["ratio"] for r in repeat}):
+            pairs = [
+                (row["heldout_loss"], losses[(ratio, method, layer, head)]["heldout_loss"], row["storage_fallback"])
+                for (r, m, layer, head), row in losses.items()
+                if r == ratio and m == label and (ratio, method, layer, head) in losses
+            ]
+            if not pairs:
+                continue
+            int4 = statistics.median(p[0] for p in pairs)
+            bf16 = statistics.median(p[1] for p in pairs)
+            worst = max(p[0] / p[1] if p[1] > 0 else (1.0 if p[0] == 0 else math.inf) for p in pairs)
+            factor = TARGET_INT4_MEDIAN.get(int(ratio)) if float(ratio).is_integer() else None
+            median_met = None if factor is None else int4 <= factor * bf16
+            verdicts.append(
+                {
+                    "target": f"{ratio:g}x bytes: {label} median <= {factor}x {method}'s, no head > "
+                    f"{TARGET_INT4_WORST_HEAD}x"
+                    if factor is not None
+                    else f"{ratio:g}x bytes: {label} vs {method} (no target at this ratio)",
+                    "variant": label,
+                    "ratio": ratio,
+                    "median_int4": int4,
+                    "median_bf16": bf16,
+                    "median_ratio": int4 / bf16 if bf16 > 0 else math.inf,
+                    "worst_head_ratio": worst,
+                    "fallback_share": statistics.fmean(p[2] for p in pairs),
+                    "heads": len(pairs),
+                    "measured": f"median {int4:.4f} vs {bf16:.4f} ({int4 / bf16:.2f}x), worst head {worst:.2f}x",
+                    "met": None if median_met is None else median_met and worst <= TARGET_INT4_WORST_HEAD,
+                }
+            )
+    return verdicts
 
 
 def summarize(records: list[dict]) -> dict:
@@ -376,6 +479,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--heldout-cap", type=int, default=4096, help="held-out queries per KV head")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--storage",
+        nargs="+",
+        default=None,
+        choices=STORAGES,
+        help="ratios of bytes (keys and values cast to BF16), each method stored in each format; default: ratios of "
+        "entries in the model's dtype",
+    )
+    parser.add_argument(
+        "--key-groups",
+        nargs="+",
+        default=["32"],
+        help="with --storage int4: kept entries per row of key scales, one variant each ('none': one row per head)",
+    )
     parser.add_argument("--tiny", action="store_true", help="random tiny model and random text (smoke test)")
     parser.add_argument("--out", default="benchmarks/results/compaction_loss.json")
     parser.add_argument("--plot", default=None, help="write the loss-vs-ratio plot (PNG) here")
@@ -385,6 +502,15 @@ def main(argv: list[str] | None = None) -> dict:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(not 1 <= ratio < math.inf for ratio in args.ratios + args.self_study_ratios):
         raise ValueError("--ratios and --self-study-ratios must be finite numbers >= 1")
+    key_groups = [None if group.lower() == "none" else int(group) for group in args.key_groups]
+    if any(group is not None and group < 1 for group in key_groups):
+        raise ValueError(f"--key-groups must be positive integers or 'none', got {args.key_groups}")
+    variants = [
+        Variant(method, storage, group)
+        for method in args.methods
+        for storage in args.storage or ["bf16"]
+        for group in (key_groups if storage == "int4" else [None])
+    ]
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
 
@@ -411,14 +537,28 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"calibration tier {tier!r}: {query_counts[tier]} queries per KV head")
         start = time.perf_counter()
         records += evaluate_heads(
-            cache, heads, calibration, heldout, tier_ratios[tier], args.methods, scalings, args.seed, tier
+            cache,
+            heads,
+            calibration,
+            heldout,
+            tier_ratios[tier],
+            variants,
+            scalings,
+            args.seed,
+            tier,
+            bool(args.storage),
         )
         tier_seconds[f"{tier}_compaction"] = time.perf_counter() - start
 
     summary = summarize(records)
     fractions = win_fractions(records)
     verdicts = target_verdicts(summary, fractions, args.ratios)
-    print_report(summary, fractions, verdicts, args.methods, sorted(set(args.ratios + args.self_study_ratios)))
+    labels = list(dict.fromkeys(variant.label for variant in variants))
+    print_report(summary, fractions, verdicts, labels, sorted(set(args.ratios + args.self_study_ratios)))
+    int4_verdicts = storage_verdicts(records)
+    for verdict in int4_verdicts:
+        state = {True: "MET", False: "NOT MET", None: "-"}[verdict["met"]]
+        print(f"- {verdict['target']}: {state} ({verdict['measured']}, fallback on {verdict['fallback_share']:.0%})")
     payload = {
         "settings": {key: value for key, value in vars(args).items() if key not in ("out", "plot")},
         "environment": {
@@ -434,13 +574,14 @@ def main(argv: list[str] | None = None) -> dict:
         "summary": summary,
         "kv_surgeon_beats": fractions,
         "targets": verdicts,
+        "int4_targets": int4_verdicts,
         "records": records,
     }
     payload = write_json(args.out, payload, started=started)
     print(f"wrote {args.out}")
     if args.plot:
         title = f"{payload['environment']['model']}, {length}-token context, {len(heads)} KV heads"
-        plot_losses(summary, args.methods, Path(args.plot), title)
+        plot_losses(summary, labels, Path(args.plot), title)
         print(f"wrote {args.plot}")
     return payload
 

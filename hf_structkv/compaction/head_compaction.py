@@ -1,5 +1,5 @@
-"""Per-KV-head compaction by name: ``compact_head(K, V, Q, t, method=...)`` -> `CompactedHead` (positions, biases,
-values).
+"""Per-KV-head compaction by name: ``compact_head(K, V, Q, t, method=..., storage=...)`` -> `CompactedHead` (positions,
+biases, values) or, stored in INT4, `QuantizedHead` (`quantized_refit`).
 
 Every method is one small class behind the `HeadMethod` interface (`head_method.py`), in the module of its family
 (``design/ALGORITHMS.md`` §1): `kv_surgeon` (KV-Surgeon and its no-compensation ablation), `score_eviction` (LOO,
@@ -17,8 +17,10 @@ from ..validation import check_int
 from .attention_matching import AttentionMatchingHAK, AttentionMatchingOMP
 from .head_method import HeadMethod, evict
 from .head_statistics import CompactedHead, HeadProblem
+from .head_storage import check_storage
 from .kv_merger import KVMerger
 from .kv_surgeon import KVSurgeon, KVSurgeonNoCompensation
+from .quantized_refit import compact_int4, in_dtype
 from .query_free import KeyNorm, QFilters, RandomSelection, StreamingLLMCompaction
 from .score_eviction import H2OCompaction, KVzip, LeaveOneOut, OBCache
 
@@ -56,9 +58,11 @@ def compact_head(
     method: str = "kv_surgeon",
     scaling: float | None = None,
     seed: int = 0,
+    storage: str = "bf16",
+    key_group: int | None = None,
     **hparams: object,
 ) -> CompactedHead:
-    """Compact one KV head to ``min(budget, T)`` entries.
+    """Compact one KV head to ``min(budget, T)`` entries, stored in the values' dtype or in INT4.
 
     Args:
         keys: ``[T, D]`` post-RoPE keys of the head.
@@ -69,10 +73,17 @@ def compact_head(
         method: a key of `HEAD_METHODS`.
         scaling: logit scale, default ``1/sqrt(D)``.
         seed: for randomised methods.
+        storage: ``"bf16"``: keys and values in the values' dtype; ``"int4"``: packed INT4 codes, keys with FP16
+            scales per channel, values per row, the method's refit redone with the quantized keys and the value
+            rounding compensated (`quantized_refit`); a head that the same method serves better on the calibration
+            queries in the values' dtype at the same bytes is stored so, marked ``storage_fallback``.
+        key_group: ``"int4"`` only: kept entries per row of key scales (None: one row per head).
         **hparams: the method's hyperparameters (fields of its class, e.g. ``pool_factor=4`` or ``refit=False``).
 
     Returns:
-        `CompactedHead` with float32 bias and values in ``values.dtype``, on the inputs' device.
+        `CompactedHead` with float32 bias and values in ``values.dtype``, on the inputs' device; with
+        ``storage="int4"`` a `QuantizedHead` (float32 served keys and values, the stored codes and scales) unless it
+        fell back.
     """
     if method not in HEAD_METHODS:
         raise ValueError(f"method must be one of {sorted(HEAD_METHODS)}, got {method!r}")
@@ -80,12 +91,17 @@ def compact_head(
     budget = check_int("budget", budget, 1, counts="kept entries")
     if queries is None and rule.needs_queries:
         raise ValueError(f"method {method!r} needs calibration queries, got queries=None")
+    check_storage(storage)
+    if storage == "bf16" and key_group is not None:
+        raise ValueError(f"key_group is for storage='int4' only, got key_group={key_group!r} with storage='bf16'")
+    check_int("key_group", key_group, 1, counts="kept entries per row of key scales", none_ok=True)
     problem = HeadProblem.build(keys, values, queries, scaling)
-    if budget >= problem.length:
-        head = evict(problem, torch.arange(problem.length, device=problem.keys.device))
+    if storage == "int4":
+        head = compact_int4(problem, rule, budget, seed, values.dtype, key_group)
+    elif budget >= problem.length:
+        head = in_dtype(evict(problem, torch.arange(problem.length, device=problem.keys.device)), values.dtype)
     else:
-        head = rule.compact(problem, budget, seed)
-    head = CompactedHead(head.indices, head.bias.float(), head.values.to(values.dtype))
+        head = in_dtype(rule.compact(problem, budget, seed), values.dtype)
     return replace(head, train_loss=None if problem.queries is None else problem.relative_loss(head))
 
 

@@ -17,24 +17,78 @@ from typing import ClassVar
 
 import torch
 
+from .head_storage import OFFSET_BYTES, StorageLayout
+
 FLOAT = torch.float64
 
 
 @dataclass(frozen=True)
 class CompactedHead:
-    """One compacted KV head.
+    """One compacted KV head, stored in the cache's dtype (storage ``"bf16"``).
 
     Attributes:
         indices: ``[t]`` LongTensor, kept positions of the original cache, sorted ascending.
         bias: ``[t]`` float32 logit biases ``log w_j`` added to the scaled logits before the softmax.
         values: ``[t, D_v]`` values served for the kept entries (refit or original), in the input values' dtype.
         train_loss: relative loss ``L / ‖O‖_F²`` (4) on the calibration queries, or None without queries.
+        storage_fallback: True when INT4 storage was asked for and this head, fitted at the same bytes, served
+            the calibration queries better (`compact_head` with ``storage="int4"``).
     """
 
     indices: torch.Tensor
     bias: torch.Tensor
     values: torch.Tensor
     train_loss: float | None = None
+    storage_fallback: bool = False
+
+    storage: ClassVar[str] = "bf16"
+
+    def served_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """The keys served for the kept entries, ``[t, D]``: rows ``indices`` of the original ``keys [T, D]``."""
+        return keys[self.indices.to(keys.device)]
+
+    def nbytes(self, key_dim: int | None = None) -> int:
+        """Bytes stored (`StorageLayout` ``"bf16"``): keys of ``key_dim`` channels (default ``D_v``) and values in the
+        values' dtype, FP32 biases, one int64 row offset."""
+        value_dim = self.values.shape[1]
+        layout = StorageLayout("bf16", key_dim or value_dim, value_dim, self.values.element_size())
+        return layout.nbytes(self.indices.numel())
+
+
+@dataclass(frozen=True)
+class QuantizedHead(CompactedHead):
+    """One compacted KV head stored in INT4 (storage ``"int4"``): what is stored and what it serves.
+
+    Attributes (besides `CompactedHead`'s; ``values`` are the served, dequantised values in float32):
+        keys: ``[t, D]`` float32 served keys, ``dequantize_int4_channels(key_codes, key_scales, key_offsets, D,
+            key_group)``.
+        key_codes: ``[t, ceil(D / 2)]`` uint8 packed key codes.
+        key_scales: ``[ceil(t / key_group), D]`` fp16 per-channel key scales (one row when ``key_group`` is None).
+        key_offsets: fp16 per-channel key offsets, shaped as ``key_scales``.
+        value_codes: ``[t, ceil(D_v / 2)]`` uint8 packed value codes.
+        value_scales: ``[t, 1]`` fp16 per-row value scales.
+        key_group: kept entries per row of key scales, None for one row per head.
+    """
+
+    keys: torch.Tensor | None = None
+    key_codes: torch.Tensor | None = None
+    key_scales: torch.Tensor | None = None
+    key_offsets: torch.Tensor | None = None
+    value_codes: torch.Tensor | None = None
+    value_scales: torch.Tensor | None = None
+    key_group: int | None = None
+
+    storage: ClassVar[str] = "int4"
+
+    def served_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """The dequantised keys ``[t, D]`` (``keys``, the original ones, are not used)."""
+        return self.keys.to(keys.device)
+
+    def nbytes(self, key_dim: int | None = None) -> int:
+        """Bytes of the stored tensors (codes, scales, FP32 biases) and one int64 row offset (``key_dim`` is
+        ignored: the codes say it)."""
+        stored = (self.key_codes, self.key_scales, self.key_offsets, self.value_codes, self.value_scales, self.bias)
+        return sum(t.numel() * t.element_size() for t in stored) + OFFSET_BYTES
 
 
 def _as_matrix(name: str, tensor: object) -> torch.Tensor:
@@ -121,9 +175,13 @@ class HeadProblem:
 
     def logits(self, indices: torch.Tensor | None = None, rows: slice = slice(None)) -> torch.Tensor:
         """Scaled logits ``Z[rows, indices]`` ``[|rows|, |indices|]`` (``indices=None``: all ``T`` columns)."""
+        return self.logits_of(self.keys if indices is None else self.keys[indices], rows)
+
+    def logits_of(self, keys: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        """Scaled logits ``[|rows|, t]`` of the queries ``rows`` against any float64 ``keys [t, D]`` (e.g. served
+        INT4 keys)."""
         if self.queries is None:
             raise ValueError("this computation needs calibration queries, got queries=None")
-        keys = self.keys if indices is None else self.keys[indices]
         return self.queries[rows] @ keys.T * self.scaling
 
     def query_blocks(self, columns: int | None = None) -> list[slice]:
@@ -204,8 +262,8 @@ class HeadProblem:
 
     def relative_loss(self, head: CompactedHead) -> float:
         """``L(S, w, V̂) / ‖O‖_F²`` (4) of ``head`` on this problem's queries (0 when both are zero)."""
-        indices = head.indices.to(self.keys.device)
-        approx = self.compacted_attention(indices, head.bias.to(self.keys.device, FLOAT))
+        logits = self.logits_of(head.served_keys(self.keys).to(FLOAT))
+        approx = torch.softmax(logits + head.bias.to(self.keys.device, FLOAT), dim=1)
         error = (approx @ head.values.to(self.keys.device, FLOAT) - self.outputs).square().sum()
         reference = self.outputs.square().sum()
         if reference == 0:

@@ -1,0 +1,176 @@
+"""INT4 storage of a compacted head with a quantization-aware refit (``design/ALGORITHMS.md`` §3, "INT4 compacted
+prefix").
+
+On the support a method selected, the kept keys are quantized per channel (`quantize_int4_channels`, FP16 scales and
+offsets per head or per group of kept entries), then the shared final refit runs with the served (dequantized) keys in
+every attention term, against the exact statistics of the full cache: multipliers (22) from ``exp(Z̃_S − m)`` against the
+full row sums ``s``, values (23) against the full outputs ``O``. The refit values are quantized per row, row by row,
+each row's rounding error compensated on the rows not yet quantized through the normal equations of (23) (the
+optimal-brain-quantization update; `quantize_values_compensated`), and kept only where that beats plain rounding on
+the calibration queries. A head whose INT4 fit serves its calibration queries worse than the same method fitted in the
+cache's dtype at the same bytes (`StorageLayout`) is stored in that dtype instead, marked ``storage_fallback``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..quant import LARGEST_FP16, dequantize_int4, dequantize_int4_channels, quantize_int4, quantize_int4_channels
+from .head_method import CalibratedMethod, HeadMethod, evict
+from .head_statistics import FLOAT, CompactedHead, HeadProblem, QuantizedHead
+from .head_storage import StorageLayout
+from .refit import fit_multipliers, fit_values
+
+CODE_LIMIT = 7 * LARGEST_FP16
+"""Values beyond ``±7 · 65504`` saturate their INT4 codes; rows are clipped there before quantization."""
+
+
+def refit_with_served_keys(
+    problem: HeadProblem, indices: torch.Tensor, keys: torch.Tensor, bias_bound: float, value_shrinkage: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The shared final refit on the support ``indices [t]`` with the served ``keys [t, D]`` (float64) in the
+    attention: ``w = argmin ‖Ẽ_S w − s‖²`` in ``[e^-β, e^β]`` (22), then ``V̂ = argmin ‖P̂ V̂ − O‖²`` (23), shrunk toward
+    the original values by ``value_shrinkage`` (`fit_values`), with ``s``, ``O`` those of the full cache.
+
+    Rows of ``Ẽ_S = exp(Z̃_S − m)`` whose served logits exceed the full row max ``m`` are shifted by their own max,
+    with ``s`` scaled alike (the same equation, reweighted), so nothing overflows.
+
+    Returns:
+        ``(bias [t], values [t, D_v], attention [N, t])`` in float64: ``log w`` rounded to float32, the refit
+        values and ``P̂ = softmax(Z̃_S + bias)``.
+    """
+    logits = problem.logits_of(keys)
+    row_max = problem.statistics.row_max
+    shift = torch.maximum(row_max, logits.amax(dim=1))
+    unnormalized = torch.exp(logits - shift[:, None])
+    weights = fit_multipliers(unnormalized, problem.row_sums * torch.exp(row_max - shift), bias_bound)
+    bias = weights.log().float().to(FLOAT)
+    attention = torch.softmax(logits + bias, dim=1)
+    values = fit_values(attention, problem.outputs, prior=problem.values[indices], shrinkage=value_shrinkage)
+    return bias, values, attention
+
+
+def quantize_values_compensated(
+    attention: torch.Tensor, values: torch.Tensor, damping: float = 0.01
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row INT4 codes of ``values`` that keep ``‖P̂ Ṽ − P̂ V̂‖²`` small: rows are quantized one at a time (largest
+    diagonal of ``H = P̂ᵀP̂`` first), each row's error ``δ`` moved onto the rows not yet quantized by the exact
+    minimiser of the quadratic ``tr((V − V̂)ᵀ H (V − V̂))`` with the quantized rows fixed (``V_rest −= H_rest,rest⁻¹
+    H_rest,j δ``, carried out through the upper Cholesky factor of ``H⁻¹``; ``H`` damped by ``damping`` times its
+    mean diagonal).
+
+    Args:
+        attention: ``P̂ [N, t]`` float64.
+        values: ``V̂ [t, D_v]`` float64.
+
+    Returns:
+        ``(codes [t, ceil(D_v / 2)] uint8, scales [t, 1] fp16)`` as `quantize_int4` lays them out.
+    """
+    gram = attention.T @ attention
+    order = torch.argsort(gram.diagonal(), descending=True)
+    gram = gram[order][:, order]
+    gram.diagonal().add_(damping * gram.diagonal().mean().clamp_min(torch.finfo(FLOAT).tiny))
+    upper = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(gram)), upper=True)
+    work = values[order].clamp(-CODE_LIMIT, CODE_LIMIT)
+    codes, scales = [], []
+    for j in range(work.shape[0]):
+        row_codes, row_scale = quantize_int4(work[j : j + 1])
+        error = (work[j] - dequantize_int4(row_codes, row_scale, work.shape[1], FLOAT)[0]) / upper[j, j]
+        work[j + 1 :] -= upper[j, j + 1 :, None] * error[None, :]
+        work[j + 1 :].clamp_(-CODE_LIMIT, CODE_LIMIT)
+        codes.append(row_codes)
+        scales.append(row_scale)
+    restore = torch.argsort(order)
+    return torch.cat(codes)[restore], torch.cat(scales)[restore]
+
+
+def _calibration_error(attention: torch.Tensor, values: torch.Tensor, outputs: torch.Tensor) -> float:
+    return (attention @ values - outputs).square().sum().item()
+
+
+def quantize_head(
+    problem: HeadProblem, selected: CompactedHead, rule: HeadMethod, key_group: int | None = None
+) -> QuantizedHead:
+    """``selected`` (a head in the cache's dtype) stored in INT4.
+
+    A calibrated method with ``refit`` (`CalibratedMethod`) is refit with the quantized keys
+    (`refit_with_served_keys`, its ``bias_bound`` and ``value_shrinkage``) and its values quantized with compensation
+    where that beats plain rounding on the calibration queries; any other head keeps its biases and values, rounded.
+
+    Returns:
+        `QuantizedHead` with float32 served keys and values (``train_loss`` unset).
+    """
+    indices = selected.indices
+    key_codes, key_scales, key_offsets = quantize_int4_channels(problem.keys[indices], key_group)
+    dim, value_dim = problem.keys.shape[1], problem.values.shape[1]
+    keys = dequantize_int4_channels(key_codes, key_scales, key_offsets, dim, key_group, FLOAT)
+    bias, values = selected.bias.to(FLOAT), selected.values.to(FLOAT)
+    value_codes, value_scales = quantize_int4(values.clamp(-CODE_LIMIT, CODE_LIMIT))
+    if isinstance(rule, CalibratedMethod) and rule.refit and problem.queries is not None:
+        bias, values, attention = refit_with_served_keys(problem, indices, keys, rule.bias_bound, rule.value_shrinkage)
+        value_codes, value_scales = quantize_int4(values.clamp(-CODE_LIMIT, CODE_LIMIT))
+        rounded = dequantize_int4(value_codes, value_scales, value_dim, FLOAT)
+        try:
+            codes, scales = quantize_values_compensated(attention, values)
+        except torch.linalg.LinAlgError:
+            codes = None
+        if codes is not None:
+            compensated = dequantize_int4(codes, scales, value_dim, FLOAT)
+            outputs = problem.outputs
+            if _calibration_error(attention, compensated, outputs) < _calibration_error(attention, rounded, outputs):
+                value_codes, value_scales = codes, scales
+    return QuantizedHead(
+        indices,
+        bias.float(),
+        dequantize_int4(value_codes, value_scales, value_dim),
+        keys=keys.float(),
+        key_codes=key_codes,
+        key_scales=key_scales,
+        key_offsets=key_offsets,
+        value_codes=value_codes,
+        value_scales=value_scales,
+        key_group=key_group,
+    )
+
+
+def compact_int4(
+    problem: HeadProblem,
+    rule: HeadMethod,
+    budget: int,
+    seed: int,
+    value_dtype: torch.dtype,
+    key_group: int | None = None,
+) -> CompactedHead:
+    """``rule`` on ``min(budget, T)`` entries stored in INT4 (`quantize_head`), guarded: with calibration queries,
+    the same rule fitted in ``value_dtype`` (the cache's) at the most entries the INT4 head's bytes buy
+    (`StorageLayout`) is served instead, marked ``storage_fallback``, when its calibration loss is lower.
+
+    Returns:
+        a `QuantizedHead`, or on fallback a `CompactedHead` with float32 bias and values in ``value_dtype``.
+    """
+    quantized = quantize_head(problem, in_dtype(_compacted(problem, rule, budget, seed), value_dtype), rule, key_group)
+    if problem.queries is None:
+        return quantized
+    dim, value_dim = problem.keys.shape[1], problem.values.shape[1]
+    nbytes = StorageLayout("int4", dim, value_dim, key_group=key_group).nbytes(quantized.indices.numel())
+    element_bytes = torch.empty(0, dtype=value_dtype).element_size()
+    same_bytes = StorageLayout("bf16", dim, value_dim, element_bytes).entries_for(nbytes)
+    if same_bytes < 1:
+        return quantized
+    plain = in_dtype(_compacted(problem, rule, same_bytes, seed), value_dtype)
+    if problem.relative_loss(quantized) <= problem.relative_loss(plain):
+        return quantized
+    return replace(plain, storage_fallback=True)
+
+
+def in_dtype(head: CompactedHead, value_dtype: torch.dtype) -> CompactedHead:
+    """``head`` as the cache stores it: float32 bias, values in ``value_dtype``."""
+    return CompactedHead(head.indices, head.bias.float(), head.values.to(value_dtype))
+
+
+def _compacted(problem: HeadProblem, rule: HeadMethod, budget: int, seed: int) -> CompactedHead:
+    if budget >= problem.length:
+        return evict(problem, torch.arange(problem.length, device=problem.keys.device))
+    return rule.compact(problem, budget, seed)
