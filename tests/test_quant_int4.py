@@ -130,7 +130,7 @@ def test_bad_input_is_named():
         dequantize_int4(codes, scales[:1], 4)
 
 
-# ------------------------------------------------------------------- per-channel scales (compacted INT4 keys)
+# ------------------------------------------------------- per-channel scales and offsets (compacted INT4 keys)
 from hf_structkv.quant import (  # noqa: E402
     LARGEST_FP16,
     dequantize_int4_channels,
@@ -139,45 +139,50 @@ from hf_structkv.quant import (  # noqa: E402
 )
 
 
-def channel_brute_force(x: torch.Tensor, group: int | None) -> tuple[list[list[int]], list[list[float]]]:
-    """Element by element: one FP16 scale per (group of rows, column) and the signed codes."""
+def fp16(value: float) -> float:
+    return float(torch.tensor(value, dtype=torch.float32).to(torch.float16))
+
+
+def channel_brute_force(x: torch.Tensor, group: int | None) -> tuple[list[list[int]], list[list[float]], list]:
+    """Element by element: one FP16 scale and offset per (group of rows, column) and the signed codes."""
     rows, cols = x.shape
     size = group or rows
-    scales, codes = [], [[0] * cols for _ in range(rows)]
+    scales, offsets, codes = [], [], [[0] * cols for _ in range(rows)]
     for start in range(0, rows, size):
-        scale_row = []
+        members = range(start, min(rows, start + size))
+        scale_row, offset_row = [], []
         for c in range(cols):
-            column = [float(x[r, c]) for r in range(start, min(rows, start + size))]
-            peak = max(abs(v) for v in column)
-            if peak == 0:
-                scale = 1.0
-            else:
-                scale = float(torch.tensor(min(peak / 7.0, LARGEST_FP16), dtype=torch.float32).to(torch.float16))
-                scale = max(scale, SMALLEST_FP16)
+            column = [float(x[r, c]) for r in members]
+            low, high = min(column), max(column)
+            scale = 1.0 if high == low else max(fp16(min((high - low) / 15.0, LARGEST_FP16)), SMALLEST_FP16)
+            offset = fp16(max(-LARGEST_FP16, min(LARGEST_FP16, low + 8.0 * scale)))
             scale_row.append(scale)
-            for r in range(start, min(rows, start + size)):
-                q = float(torch.tensor(float(x[r, c]) / scale, dtype=torch.float32))
-                codes[r][c] = max(-7, min(7, round(q)))
+            offset_row.append(offset)
+            for r in members:
+                q = float(torch.tensor(float(x[r, c]) - offset, dtype=torch.float32) / torch.tensor(scale))
+                codes[r][c] = max(-8, min(7, round(q)))
         scales.append(scale_row)
-    return codes, scales
+        offsets.append(offset_row)
+    return codes, scales, offsets
 
 
 @pytest.mark.parametrize(("rows", "cols", "group"), [(1, 1, None), (5, 7, None), (9, 4, 2), (8, 6, 4), (3, 5, 8)])
-def test_channel_codes_and_scales_equal_brute_force(rows, cols, group):
+def test_channel_codes_scales_and_offsets_equal_brute_force(rows, cols, group):
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols))
     x[:, 0] *= 300.0  # an outlier channel
-    codes, scales = quantize_int4_channels(x, group)
+    x[:, -1] += 20.0  # a channel far from zero
+    codes, scales, offsets = quantize_int4_channels(x, group)
     size = group or rows
     assert codes.dtype == torch.uint8 and codes.shape == (rows, math.ceil(cols / 2))
-    assert scales.dtype == torch.float16 and scales.shape == (math.ceil(rows / size), cols)
-    want_codes, want_scales = channel_brute_force(x, group)
+    for per_group in (scales, offsets):
+        assert per_group.dtype == torch.float16 and per_group.shape == (math.ceil(rows / size), cols)
+    want_codes, want_scales, want_offsets = channel_brute_force(x, group)
     assert unpack_int4(codes, cols).tolist() == want_codes
-    assert scales.float().tolist() == want_scales
-    # dequantisation is code * scale of the row's group, exactly
-    expected = (
-        torch.tensor(want_codes, dtype=torch.float32) * torch.tensor(want_scales).repeat_interleave(size, 0)[:rows]
-    )
-    assert torch.equal(dequantize_int4_channels(codes, scales, cols, group), expected)
+    assert scales.float().tolist() == want_scales and offsets.float().tolist() == want_offsets
+    # dequantisation is code * scale + offset of the row's group, exactly
+    expand = lambda table: torch.tensor(table).repeat_interleave(size, 0)[:rows]  # noqa: E731
+    expected = torch.tensor(want_codes, dtype=torch.float32) * expand(want_scales) + expand(want_offsets)
+    assert torch.equal(dequantize_int4_channels(codes, scales, offsets, cols, group), expected)
 
 
 @settings(max_examples=100, deadline=None)
@@ -185,37 +190,47 @@ def test_channel_codes_and_scales_equal_brute_force(rows, cols, group):
     rows=st.integers(1, 9),
     cols=st.integers(1, 9),
     group=st.one_of(st.none(), st.integers(1, 10)),
-    magnitude=st.sampled_from([1e-3, 1.0, 1e3]),
+    magnitude=st.sampled_from([1.0, 1e3]),
+    shift=st.sampled_from([0.0, 3.0]),
     seed=st.integers(0, 2**16),
 )
-def test_channel_round_trip_is_exact_on_codes_and_within_half_a_scale(rows, cols, group, magnitude, seed):
-    x = torch.randn(2, rows, cols, generator=torch.Generator().manual_seed(seed)) * magnitude
-    codes, scales = quantize_int4_channels(x, group)
-    recon = dequantize_int4_channels(codes, scales, cols, group)
+def test_channel_round_trip_codes_exact_and_error_within_half_a_scale(rows, cols, group, magnitude, shift, seed):
+    x = (torch.randn(2, rows, cols, generator=torch.Generator().manual_seed(seed)) + shift) * magnitude
+    codes, scales, offsets = quantize_int4_channels(x, group)
+    recon = dequantize_int4_channels(codes, scales, offsets, cols, group)
     per_row = scales.float().repeat_interleave(group or rows, dim=-2)[..., :rows, :]
-    # as for rows: outside the FP16 subnormals every element is within half a step and re-quantising is a fixed point
+    offset_rows = offsets.float().repeat_interleave(group or rows, dim=-2)[..., :rows, :]
+    # half a step, plus the FP16 rounding of the offset (half an FP16 ulp: 2^-11 relative) and of the scale over
+    # the 8 steps from the group's minimum to code 0 (2^-11 relative each)
+    slack = per_row / 2 + offset_rows.abs() * 2.0**-11 + 8 * per_row * 2.0**-11
     normal = per_row >= 2.0**-14
-    assert bool(((recon - x).abs() <= per_row / 2 * (1 + 1e-5))[normal].all())
-    again, rescales = quantize_int4_channels(recon, group)
-    assert torch.equal(unpack_int4(again, cols)[normal], unpack_int4(codes, cols)[normal])
-    assert torch.equal(rescales[scales >= 2.0**-14], scales[scales >= 2.0**-14])
+    assert bool(((recon - x).abs() <= slack * (1 + 1e-4))[normal].all())
     assert torch.equal(pack_int4(unpack_int4(codes, cols)), codes)
+
+
+def test_channel_offsets_spend_every_code_on_a_shifted_channel():
+    x = torch.linspace(10.0, 11.5, 16)[:, None]  # 16 evenly spaced values: one code each
+    codes, scales, offsets = quantize_int4_channels(x)
+    assert unpack_int4(codes, 1).flatten().tolist() == list(range(-8, 8))
+    assert torch.allclose(dequantize_int4_channels(codes, scales, offsets, 1), x, atol=float(scales) / 2 + 1e-2)
 
 
 def test_channel_scales_stay_finite_beyond_the_fp16_range():
     x = torch.tensor([[1e9, -1.0], [-3e8, 2.0]])
-    codes, scales = quantize_int4_channels(x)
+    codes, scales, offsets = quantize_int4_channels(x)
     assert float(scales[0, 0]) == LARGEST_FP16
-    recon = dequantize_int4_channels(codes, scales, 2)
-    assert torch.isfinite(recon).all() and recon[0, 0] == 7 * LARGEST_FP16 and recon[1, 0] == -7 * LARGEST_FP16
+    recon = dequantize_int4_channels(codes, scales, offsets, 2)
+    assert torch.isfinite(recon).all() and torch.isfinite(offsets.float()).all()
 
 
-def test_channel_zero_columns_get_unit_scales():
+def test_channel_constant_columns_are_exact_to_fp16():
     x = torch.zeros(4, 3)
+    x[:, 1] = 2.5
     x[1, 2] = 0.5
-    codes, scales = quantize_int4_channels(x, 2)
-    assert scales.float().tolist() == [[1.0, 1.0, float(torch.tensor(0.5 / 7).half())], [1.0, 1.0, 1.0]]
-    assert dequantize_int4_channels(codes, scales, 3, 2)[[0, 2, 3]].abs().sum() == 0
+    codes, scales, offsets = quantize_int4_channels(x, 2)
+    assert scales[:, :2].float().eq(1).all()
+    recon = dequantize_int4_channels(codes, scales, offsets, 3, 2)
+    assert torch.equal(recon[:, :2], x[:, :2]) and torch.equal(recon[2:, 2], x[2:, 2])
 
 
 def test_channel_bad_input_is_named():
@@ -229,8 +244,8 @@ def test_channel_bad_input_is_named():
         quantize_int4_channels(torch.ones(2, 2), 0)
     with pytest.raises(TypeError, match="group must be an integer"):
         quantize_int4_channels(torch.ones(2, 2), 1.5)
-    codes, scales = quantize_int4_channels(torch.ones(5, 4), 2)
+    codes, scales, offsets = quantize_int4_channels(torch.ones(5, 4), 2)
     with pytest.raises(ValueError, match="scales must have shape"):
-        dequantize_int4_channels(codes, scales, 4, 3)
-    with pytest.raises(TypeError, match="fp16"):
-        dequantize_int4_channels(codes, scales.float(), 4, 2)
+        dequantize_int4_channels(codes, scales, offsets, 4, 3)
+    with pytest.raises(TypeError, match="offsets must be an fp16"):
+        dequantize_int4_channels(codes, scales, offsets.float(), 4, 2)
