@@ -843,7 +843,7 @@ def test_a_prefill_stage_without_a_passing_candidate_gives_the_all_high_prefill_
     def no_candidate_passes(stage, *args):
         return None, {"selected": "all-high fallback", "runtime_v_generations": 0}
 
-    monkeypatch.setattr(runner, "_run_stage", no_candidate_passes)
+    monkeypatch.setattr(runner, "run_stage", no_candidate_passes)
     settings = dataclasses.replace(SETTINGS, stages=("prefill",))
     result = calibrate(model, tokenizer, *cases, settings, cache_dir=tmp_path, log=lambda _: None)
     policy = result.prefill_policy
