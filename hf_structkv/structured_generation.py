@@ -19,7 +19,7 @@ from .cache.mixed_precision import StructuredMixedPrecisionCache
 from .policy.costs import Action
 from .policy.prefill import PrefillPolicy, batch_prefill_plan
 from .policy.retention import RetentionPolicy, check_retention_policy
-from .structure.processor import StructuralLogitsProcessor
+from .structure.processor import StructuralLogitsProcessor, resolve_engine
 
 CALL_INSTRUCTION = (
     "You can call the tools listed below. Answer with a JSON list of calls, each "
@@ -147,6 +147,7 @@ def generate_calls(
     max_new_tokens: int = 128,
     prefill_plan: torch.Tensor | None = None,
     prefill_policy: PrefillPolicy | None = None,
+    engine: str = "auto",
     **generate_kwargs,
 ) -> StructuredGeneration:
     """Answer each question with function calls to ``tools`` under their JSON schema, on a mixed-precision cache.
@@ -164,10 +165,13 @@ def generate_calls(
         prefill_plan: optional prompt actions for the cache (``[B, P, groups]``, the policy's layer groups).
         prefill_policy: alternatively, a `PrefillPolicy` from which the plan of the built prompts is made
             (`batch_prefill_plan`, with ``policy``'s sink tokens and window).
+        engine: the grammar engine that masks (`StructuralLogitsProcessor`'s ``engine``): ``"auto"`` (xgrammar when
+            installed), ``"xgrammar"`` or ``"lmfe"``; the tags are the same either way.
         generate_kwargs: passed to ``model.generate`` (not ``logits_processor`` / ``past_key_values``: this call
             owns them).
     """
     check_retention_policy(policy)
+    resolve_engine(engine)
     if isinstance(questions, str) or (
         isinstance(questions, Sequence) and questions and all(isinstance(m, Mapping) for m in questions)
     ):
@@ -183,7 +187,7 @@ def generate_calls(
             tokenizer, prompts, tools, prefill_policy, policy, batch["input_ids"], batch["attention_mask"]
         )
     processor = StructuralLogitsProcessor(
-        tokenizer, tools=tools, tag_view=policy.tag_view, position_bins=policy.position_bins
+        tokenizer, tools=tools, tag_view=policy.tag_view, position_bins=policy.position_bins, engine=engine
     )
     output = generate_structured(
         model, tokenizer, batch, processor, policy, max_new_tokens, prefill_plan=prefill_plan, **generate_kwargs

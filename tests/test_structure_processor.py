@@ -1,4 +1,5 @@
-"""StructuralLogitsProcessor: exact lm-format-enforcer masks, per-row tags, rewinds, generate() integration."""
+"""StructuralLogitsProcessor: exact lm-format-enforcer masks, per-row tags, rewinds, generate() integration, with
+either masking engine where the behaviour is the engine's contract (xgrammar's own: tests/test_xgrammar_engine.py)."""
 
 import json
 
@@ -14,6 +15,9 @@ from hf_structkv.structure.function_calls import function_call_schema
 from hf_structkv.structure.lmfe import JsonSchemaAdapter, _transformers_integration
 from hf_structkv.structure.processor import StructuralLogitsProcessor
 from hf_structkv.structure.tags import StructuralTag, position_tag, view_tags
+from hf_structkv.structure.xgrammar_json import XgrammarJsonAdapter
+
+ENGINE_ADAPTERS = {"lmfe": JsonSchemaAdapter, "xgrammar": XgrammarJsonAdapter}
 
 TOOLS = [WEATHER, RESTAURANTS, STOCK]
 CALL_A = '[{"name": "get_weather", "arguments": {"location": "Oslo", "unit": "celsius"}}]'
@@ -63,7 +67,7 @@ def test_masks_equal_lm_format_enforcers_own_allowed_tokens(tokenizer, list_toke
     schema = function_call_schema(tools)
     integration = _transformers_integration()
     reference = integration.build_transformers_prefix_allowed_tokens_fn(list_tokenizer_data, JsonSchemaParser(schema))
-    proc = StructuralLogitsProcessor(tokenizer, tools=tools)
+    proc = StructuralLogitsProcessor(tokenizer, tools=tools, engine="lmfe")
     prompt = torch.tensor([ids_of(tokenizer, "Call the tools.")])
     tokens = ids_of(tokenizer, text)
     masks = run_rows(proc, prompt, [tokens], len(tokenizer), tokenizer.pad_token_id)
@@ -74,11 +78,13 @@ def test_masks_equal_lm_format_enforcers_own_allowed_tokens(tokenizer, list_toke
     assert tokenizer.eos_token_id in masks[-1][0].nonzero().flatten().tolist()  # complete: may stop
 
 
-def test_batch_rows_are_independent_and_stop_tokens_are_free(tokenizer):
+@pytest.mark.parametrize("engine", sorted(ENGINE_ADAPTERS))
+def test_batch_rows_are_independent_and_stop_tokens_are_free(tokenizer, engine):
     tokens_a, tokens_b = ids_of(tokenizer, CALL_A), ids_of(tokenizer, CALL_B)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     prompt = torch.tensor([[pad, pad, 11, 12], [21, 22, 23, 24]])  # left padding: one prompt length
-    proc = StructuralLogitsProcessor(tokenizer, tools=TOOLS)
+    proc = StructuralLogitsProcessor(tokenizer, tools=TOOLS, engine=engine)
+    assert isinstance(proc.adapter, ENGINE_ADAPTERS[engine]) and proc.engine == engine
     masks = run_rows(proc, prompt, [tokens_a + [eos], tokens_b], len(tokenizer), pad)
     assert proc.family == "function_calling"
     assert proc.tags(0) == single_row_tags(tokenizer, tokens_a) + [None] * (len(tokens_b) - len(tokens_a))
@@ -89,12 +95,13 @@ def test_batch_rows_are_independent_and_stop_tokens_are_free(tokenizer):
     assert not masks[finished][1].all()
 
 
-def test_rewind_to_a_shorter_input_equals_a_fresh_run(tokenizer):
+@pytest.mark.parametrize("engine", sorted(ENGINE_ADAPTERS))
+def test_rewind_to_a_shorter_input_equals_a_fresh_run(tokenizer, engine):
     tokens = ids_of(tokenizer, CALL_B)
     other = ids_of(tokenizer, '[{"name": "get_weather", "arguments": {"location": "Lima"}}]')
     common = next(i for i, (x, y) in enumerate(zip(tokens, other)) if x != y)
     prompt = torch.tensor([ids_of(tokenizer, "Q")])
-    proc = StructuralLogitsProcessor(tokenizer, tools=TOOLS)
+    proc = StructuralLogitsProcessor(tokenizer, tools=TOOLS, engine=engine)
     run_rows(proc, prompt, [tokens[:20]], len(tokenizer), tokenizer.pad_token_id)
     proc(torch.cat([prompt, torch.tensor([tokens[:30]])], 1), torch.zeros(1, len(tokenizer)))  # extend by 10
     short = proc(torch.cat([prompt, torch.tensor([tokens[: common + 2]])], 1), torch.zeros(1, len(tokenizer)))
@@ -102,7 +109,7 @@ def test_rewind_to_a_shorter_input_equals_a_fresh_run(tokenizer):
     rewound = proc(torch.cat([prompt, torch.tensor([other[:common]])], 1), torch.zeros(1, len(tokenizer)))
     grown = proc(torch.cat([prompt, torch.tensor([other])], 1), torch.zeros(1, len(tokenizer)))
     assert proc.tags(0) == single_row_tags(tokenizer, other)
-    fresh = StructuralLogitsProcessor(tokenizer, tools=TOOLS)
+    fresh = StructuralLogitsProcessor(tokenizer, tools=TOOLS, engine=engine)
     fresh_masks = run_rows(fresh, prompt, [other], len(tokenizer), tokenizer.pad_token_id)
     assert torch.equal(torch.isfinite(rewound), fresh_masks[common]) and torch.equal(
         torch.isfinite(grown), fresh_masks[-1]
@@ -110,7 +117,8 @@ def test_rewind_to_a_shorter_input_equals_a_fresh_run(tokenizer):
     assert not torch.equal(torch.isfinite(short), fresh_masks[common])  # different prefixes, different masks
 
 
-def test_reset_and_bad_inputs(tokenizer):
+@pytest.mark.parametrize("engine", sorted(ENGINE_ADAPTERS))
+def test_reset_and_bad_inputs(tokenizer, engine):
     with pytest.raises(ValueError, match="exactly one of"):
         StructuralLogitsProcessor(tokenizer)
     with pytest.raises(ValueError, match="exactly one of"):
@@ -120,14 +128,14 @@ def test_reset_and_bad_inputs(tokenizer):
     with pytest.raises(TypeError, match="GrammarAdapter"):
         StructuralLogitsProcessor(tokenizer, adapter=object())
     with pytest.raises(ValueError, match="cannot parse schema"):
-        StructuralLogitsProcessor(tokenizer, schema={"type": "no-such-type"})
+        StructuralLogitsProcessor(tokenizer, schema={"type": "no-such-type"}, engine=engine)
     with pytest.raises(ValueError, match="eos_token_id must be"):
         StructuralLogitsProcessor(tokenizer, tools=TOOLS, eos_token_id=[])
-    adapter = JsonSchemaAdapter(tokenizer, function_call_schema(TOOLS), eos_token_id=[1, 2])
+    adapter = ENGINE_ADAPTERS[engine](tokenizer, function_call_schema(TOOLS), eos_token_id=[1, 2])
     assert adapter.stop_token_ids == frozenset({1, 2})
     with pytest.raises(ValueError, match="brings its own stop tokens"):
         StructuralLogitsProcessor(tokenizer, adapter=adapter, eos_token_id=3)
-    proc = StructuralLogitsProcessor(tokenizer, tools=TOOLS)
+    proc = StructuralLogitsProcessor(tokenizer, tools=TOOLS, engine=engine)
     vocab = len(tokenizer)
     with pytest.raises(ValueError, match="same batch"):
         proc(torch.zeros(2, 3, dtype=torch.long), torch.zeros(1, vocab))
@@ -146,8 +154,9 @@ def test_reset_and_bad_inputs(tokenizer):
         sequence.rollback(1)
 
 
-def test_a_token_the_grammar_forbids_is_unresolved(tokenizer):
-    proc = StructuralLogitsProcessor(tokenizer, tools=TOOLS)
+@pytest.mark.parametrize("engine", sorted(ENGINE_ADAPTERS))
+def test_a_token_the_grammar_forbids_is_unresolved(tokenizer, engine):
+    proc = StructuralLogitsProcessor(tokenizer, tools=TOOLS, engine=engine)
     prompt = torch.tensor([[5]])
     bad = ids_of(tokenizer, '{"name"')  # the output must be a list
     run_rows(proc, prompt, [bad], len(tokenizer), tokenizer.pad_token_id)
@@ -206,9 +215,9 @@ def test_any_grammar_adapter_plugs_in():
         StructuralLogitsProcessor(None, adapter=Unknown())
 
 
-def valid_prefix(tokenizer, tokens: list[int]) -> bool:
-    """Every token allowed by a fresh adapter at its step."""
-    sequence = JsonSchemaAdapter(tokenizer, function_call_schema(TOOLS)).new_sequence()
+def valid_prefix(tokenizer, tokens: list[int], engine: str) -> bool:
+    """Every token allowed by a fresh adapter of ``engine`` at its step."""
+    sequence = ENGINE_ADAPTERS[engine](tokenizer, function_call_schema(TOOLS)).new_sequence()
     for token in tokens:
         if not sequence.allowed_token_mask(len(tokenizer))[token]:
             return False
@@ -216,15 +225,16 @@ def valid_prefix(tokenizer, tokens: list[int]) -> bool:
     return True
 
 
+@pytest.mark.parametrize("engine", sorted(ENGINE_ADAPTERS))
 @pytest.mark.parametrize("do_sample", [False, True])
-def test_generate_with_left_padding_on_a_tiny_model(tokenizer, do_sample):
+def test_generate_with_left_padding_on_a_tiny_model(tokenizer, do_sample, engine):
     """A random tiny model with the real vocabulary: every generated token is grammatical and tagged."""
     model = tiny_model("qwen2", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
     tokenizer.padding_side = "left"
     batch = tokenizer(
         ["Weather in Oslo?", "Price of IBM stock and weather in Rome, please"], return_tensors="pt", padding=True
     )
-    proc = StructuralLogitsProcessor(tokenizer, tools=TOOLS)
+    proc = StructuralLogitsProcessor(tokenizer, tools=TOOLS, engine=engine)
     torch.manual_seed(0)
     out = model.generate(
         **batch,
@@ -236,7 +246,7 @@ def test_generate_with_left_padding_on_a_tiny_model(tokenizer, do_sample):
     )
     generated = out[:, batch.input_ids.shape[1] :].tolist()
     for row, tokens in enumerate(generated):
-        assert valid_prefix(tokenizer, tokens)
+        assert valid_prefix(tokenizer, tokens, engine)
         tags = proc.tags(row)
         assert len(tags) == len(tokens) - 1  # the last token is never seen by a processor call
         assert all(t for t in tags)  # no unresolved token
@@ -306,7 +316,7 @@ def test_a_character_outside_the_engines_alphabet_leaves_tokens_unresolved(token
     """lm-format-enforcer 0.11.3 accepts only characters of single-character tokens inside strings; '渋' exists
     only as byte pieces, so its token is allowed (free-text tables) but the engine's parse ends there (only
     whitespace and stop stay allowed). The tags are then unresolved: the policy protects such tokens fully."""
-    proc = StructuralLogitsProcessor(tokenizer, tools=TOOLS)
+    proc = StructuralLogitsProcessor(tokenizer, tools=TOOLS, engine="lmfe")
     tokens = ids_of(tokenizer, '[{"name": "get_weather", "arguments": {"location": "渋谷')
     masks = run_rows(proc, torch.tensor([[5]]), [tokens], len(tokenizer), tokenizer.pad_token_id)
     tags = proc.tags(0)

@@ -1,12 +1,13 @@
 """Structural tags from the grammar engine (PASK §3.3): tool schemas, grammar adapters, the tagging processor.
 
-The xgrammar SQL adapter lives in `hf_structkv.structure.xgrammar_sql` (not imported here: xgrammar is optional).
+The xgrammar adapters live in `hf_structkv.structure.xgrammar_sql` (SQL) and `hf_structkv.structure.xgrammar_json`
+(function calls; ``StructuralLogitsProcessor(..., engine="xgrammar")``), not imported here: xgrammar is optional.
 """
 
 from .adapter import GrammarAdapter, GrammarSequence
 from .function_calls import function_call_schema, parameter_schema
 from .lmfe import JsonSchemaAdapter
-from .processor import StructuralLogitsProcessor
+from .processor import ENGINES, StructuralLogitsProcessor, resolve_engine
 from .prompt_spans import PROMPT_LABELS, label_prompt, token_labels
 from .sql_grammar import DatabaseSchema, SqlGrammar, normalise_sql, sql_grammar
 from .sql_tags import SqlTagger
@@ -25,6 +26,7 @@ from .tags import (
 )
 
 __all__ = [
+    "ENGINES",
     "NEXT",
     "PROMPT_LABELS",
     "ROLES",
@@ -46,6 +48,7 @@ __all__ = [
     "parameter_schema",
     "position_bin_starts",
     "position_tag",
+    "resolve_engine",
     "sql_grammar",
     "token_labels",
     "view_tags",

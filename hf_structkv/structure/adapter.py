@@ -13,12 +13,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from .tags import ROLES, StructuralTag
 
-__all__ = ["GrammarAdapter", "GrammarSequence", "stop_token_ids"]
+__all__ = ["GrammarAdapter", "GrammarSequence", "stop_token_ids", "unpack_token_bitmask"]
 
 
 class GrammarSequence(ABC):
@@ -95,3 +96,13 @@ def stop_token_ids(
     if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise ValueError(f"eos_token_id must be a non-negative int or a non-empty list of them, got {eos_token_id!r}")
     return frozenset(ids)
+
+
+def unpack_token_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The bool mask ``[vocab_size]`` of an engine's token bitmask ``bits`` (int32 ``[ceil(V / 32)]``, bit ``j`` of
+    word ``w`` = token ``32 w + j``: the layout of xgrammar and lm-format-enforcer); ids beyond it are forbidden."""
+    words = np.ascontiguousarray(bits.numpy(), dtype="<i4")  # little-endian words: byte k holds tokens 8k .. 8k+7
+    mask = torch.from_numpy(np.unpackbits(words.view(np.uint8), bitorder="little")).to(torch.bool)
+    if mask.numel() >= vocab_size:
+        return mask[:vocab_size]
+    return torch.cat([mask, mask.new_zeros(vocab_size - mask.numel())])

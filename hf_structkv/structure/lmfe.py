@@ -27,7 +27,7 @@ from lmformatenforcer.characterlevelparser import CharacterLevelParser
 from transformers import PreTrainedTokenizerBase
 
 from ..validation import check_int
-from .adapter import GrammarAdapter, GrammarSequence, stop_token_ids
+from .adapter import GrammarAdapter, GrammarSequence, stop_token_ids, unpack_token_bitmask
 from .json_tags import token_tags
 from .tags import StructuralTag
 
@@ -141,13 +141,7 @@ class JsonSchemaSequence(GrammarSequence):
 
     def allowed_token_mask(self, vocab_size: int) -> torch.Tensor:
         """The enforcer's allowed tokens after the tokens so far, as a bool tensor ``[vocab_size]``."""
-        allowed = self._enforcer_allowed()
-        bits = allowed.allowed_tokens  # int32 [ceil(V_lmfe / 32)], bit j of word w = token 32 w + j
-        shifts = torch.arange(32, dtype=torch.int32)
-        mask = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten()
-        if mask.numel() >= vocab_size:
-            return mask[:vocab_size]
-        return torch.cat([mask, mask.new_zeros(vocab_size - mask.numel())])
+        return unpack_token_bitmask(self._enforcer_allowed().allowed_tokens, vocab_size)  # int32 [ceil(V_lmfe / 32)]
 
     def _enforcer_allowed(self):
         """``TokenEnforcer.get_allowed_tokens`` for the tokens so far. The enforcer derives a prefix's state from

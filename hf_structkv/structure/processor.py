@@ -14,6 +14,7 @@ and re-advanced.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -26,7 +27,39 @@ from .lmfe import JsonSchemaAdapter
 from .tag_source import TokenTags
 from .tags import StructuralTag, check_tag_view, position_tag, view_tags
 
-__all__ = ["StructuralLogitsProcessor"]
+__all__ = ["ENGINES", "StructuralLogitsProcessor", "resolve_engine"]
+
+ENGINES = ("auto", "xgrammar", "lmfe")
+"""Masking engines for ``tools=`` / ``schema=``: ``"xgrammar"`` (`XgrammarJsonAdapter`), ``"lmfe"``
+(lm-format-enforcer, `JsonSchemaAdapter`), ``"auto"``: xgrammar when it is installed, else lm-format-enforcer."""
+
+
+def resolve_engine(engine: str) -> str:
+    """The engine ``engine`` names: ``"xgrammar"`` or ``"lmfe"`` (``"auto"``: xgrammar when it is installed).
+
+    Raises:
+        ValueError: ``engine`` is not one of :data:`ENGINES`.
+        ImportError: ``engine="xgrammar"`` without xgrammar installed.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    installed = importlib.util.find_spec("xgrammar") is not None
+    if engine == "xgrammar" and not installed:
+        raise ImportError('engine="xgrammar" needs xgrammar: pip install "xgrammar==0.2.9", or pass engine="lmfe"')
+    if engine == "auto":
+        return "xgrammar" if installed else "lmfe"
+    return engine
+
+
+def _schema_adapter(
+    tokenizer: PreTrainedTokenizerBase, schema: Mapping[str, Any], eos_token_id, engine: str
+) -> GrammarAdapter:
+    """The grammar adapter of ``engine`` (resolved: ``"xgrammar"`` or ``"lmfe"``) for a JSON schema."""
+    if engine == "lmfe":
+        return JsonSchemaAdapter(tokenizer, schema, eos_token_id=eos_token_id)
+    from .xgrammar_json import XgrammarJsonAdapter  # xgrammar is optional: imported only when chosen
+
+    return XgrammarJsonAdapter(tokenizer, schema, eos_token_id=eos_token_id)
 
 
 class _SequenceRecord:
@@ -60,11 +93,18 @@ class StructuralLogitsProcessor(LogitsProcessor):
             still masks, but its transitions no longer reach the cache.
         position_bins: the bin starts of the ``"position_bins"`` view (the table's ``position_bins``); ``()``
             otherwise.
+        engine: what masks ``tools`` / ``schema`` (:data:`ENGINES`): ``"xgrammar"`` (flat cost per token at any
+            history), ``"lmfe"`` (lm-format-enforcer) or ``"auto"`` (xgrammar when installed). The tags are the same
+            either way (our parser walk); the two grammars differ in a few places, listed in
+            :mod:`~hf_structkv.structure.xgrammar_json`. The resolved name is :attr:`engine` (``None`` with
+            ``adapter``).
 
     Raises:
-        ValueError: not exactly one of ``tools``, ``schema``, ``adapter``; ``eos_token_id`` with ``adapter``;
-            malformed tools or schema; an unknown ``tag_view`` or bins that do not fit it.
+        ValueError: not exactly one of ``tools``, ``schema``, ``adapter``; ``eos_token_id`` or an ``engine`` other
+            than ``"auto"`` with ``adapter``; an unknown ``engine``; malformed tools or schema; an unknown
+            ``tag_view`` or bins that do not fit it.
         TypeError: ``adapter`` is not a :class:`GrammarAdapter`, or ``tokenizer`` is missing / not a tokenizer.
+        ImportError: ``engine="xgrammar"`` without xgrammar installed.
     """
 
     def __init__(
@@ -76,7 +116,9 @@ class StructuralLogitsProcessor(LogitsProcessor):
         eos_token_id: int | Iterable[int] | None = None,
         tag_view: str = "full",
         position_bins: Sequence[int] = (),
+        engine: str = "auto",
     ):
+        resolved = resolve_engine(engine)
         given = [
             name for name, value in (("tools", tools), ("schema", schema), ("adapter", adapter)) if value is not None
         ]
@@ -87,12 +129,16 @@ class StructuralLogitsProcessor(LogitsProcessor):
                 raise TypeError(f"adapter must be a GrammarAdapter, got {type(adapter).__name__}")
             if eos_token_id is not None:
                 raise ValueError("eos_token_id applies to tools= / schema=; an adapter brings its own stop tokens")
+            if engine != "auto":
+                raise ValueError(f"engine applies to tools= / schema=; an adapter is its own engine, got {engine!r}")
             adapter.check_family()
+            resolved = None
         else:
             if not isinstance(tokenizer, PreTrainedTokenizerBase):
                 raise TypeError(f"tokenizer must be a transformers tokenizer, got {type(tokenizer).__name__}")
             schema = function_call_schema(tools) if tools is not None else schema
-            adapter = JsonSchemaAdapter(tokenizer, schema, eos_token_id=eos_token_id)
+            adapter = _schema_adapter(tokenizer, schema, eos_token_id, resolved)
+        self.engine = resolved
         self.position_bins = check_tag_view(tag_view, adapter.family, position_bins)
         self.adapter = adapter
         self.tag_view = tag_view
