@@ -624,6 +624,60 @@ def test_compaction_loss_reductions_match_hand_counts():
     assert verdicts[2]["measured"] == "2.00x loo's time per head"
 
 
+def test_compaction_loss_storage_run_compares_formats_at_equal_bytes(tmp_path):
+    benchmark = load_script(LOSS_SCRIPT)
+    argv = ["--tiny", "--min-tokens", "200", "--questions", "3", "--query-cap", "256", "--self-study-ratios"]
+    argv += ["--storage", "bf16", "int4", "--key-groups", "none", "4", "--methods", "kv_surgeon", "loo"]
+    argv += ["--ratios", "5", "10", "--threads", str(torch.get_num_threads()), "--out", str(tmp_path / "int4.json")]
+    payload = benchmark.main(argv)
+
+    labels = ["kv_surgeon", "kv_surgeon+int4", "kv_surgeon+int4/g4", "loo", "loo+int4", "loo+int4/g4"]
+    assert sorted(payload["summary"]["repeat"]["10"]) == labels
+    records = payload["records"]
+    assert len(records) == len(payload["heads"]) * 2 * len(labels)
+    for record in records:
+        # each variant keeps the most entries its format fits in the byte budget, and stays within it
+        assert record["bytes"] <= record["byte_budget"]
+        assert record["storage_used"] == ("bf16" if record["storage_fallback"] else record["storage"])
+        if not record["storage_fallback"]:
+            assert record["kept"] == record["budget"]
+    length = payload["text"]["context_tokens"]
+    one = next(r for r in records if r["ratio"] == 10 and r["method"] == "kv_surgeon")
+    assert one["byte_budget"] == math.floor(length * (16 + 16) * 2 / 10)  # tiny qwen2: head_dim 16, BF16
+    verdicts = {(v["variant"], v["ratio"]): v for v in payload["int4_targets"]}
+    assert sorted(verdicts) == [
+        (label, ratio) for label in ("kv_surgeon+int4", "kv_surgeon+int4/g4") for ratio in (5, 10)
+    ]
+    assert verdicts[("kv_surgeon+int4", 5)]["met"] is None  # no target at 5x
+    assert verdicts[("kv_surgeon+int4", 10)]["met"] in (True, False)
+
+
+def test_compaction_loss_storage_verdicts_match_hand_counts():
+    benchmark = load_script(LOSS_SCRIPT)
+
+    def record(ratio, method, head, loss, fallback=False):
+        storage = "int4" if "+int4" in method else "bf16"
+        return {
+            "tier": "repeat",
+            "ratio": ratio,
+            "method": method,
+            "layer": 0,
+            "kv_head": head,
+            "heldout_loss": loss,
+            "storage": storage,
+            "storage_fallback": fallback,
+        }
+
+    records = [record(20, "kv_surgeon", head, loss) for head, loss in enumerate([0.2, 0.4, 0.1])]
+    records += [record(20, "kv_surgeon+int4", 0, 0.1), record(20, "kv_surgeon+int4", 1, 0.2)]
+    records += [record(20, "kv_surgeon+int4", 2, 0.16, fallback=True)]
+    (verdict,) = benchmark.storage_verdicts(records)
+    assert verdict["median_int4"] == 0.16 and verdict["median_bf16"] == 0.2
+    assert math.isclose(verdict["median_ratio"], 0.8) and math.isclose(verdict["worst_head_ratio"], 1.6)
+    assert math.isclose(verdict["fallback_share"], 1 / 3) and verdict["heads"] == 3
+    assert verdict["met"] is False  # 0.8x > 0.75x at 20x, and one head at 1.6x > 1.5x
+
+
 # --------------------------------------------------------------------------------- benchmarks/bfcl_budget.py
 def test_bfcl_budget_tiny_run_writes_records_and_plot(tmp_path):
     pytest.importorskip("bfcl_eval")
