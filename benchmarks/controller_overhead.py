@@ -1,14 +1,18 @@
-"""Per-token cost of PASK's online control — structural tagging + the policy controller — against the number of
-tokens generated before (history 128, 2K, 8K, 32K), with lm-format-enforcer's masking time beside it.
+"""Per-token cost of constrained decoding with PASK's online control — masking + structural tagging + the policy
+controller — against the number of tokens generated before (history 128, 2K, 8K, 32K), for each grammar engine.
 
 The output is a JSON list of function calls (the embedded model's tokenizer, the illustrative policy): the history
-is a run of ``get_weather`` / ``book_flight`` calls, the measured window the ``--window`` tokens that follow it.
-Tagging is `GrammarSequence.advance`
-(our character-level parser walk); the controller is `PolicyController.step` (Algorithm 2), timed in a walk without
-masking; lm-format-enforcer's masking (`allowed_token_mask`) is timed in a second walk that masks every token, as
-generation does, up to the longest ``--mask-histories`` entry (default 8K: the engine keys its states by the whole
-token prefix, so its time per token grows with the history and its memory quadratically).
-Target (issue 3): tagging + controller flat, i.e. the 32K / 128 ratio <= 1.1.
+is a run of ``get_weather`` / ``book_flight`` calls, the measured window the ``--window`` tokens that follow it. One
+walk per engine (``--engine``) masks every token as generation does (`GrammarSequence.allowed_token_mask`), tags it
+(`GrammarSequence.advance`: our character-level parser walk, the same for both engines) and steps the controller
+(`PolicyController.step`, Algorithm 2). The process's resident memory (Linux ``/proc/self/statm``) is read once the
+engine's tables are built and before each window: its growth is what the walk has kept for the history.
+
+lm-format-enforcer keys its states by the whole token prefix, so its masking time grows with the history and its
+memory quadratically (a walk to 32K was stopped at 8.8 GB resident): it is walked only up to the longest
+``--lmfe-histories`` entry (default 8K). xgrammar keeps one matcher state and a rollback history.
+Targets (issue 33): with xgrammar <= 1 ms per token (median over the window) and flat (the 32K / 128 ratio <= 1.1),
+memory flat.
 
     .venv/bin/python benchmarks/controller_overhead.py --out benchmarks/results/controller_overhead.json
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -30,6 +35,7 @@ from hf_structkv.models import ensure_default_snapshot
 from hf_structkv.policy import PolicyController, illustrative_policy
 from hf_structkv.structure.function_calls import function_call_schema
 from hf_structkv.structure.lmfe import JsonSchemaAdapter
+from hf_structkv.structure.xgrammar_json import XgrammarJsonAdapter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helpers, also when imported by path
 from results_json import write_json  # noqa: E402
@@ -61,6 +67,8 @@ TOOLS = [
         },
     },
 ]
+ENGINES = {"lmfe": JsonSchemaAdapter, "xgrammar": XgrammarJsonAdapter}
+TARGET_MS, TARGET_RATIO = 1.0, 1.1
 CITIES = ["Oslo", "Lisbon", "Kyoto", "Nairobi", "Lima", "Tallinn", "Hanoi", "Perth"]
 
 
@@ -76,118 +84,148 @@ def call_list_text(count: int) -> str:
     return json.dumps(calls)
 
 
-def walk(tokenizer, length: int, window_starts: list[int], window: int, mask: bool) -> dict[int, dict[str, list]]:
-    """Walk ``length`` tokens of the call list, timing tagging, the controller and (with ``mask``) lm-format-
-    enforcer's masking for the ``window`` tokens after each of ``window_starts``.
+def resident_mib() -> float | None:
+    """The process's resident memory now, MiB (Linux ``/proc/self/statm``); ``None`` elsewhere."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
-    A token is the tokenizer's own token for the next characters when the grammar accepts it, else the next single
-    character; with ``mask`` lm-format-enforcer decides acceptance, without it our own parser does (a token it cannot
-    tag is replaced by the single character)."""
+
+def walk(tokenizer, engine: str, window_starts: list[int], window: int) -> dict[int, dict[str, list]]:
+    """Walk the call list under ``engine``'s masks up to the last window, timing masking, tagging and the controller
+    for the ``window`` tokens after each of ``window_starts`` and reading the resident memory before each window
+    (``"rss_mib"``: ``[at the walk's start, before the window]``).
+
+    A token is the tokenizer's own token for the next characters when the mask allows it, else the next single
+    character."""
+    length = max(window_starts) + window
     text = call_list_text(length // 20 + 10)  # ~27 tokens per call
     schema = function_call_schema(TOOLS)
     schema["maxItems"] = length  # lm-format-enforcer caps lists without maxItems at 20 items
     policy = illustrative_policy()
-    sequence = JsonSchemaAdapter(tokenizer, schema).new_sequence()
+    sequence = ENGINES[engine](tokenizer, schema).new_sequence()
+    start_rss = resident_mib()  # after the engine's tables are built: what follows is kept for the history
     controller = PolicyController(policy, policy.costs)
     vocab, cursor = len(tokenizer), 0
-    times = {h: {"tagging": [], "controller": [], "masking": []} for h in window_starts}
+    times = {h: {"masking": [], "tagging": [], "controller": [], "rss_mib": []} for h in window_starts}
     for position in range(length):
-        masking, allowed = None, None
-        if mask:
-            start = time.perf_counter()
-            allowed = sequence.allowed_token_mask(vocab)
-            masking = time.perf_counter() - start
+        for h in window_starts:
+            if position == h:
+                times[h]["rss_mib"] = [start_rss, resident_mib()]
+        start = time.perf_counter()
+        allowed = sequence.allowed_token_mask(vocab)
+        masking = time.perf_counter() - start
         natural = tokenizer(text[cursor : cursor + 32], add_special_tokens=False).input_ids[0]
         single = tokenizer(text[cursor], add_special_tokens=False).input_ids[0]
-        token = natural if allowed is None or bool(allowed[natural]) else single
+        token = natural if bool(allowed[natural]) else single
+        if not bool(allowed[token]):
+            raise RuntimeError(f"{engine} forbids {text[cursor]!r} at character {cursor}")
         start = time.perf_counter()
         tags = sequence.advance(token)
         tagging = time.perf_counter() - start
-        if not tags and token != single:  # without masking: our parser rejected the natural token
-            sequence.rollback(1)
-            token = single
-            start = time.perf_counter()
-            tags = sequence.advance(token)
-            tagging = time.perf_counter() - start
-        if not tags or (allowed is not None and not bool(allowed[token])):
-            raise RuntimeError(f"the grammar forbids {text[cursor]!r} at character {cursor}")
+        if not tags:
+            raise RuntimeError(f"our parser walk cannot tag {tokenizer.decode([token])!r} at character {cursor}")
         cursor += len(tokenizer.decode([token]))
         start = time.perf_counter()
         controller.step(tags)
         stepping = time.perf_counter() - start
         for h in window_starts:
             if h <= position < h + window:
+                times[h]["masking"].append(masking)
                 times[h]["tagging"].append(tagging)
                 times[h]["controller"].append(stepping)
-                if masking is not None:
-                    times[h]["masking"].append(masking)
     return times
 
 
-def measure(tokenizer, histories: list[int], window: int, mask_histories: list[int]) -> list[dict]:
-    """Two walks: tagging + controller alone at every history (what PASK adds), and, up to the longest of
-    ``mask_histories``, lm-format-enforcer's masking at every token as in generation (its parser states are keyed
-    by the whole token prefix: time per token grows with the history and memory quadratically — a walk masking up
-    to 32K was stopped at 8.8 GB resident)."""
-    control = walk(tokenizer, max(histories) + window, histories, window, mask=False)
-    masked = walk(tokenizer, max(mask_histories) + window, mask_histories, window, mask=True) if mask_histories else {}
-    result = []
+def measure(tokenizer, engine: str, histories: list[int], window: int) -> list[dict]:
+    """One walk under ``engine`` to the longest of ``histories``; per history the medians over its window (the
+    per-token total is the median of the per-token sums) and the resident memory the history added."""
+    times = walk(tokenizer, engine, histories, window)
+    rows = []
     for h in histories:
-        both = [a + b for a, b in zip(control[h]["tagging"], control[h]["controller"])]
-        result.append(
+        per_token = [sum(parts) for parts in zip(times[h]["masking"], times[h]["tagging"], times[h]["controller"])]
+        start_rss, rss = times[h]["rss_mib"]
+        rows.append(
             {
                 "history": h,
-                "tokens_timed": len(both),
-                "tagging_plus_controller_us": 1e6 * statistics.median(both),
-                "tagging_us": 1e6 * statistics.median(control[h]["tagging"]),
-                "controller_us": 1e6 * statistics.median(control[h]["controller"]),
-                "masking_ms": 1e3 * statistics.median(masked[h]["masking"]) if h in masked else None,
+                "tokens_timed": len(per_token),
+                "per_token_ms": 1e3 * statistics.median(per_token),
+                "masking_ms": 1e3 * statistics.median(times[h]["masking"]),
+                "tagging_us": 1e6 * statistics.median(times[h]["tagging"]),
+                "controller_us": 1e6 * statistics.median(times[h]["controller"]),
+                "rss_growth_mib": None if rss is None else rss - start_rss,
             }
         )
-    return result
+    for row in rows:
+        row["ratio_to_shortest"] = row["per_token_ms"] / rows[0]["per_token_ms"]
+    return rows
 
 
-def main() -> None:
+def summary(rows: list[dict]) -> dict:
+    """The issue's targets on one engine's rows: the largest median per token, the largest ratio to the shortest
+    history, the resident memory added per 1K tokens of history (between the shortest and longest history)."""
+    first, last = rows[0], rows[-1]
+    growth = None
+    if last["rss_growth_mib"] is not None and last["history"] > first["history"]:
+        growth = 1024 * (last["rss_growth_mib"] - first["rss_growth_mib"]) / (last["history"] - first["history"])
+    worst_ms = max(row["per_token_ms"] for row in rows)
+    worst_ratio = max(row["ratio_to_shortest"] for row in rows)
+    return {
+        "max_per_token_ms": worst_ms,
+        "max_ratio_to_shortest": worst_ratio,
+        "rss_mib_per_1k_tokens": growth,
+        "time_target_met": worst_ms <= TARGET_MS and worst_ratio <= TARGET_RATIO,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", nargs="+", choices=sorted(ENGINES), default=["xgrammar", "lmfe"])
     parser.add_argument("--histories", type=int, nargs="+", default=[128, 2048, 8192, 32768])
-    parser.add_argument("--window", type=int, default=200, help="tokens timed after each history")
     parser.add_argument(
-        "--mask-histories",
+        "--lmfe-histories",
         type=int,
-        nargs="*",
+        nargs="+",
         default=[128, 2048, 8192],
-        help="histories at which lm-format-enforcer's masking is timed too (it masks every token up to the longest)",
+        help="the histories of the lm-format-enforcer walk (its memory grows quadratically: 32K exhausts it)",
     )
+    parser.add_argument("--window", type=int, default=200, help="tokens timed after each history")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(ensure_default_snapshot())
-    start = time.perf_counter()
-    rows = measure(tokenizer, sorted(args.histories), args.window, args.mask_histories)
-    seconds = time.perf_counter() - start
-    base = rows[0]["tagging_plus_controller_us"]
-    print(f"{'history':>8} {'tag+ctrl µs':>12} {'tag µs':>8} {'ctrl µs':>8} {'ratio':>6} {'LMFE mask ms':>13}")
-    for row in rows:
-        row["ratio_to_shortest"] = row["tagging_plus_controller_us"] / base
-        mask = "-" if row["masking_ms"] is None else f"{row['masking_ms']:.2f}"
-        print(
-            f"{row['history']:>8} {row['tagging_plus_controller_us']:>12.1f} {row['tagging_us']:>8.1f} "
-            f"{row['controller_us']:>8.1f} {row['ratio_to_shortest']:>6.2f} {mask:>13}"
-        )
-    flat = max(row["ratio_to_shortest"] for row in rows) <= 1.1
-    print(f"target: tagging + controller flat (ratio <= 1.1): {'met' if flat else 'NOT met'}; {seconds:.0f} s")
+    record = {"engines": {}, "targets": {"per_token_ms": TARGET_MS, "ratio_to_shortest": TARGET_RATIO}}
+    columns = ("engine", 8), ("history", 8), ("ms/token", 9), ("mask ms", 8), ("tag µs", 7), ("ctrl µs", 8)
+    print(" ".join(f"{name:>{width}}" for name, width in (*columns, ("ratio", 6), ("+RSS MiB", 9))))
+    for engine in dict.fromkeys(args.engine):
+        histories = sorted(set(args.lmfe_histories if engine == "lmfe" else args.histories))
+        start = time.perf_counter()
+        rows = measure(tokenizer, engine, histories, args.window)
+        record["engines"][engine] = {"rows": rows, **summary(rows), "seconds": time.perf_counter() - start}
+        for row in rows:
+            rss = "-" if row["rss_growth_mib"] is None else f"{row['rss_growth_mib']:.1f}"
+            print(
+                f"{engine:>8} {row['history']:>8} {row['per_token_ms']:>9.3f} {row['masking_ms']:>8.3f} "
+                f"{row['tagging_us']:>7.1f} {row['controller_us']:>8.1f} {row['ratio_to_shortest']:>6.2f} {rss:>9}"
+            )
+        met = record["engines"][engine]["time_target_met"]
+        print(f"{engine}: <= {TARGET_MS} ms per token and ratio <= {TARGET_RATIO}: {'met' if met else 'NOT met'}")
+    record.update(
+        command="benchmarks/controller_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        window=args.window,
+        threads=torch.get_num_threads(),
+        machine=platform.processor() or platform.machine(),
+    )
     if args.out:
-        record = {
-            "command": f"benchmarks/controller_overhead.py --histories {' '.join(map(str, args.histories))} "
-            f"--window {args.window} --mask-histories {' '.join(map(str, args.mask_histories))}",
-            "medians_over_window": rows,
-            "flat_target_met": flat,
-            "seconds": seconds,
-            "threads": torch.get_num_threads(),
-            "machine": platform.processor() or platform.machine(),
-        }
-        write_json(args.out, record, started=started)
+        record = write_json(args.out, record, started=started)
+    return record
 
 
 if __name__ == "__main__":
