@@ -586,20 +586,23 @@ def assert_loss_targets_follow_the_records(benchmark, payload):
     assert time_factor["met"] == (seconds[0] / seconds[1] <= benchmark.TARGET_TIME_FACTOR)
 
 
+def loss_record(ratio, method, head, loss, **fields):
+    """One repeat-tier record of compaction_loss.py on layer 0, with any further ``fields``."""
+    return {
+        "tier": "repeat",
+        "ratio": ratio,
+        "method": method,
+        "layer": 0,
+        "kv_head": head,
+        "heldout_loss": loss,
+    } | fields
+
+
 def test_compaction_loss_reductions_match_hand_counts():
     benchmark = load_script(LOSS_SCRIPT)
 
     def record(ratio, method, head, loss, seconds=1.0):
-        return {
-            "tier": "repeat",
-            "ratio": ratio,
-            "method": method,
-            "layer": 0,
-            "kv_head": head,
-            "heldout_loss": loss,
-            "heldout_eviction_loss": 0.5,
-            "seconds": seconds,
-        }
+        return loss_record(ratio, method, head, loss, heldout_eviction_loss=0.5, seconds=seconds)
 
     losses = {  # per ratio: method -> loss on heads 0, 1, 2
         10: {"kv_surgeon": [0.1, 0.2, 0.6], "loo": [0.2, 0.3, 0.4], "am_hak": [0.1, 0.1, 0.1]},
@@ -657,16 +660,7 @@ def test_compaction_loss_storage_verdicts_match_hand_counts():
 
     def record(ratio, method, head, loss, fallback=False):
         storage = "int4" if "+int4" in method else "bf16"
-        return {
-            "tier": "repeat",
-            "ratio": ratio,
-            "method": method,
-            "layer": 0,
-            "kv_head": head,
-            "heldout_loss": loss,
-            "storage": storage,
-            "storage_fallback": fallback,
-        }
+        return loss_record(ratio, method, head, loss, storage=storage, storage_fallback=fallback)
 
     records = [record(20, "kv_surgeon", head, loss) for head, loss in enumerate([0.2, 0.4, 0.1])]
     records += [record(20, "kv_surgeon+int4", 0, 0.1), record(20, "kv_surgeon+int4", 1, 0.2)]
