@@ -86,8 +86,21 @@ def quantize_values_compensated(
     return torch.cat(codes)[restore], torch.cat(scales)[restore]
 
 
-def _calibration_error(attention: torch.Tensor, values: torch.Tensor, outputs: torch.Tensor) -> float:
-    return (attention @ values - outputs).square().sum().item()
+def quantize_values(
+    attention: torch.Tensor, values: torch.Tensor, outputs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row INT4 ``(codes, scales)`` of the refit ``values [t, D_v]``: compensated (`quantize_values_compensated`)
+    where that serves ``attention [N, t]`` closer to ``outputs [N, D_v]`` than plain rounding does, else rounded."""
+    rounded = quantize_int4(values.clamp(-CODE_LIMIT, CODE_LIMIT))
+    try:
+        compensated = quantize_values_compensated(attention, values)
+    except torch.linalg.LinAlgError:
+        return rounded
+    errors = [
+        (attention @ dequantize_int4(*candidate, values.shape[1], FLOAT) - outputs).square().sum()
+        for candidate in (compensated, rounded)
+    ]
+    return compensated if errors[0] < errors[1] else rounded
 
 
 def quantize_head(
@@ -106,21 +119,11 @@ def quantize_head(
     key_codes, key_scales, key_offsets = quantize_int4_channels(problem.keys[indices], key_group)
     dim, value_dim = problem.keys.shape[1], problem.values.shape[1]
     keys = dequantize_int4_channels(key_codes, key_scales, key_offsets, dim, key_group, FLOAT)
-    bias, values = selected.bias.to(FLOAT), selected.values.to(FLOAT)
-    value_codes, value_scales = quantize_int4(values.clamp(-CODE_LIMIT, CODE_LIMIT))
+    bias = selected.bias.to(FLOAT)
+    value_codes, value_scales = quantize_int4(selected.values.to(FLOAT).clamp(-CODE_LIMIT, CODE_LIMIT))
     if isinstance(rule, CalibratedMethod) and rule.refit and problem.queries is not None:
         bias, values, attention = refit_with_served_keys(problem, indices, keys, rule.bias_bound, rule.value_shrinkage)
-        value_codes, value_scales = quantize_int4(values.clamp(-CODE_LIMIT, CODE_LIMIT))
-        rounded = dequantize_int4(value_codes, value_scales, value_dim, FLOAT)
-        try:
-            codes, scales = quantize_values_compensated(attention, values)
-        except torch.linalg.LinAlgError:
-            codes = None
-        if codes is not None:
-            compensated = dequantize_int4(codes, scales, value_dim, FLOAT)
-            outputs = problem.outputs
-            if _calibration_error(attention, compensated, outputs) < _calibration_error(attention, rounded, outputs):
-                value_codes, value_scales = codes, scales
+        value_codes, value_scales = quantize_values(attention, values, problem.outputs)
     return QuantizedHead(
         indices,
         bias.float(),
