@@ -4,8 +4,8 @@ prefill policy) still load, and survive a save / load round trip unchanged."""
 
 from __future__ import annotations
 
-import inspect
 import hashlib
+import inspect
 import json
 from pathlib import Path
 
@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from hf_structkv import CompactedCache
 from hf_structkv.compaction.budgets import HeadBudgets
 from hf_structkv.models import tiny_model
+from hf_structkv.persistence.folders import ARTIFACT_MARKERS
 from hf_structkv.policy import PolicyTable, PrefillPolicy
 from hf_structkv.policy.table import illustrative_policy
 
@@ -38,6 +39,13 @@ def test_every_artifact_has_the_same_keyword_only_signatures(cls):
     assert list(push) == ["self", "repo_id", "private", "token", "revision", "commit_message"]
     assert all(push[name].kind is inspect.Parameter.KEYWORD_ONLY for name in list(push)[2:])
     assert list(inspect.signature(cls.save_pretrained).parameters) == ["self", "save_directory"]
+
+
+@pytest.mark.parametrize("cls", ARTIFACTS, ids=lambda cls: cls.__name__)
+def test_every_artifact_has_the_marker_file_that_keeps_other_saves_out_of_its_folder(cls):
+    assert ARTIFACT_MARKERS[cls.__name__] in cls.SAVED_FILES
+    others = {marker for name, marker in ARTIFACT_MARKERS.items() if name != cls.__name__}
+    assert not others & set(cls.SAVED_FILES)
 
 
 def test_no_two_artifacts_write_a_file_of_the_same_name_except_the_card(tmp_path):
