@@ -25,7 +25,8 @@ with lm-format-enforcer's whitespace freedom between elements (any of space, tab
 the output, object properties in any order (xgrammar: the schema's order), a comma before ``}``, control
 characters inside strings, exponents on integers and ``1.e5``, byte tokens that cannot continue UTF-8, and arrays
 without ``maxItems`` are capped at 20 items by lm-format-enforcer only; lm-format-enforcer's free-string table
-omits tokens that close a string and continue after the quote (``'",'``), which xgrammar allows.
+omits tokens that hold string characters, the closing quote and more (``' ",'``, ``'."\\n'``) and longer tokens with
+a backslash (``'\\u'``), which xgrammar allows.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import weakref
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import torch
 from lmformatenforcer import JsonSchemaParser
 from lmformatenforcer.characterlevelparser import CharacterLevelParser, CharacterLevelParserConfig, ForceStopParser
 from lmformatenforcer.consts import DEFAULT_MAX_CONSECUTIVE_WHITESPACES
@@ -78,7 +80,9 @@ class XgrammarJsonAdapter(GrammarAdapter):
     ``"function_calling"``).
 
     The schema is compiled once (xgrammar's compiler caches by schema text, one compiler per tokenizer); each
-    sequence owns a matcher (mask, accept, rollback) and its tagging parsers.
+    sequence owns a matcher (mask, accept, rollback) and its tagging parsers. The tokenizer's special tokens other
+    than the stop tokens are never allowed (lm-format-enforcer's rule; xgrammar would allow ``<|endoftext|>`` inside
+    a string as its literal text).
 
     Args:
         tokenizer: the model's tokenizer.
@@ -103,6 +107,7 @@ class XgrammarJsonAdapter(GrammarAdapter):
             raise TypeError(f"schema must be a dict (a JSON schema), got {type(schema).__name__}")
         compiler, self._token_bytes = xgrammar_compiler(tokenizer)
         self._stops = stop_token_ids(tokenizer, eos_token_id)
+        self._special = torch.tensor(sorted(set(tokenizer.all_special_ids) - self._stops), dtype=torch.long)
         try:
             text = json.dumps(schema)
         except (TypeError, ValueError) as err:
@@ -127,15 +132,22 @@ class XgrammarJsonAdapter(GrammarAdapter):
         """Nothing to drop: sequences share only the compiled grammar and the tagging parser's start state."""
 
     def new_sequence(self) -> XgrammarJsonSequence:
-        return XgrammarJsonSequence(new_matcher(self._compiled, self._stops), self._root, self._token_bytes)
+        matcher = new_matcher(self._compiled, self._stops)
+        return XgrammarJsonSequence(matcher, self._root, self._token_bytes, self._special)
 
 
 class XgrammarJsonSequence(MatcherSequence):
     """Matcher and tagging parsers of one sequence under an :class:`XgrammarJsonAdapter`: the parser after every
     token is kept (they are immutable), so a rollback truncates them."""
 
-    def __init__(self, matcher: xgrammar.GrammarMatcher, root: CharacterLevelParser, token_bytes: list[bytes]):
-        super().__init__(matcher, token_bytes)
+    def __init__(
+        self,
+        matcher: xgrammar.GrammarMatcher,
+        root: CharacterLevelParser,
+        token_bytes: list[bytes],
+        forbidden: torch.Tensor | None = None,
+    ):
+        super().__init__(matcher, token_bytes, forbidden)
         self._parsers: list[CharacterLevelParser] = [root]
 
     def _tag(self, text: str | None) -> tuple[StructuralTag, ...]:

@@ -66,11 +66,16 @@ class MatcherSequence(GrammarSequence):
 
     A token the matcher rejects (only possible when something bypassed the mask) is recorded but not given to the
     matcher; from then on only stop tokens are allowed and every tag is empty (unresolved: full protection).
+    ``forbidden`` (int64 ``[n]``) are ids the mask never allows, whatever the grammar says (xgrammar reads special
+    tokens such as ``<|endoftext|>`` as their literal text).
     """
 
-    def __init__(self, matcher: xgrammar.GrammarMatcher, token_bytes: list[bytes]):
+    def __init__(
+        self, matcher: xgrammar.GrammarMatcher, token_bytes: list[bytes], forbidden: torch.Tensor | None = None
+    ):
         self._matcher = matcher
         self._token_bytes = token_bytes
+        self._forbidden = forbidden
         self._accepted: list[bool] = []  # per advanced token: did the matcher accept it
         self._pending: list[bytes] = []  # per advanced token: bytes of an unfinished character after it
 
@@ -89,7 +94,10 @@ class MatcherSequence(GrammarSequence):
             return mask
         bitmask = xgrammar.allocate_token_bitmask(1, len(self._token_bytes))  # int32 [1, ceil(V_xgr / 32)]
         self._matcher.fill_next_token_bitmask(bitmask)
-        return unpack_token_bitmask(bitmask[0], vocab_size)
+        mask = unpack_token_bitmask(bitmask[0], vocab_size)
+        if self._forbidden is not None:
+            mask[self._forbidden[self._forbidden < vocab_size]] = False
+        return mask
 
     def advance(self, token_id: int) -> tuple[StructuralTag, ...]:
         if not (self._all_accepted() and self._matcher.accept_token(token_id)):
