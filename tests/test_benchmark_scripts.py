@@ -917,3 +917,38 @@ def test_head_fit_cost_smoke(tmp_path):
     assert all(row["seconds"] > 0 and row["peak_gib_growth"] >= 0 and row["train_loss"] >= 0 for row in result["fits"])
     assert [(row["kept"], row["pool"]) for row in result["eliminations"]] == [(25, 100), (6, 24)]
     assert all(row["same_kept_positions"] and row["in_place_seconds"] > 0 for row in result["eliminations"])
+
+
+# ------------------------------------------------------------------------------------ benchmarks/controller_overhead.py
+def test_controller_overhead_smoke(tmp_path):
+    """Both engines walk a short call list: per-history medians, ratios to the shortest history, memory added."""
+    out = tmp_path / "controller_overhead.json"
+    command = [sys.executable, str(BENCHMARKS / "controller_overhead.py"), "--engine", "xgrammar", "lmfe"]
+    command += ["--histories", "16", "48", "--lmfe-histories", "16", "--window", "6", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    subprocess.run(command, check=True, env=env, timeout=600, capture_output=True)
+    result = json.loads(out.read_text())
+    assert list(result["engines"]) == ["xgrammar", "lmfe"] and result["threads"] == 1 and "provenance" in result
+    for engine, histories in (("xgrammar", [16, 48]), ("lmfe", [16])):
+        record = result["engines"][engine]
+        assert [row["history"] for row in record["rows"]] == histories and record["rows"][0]["ratio_to_shortest"] == 1
+        for row in record["rows"]:
+            assert row["tokens_timed"] == 6 and row["per_token_ms"] >= row["masking_ms"] > 0 and row["tagging_us"] > 0
+        assert record["max_per_token_ms"] == max(row["per_token_ms"] for row in record["rows"])
+    assert result["engines"]["lmfe"]["rss_mib_per_1k_tokens"] is None  # one history: no slope
+
+
+def test_controller_overhead_summary_against_hand_counts():
+    script = load_script(BENCHMARKS / "controller_overhead.py")
+    rows = [
+        {"history": 128, "per_token_ms": 0.4, "ratio_to_shortest": 1.0, "rss_growth_mib": 1.0},
+        {"history": 1152, "per_token_ms": 0.42, "ratio_to_shortest": 1.05, "rss_growth_mib": 3.0},
+    ]
+    assert script.summary(rows) == {
+        "max_per_token_ms": 0.42,
+        "max_ratio_to_shortest": 1.05,
+        "rss_mib_per_1k_tokens": 2.0,  # 2 MiB over 1024 tokens
+        "time_target_met": True,
+    }
+    rows[1]["ratio_to_shortest"] = 1.2
+    assert not script.summary(rows)["time_target_met"]
