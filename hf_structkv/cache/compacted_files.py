@@ -37,6 +37,7 @@ from ..persistence import (
     CARD_NAME,
     base_model,
     card_front_matter,
+    check_format_version,
     check_same_model,
     check_same_tokenizer,
     human_bytes,
@@ -44,10 +45,12 @@ from ..persistence import (
     model_fingerprint,
     ratio_text,
     read_json_object,
+    regular_file_size,
     render_card,
     replace_file,
     write_text_file,
 )
+from ..validation import is_int
 from ..version import __version__
 from .compacted_checks import CONFIG_NAME, FORMAT_VERSION, TENSOR_SUFFIXES, TENSORS_NAME, validate_cache_files
 from .compacted_layers import CompactedLayer, SharedContextSlidingLayer
@@ -78,6 +81,8 @@ FORMAT_KEYS = frozenset(
         "tensors_sha256",
     }
 )
+MAX_HEADER_BYTES = 100_000_000
+"""The largest safetensors header read (the limit the safetensors library itself enforces)."""
 _CARD_KNOWN_KEYS = ("fingerprint", "base_model", "method", "hyperparameters", "calibration", "quality")
 
 CacheLayer = CompactedLayer | SharedContextSlidingLayer
@@ -218,7 +223,8 @@ def read_cache_folder(
     if not folder.is_dir():
         raise ValueError(f"{folder} is a file: a compacted cache is loaded from its folder (or a Hub repository id)")
     config = read_json_object(folder, CONFIG_NAME, "compacted cache")
-    data = _read_tensors_file(folder)
+    check_format_version(config.get("format_version"), FORMAT_VERSION, CONFIG_NAME)  # a newer format may size others
+    data = _read_tensors_file(folder, config)
     tensors = _parse_tensors(folder / TENSORS_NAME, data)
     validate_cache_files(config, tensors)
     _check_tensors_belong_to_config(config, data)
@@ -233,15 +239,23 @@ def read_cache_folder(
     return _build_layers(config, tensors), metadata
 
 
-def _read_tensors_file(folder: Path) -> bytes:
+def _read_tensors_file(folder: Path, config: dict[str, Any]) -> bytes:
     """The bytes of ``cache.safetensors``, read into memory: the loaded tensors are the process's own, so truncating
     or rewriting the file after loading changes nothing served (no memory map, no SIGBUS), and the bytes checked are
-    the bytes used."""
+    the bytes used. Before reading, the file must be a regular file no larger than the tensors ``context_nbytes``
+    records plus a safetensors header (`MAX_HEADER_BYTES`), so an endless device or an edited size never fills
+    memory."""
     path = folder / TENSORS_NAME
+    nbytes = config.get("context_nbytes")
+    if not is_int(nbytes) or nbytes < 0:
+        raise ValueError(f"context_nbytes in {CONFIG_NAME} is {nbytes!r}, not the byte count of the cache's tensors")
     try:
+        regular_file_size(path, 8 + MAX_HEADER_BYTES + nbytes, f"a compacted cache ({CONFIG_NAME}'s context_nbytes)")
         return path.read_bytes()
-    except (FileNotFoundError, IsADirectoryError):
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         raise ValueError(f"{folder} is not a complete compacted cache: {TENSORS_NAME} is missing") from None
+    except OSError as err:
+        raise ValueError(f"{path} cannot be read ({err.strerror or err})") from None
 
 
 def _parse_tensors(path: Path, data: bytes) -> dict[str, torch.Tensor]:

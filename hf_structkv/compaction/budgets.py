@@ -20,6 +20,7 @@ import importlib.resources
 import json
 import math
 import numbers
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,10 @@ CAP_FRACTION = 0.75
 BUDGETS_NAME = "head_budgets.json"
 LEGACY_BUDGETS_NAME = "config.json"  # the file name before the rename: it collided with a CompactedCache's
 DEFAULT_MODEL_BUDGETS = "qwen2.5-coder-0.5b-instruct"
+_JSON_FIELDS = frozenset(
+    {"format", "format_version", "hf_structkv_version", "cap_fraction", "weights", "fingerprint", "provenance"}
+)
+"""The fields of ``head_budgets.json`` (``provenance`` may be missing); another field would be dropped on a save."""
 _LAYER_KEY = re.compile(r"0|[1-9][0-9]{0,5}")  # a layer index as JSON keys spell it: no sign, no leading zero
 
 
@@ -161,7 +166,8 @@ class HeadBudgets(SavedArtifact):
                 or not all(is_real(s) and math.isfinite(s) and s >= 0 for s in shares)
             ):
                 raise ValueError(
-                    f"weights[{layer}] must list {heads} finite shares >= 0 (one per KV head), got {shares!r}"
+                    f"weights[{layer}] must list {heads} finite shares >= 0 (one per KV head of the fingerprint's "
+                    f"model), got {shares!r}"
                 )
         try:
             total = math.fsum(s for layer in layers for s in self.weights[layer])
@@ -255,6 +261,9 @@ class HeadBudgets(SavedArtifact):
             found = config.get("format") if isinstance(config, dict) else type(config).__name__
             raise ValueError(f"{source} is not a head-budget file (format {found!r}, expected {FORMAT_NAME!r})")
         check_format_version(config.get("format_version"), FORMAT_VERSION, source)
+        unknown = sorted(config.keys() - _JSON_FIELDS)
+        if unknown:
+            raise ValueError(f"{source} has unknown fields {unknown}: a head-budget file holds {sorted(_JSON_FIELDS)}")
         cap = config.get("cap_fraction")
         if not is_real(cap) or cap != CAP_FRACTION:
             raise ValueError(f"cap_fraction in {source} must be {CAP_FRACTION}, got {cap!r}")
@@ -305,7 +314,8 @@ class HeadBudgets(SavedArtifact):
         """
         file = source
         if not source.is_file():
-            found = [source / name for name in (BUDGETS_NAME, LEGACY_BUDGETS_NAME) if (source / name).is_file()]
+            names = (BUDGETS_NAME, LEGACY_BUDGETS_NAME)  # a link to a device, or a loop, is read and refused
+            found = [source / name for name in names if os.path.lexists(source / name)]
             if not found:
                 raise ValueError(f"{source} holds no head budgets: {BUDGETS_NAME} is missing")
             file = found[0]

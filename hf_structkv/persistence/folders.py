@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,6 +35,7 @@ __all__ = [
     "check_no_other_artifact",
     "folder_lock",
     "read_json_object",
+    "regular_file_size",
     "remove_stale_temporaries",
     "replace_file",
     "resolve_folder",
@@ -137,21 +139,23 @@ def read_json_object(folder: Path, name: str, what: str) -> dict[str, Any]:
     repeats a key is refused (the later value would silently win).
 
     Raises:
-        ValueError: the file is missing, too large, not UTF-8 JSON, nested too deeply, repeats a key, holds an integer
-            too long to parse, or holds something other than an object.
+        ValueError: the file is missing, unreadable, not a regular file (``/dev/zero``, a pipe), too large, not UTF-8
+            JSON (``NaN`` and ``Infinity`` included), nested too deeply, repeats a key, holds an integer too long to
+            parse, or holds something other than an object.
     """
     path = folder / name
     try:
-        size = path.stat().st_size
-        if size > MAX_JSON_BYTES:
-            raise ValueError(f"{path} is {size:,} bytes, more than a saved {what} holds ({MAX_JSON_BYTES:,} at most)")
-        text = path.read_text(encoding="utf-8")
+        size = regular_file_size(path, MAX_JSON_BYTES, f"a saved {what}")
+        with open(path, "rb") as file:
+            text = file.read(size).decode("utf-8")  # what the file held when checked, never more
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         raise ValueError(f"{folder} is not a saved {what}: {name} is missing") from None
     except UnicodeDecodeError as err:
         raise ValueError(f"{path} is not valid JSON: {err}") from None
+    except OSError as err:  # unreadable: permissions, a symbolic-link loop
+        raise ValueError(f"{path} cannot be read ({err.strerror or err}): not a saved {what}") from None
     try:
-        config = json.loads(text, object_pairs_hook=_unique_keys)
+        config = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
     except RecursionError:
         raise ValueError(f"{path} nests lists or objects too deeply to be a saved {what}") from None
     except ValueError as err:  # JSONDecodeError, a repeated key, an integer longer than Python parses
@@ -161,6 +165,28 @@ def read_json_object(folder: Path, name: str, what: str) -> dict[str, Any]:
     if _depth(config) > MAX_JSON_DEPTH:
         raise ValueError(f"{path} nests lists or objects more than {MAX_JSON_DEPTH} deep: not a saved {what}")
     return config
+
+
+def regular_file_size(path: Path, limit: int, what: str) -> int:
+    """The size of ``path``, a regular file (a link to one is followed) of at most ``limit`` bytes: a device such as
+    ``/dev/zero``, a pipe or a folder is refused before anything is read from it.
+
+    Raises:
+        FileNotFoundError, OSError: from ``stat`` (a missing or unreadable path).
+        ValueError: naming ``path`` and ``what`` it should hold: not a regular file, or larger than ``limit``.
+    """
+    info = path.stat()
+    if stat.S_ISDIR(info.st_mode):
+        raise IsADirectoryError(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{path} is not a regular file (a device or a pipe?): {what} holds a file there")
+    if info.st_size > limit:
+        raise ValueError(f"{path} is {info.st_size:,} bytes, more than {what} holds ({limit:,} at most)")
+    return info.st_size
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number (a saved file never holds NaN or Infinity)")
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from ..persistence import (
     read_json_object,
     write_text_file,
 )
-from ..validation import is_number
+from ..validation import is_int, is_number
 from .costs import GroupCosts
 from .policy_json import json_object, json_text
 
@@ -45,6 +45,16 @@ class PolicyFile(SavedArtifact):
 
     _FILE_NAME: ClassVar[str]
     _WHAT: ClassVar[str]
+
+    def _check_cost_values(self) -> None:
+        """``costs`` holds one integer >= 0 per layer group in ``elements``, ``rows`` and ``padding``."""
+        for name in ("elements", "rows", "padding"):
+            values = getattr(self.costs, name)
+            if len(values) != len(self.costs.groups) or not all(is_int(v) and v >= 0 for v in values):
+                raise ValueError(
+                    f"{type(self).__name__}.costs.{name} (group_costs.{name} in the file) must hold one integer >= 0 "
+                    f"per layer group, got {values}"
+                )
 
     def _check_records(self) -> None:
         if self.provenance not in PROVENANCES:
@@ -75,7 +85,8 @@ class PolicyFile(SavedArtifact):
         if GroupCosts.from_dims([kv_heads] * layers, [head_dim] * layers, groups) != self.costs:
             raise ValueError(
                 f"costs do not match the fingerprint's model ({layers} layers, {kv_heads} KV heads, head_dim "
-                f"{head_dim}): build them with GroupCosts.from_config(model.config, groups={groups})"
+                f"{head_dim}): build them with GroupCosts.from_config(model.config, groups={groups}) (group_costs in "
+                f"{self._FILE_NAME})"
             )
         object.__setattr__(self, "fingerprint", json.loads(json.dumps(dict(self.fingerprint), allow_nan=False)))
 

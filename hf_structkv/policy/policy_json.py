@@ -88,9 +88,10 @@ def costs_from_json(value: Any) -> GroupCosts:
         )
     lists = []
     for name in ("elements", "rows", "padding"):
-        if not isinstance(value[name], list):
-            raise ValueError(f"group_costs.{name} must be a list with one integer per layer group")
-        lists.append(tuple(value[name]))
+        values = value[name]
+        if not isinstance(values, list) or not all(is_int(v) and v >= 0 for v in values):
+            raise ValueError(f"group_costs.{name} must hold one integer >= 0 per layer group, got {values!r}")
+        lists.append(tuple(values))
     return GroupCosts(tuple(range(a, b) for a, b in bounds), *lists)
 
 

@@ -126,7 +126,11 @@ class PrefillPolicy(PolicyFile):
         if not isinstance(self.costs, GroupCosts):
             raise TypeError(f"PrefillPolicy.costs must be a GroupCosts, got {type(self.costs).__name__}")
         if len(self.costs.groups) != 3 or self.costs.groups != layer_groups(self.costs.groups[-1].stop):
-            raise ValueError("PrefillPolicy.costs must have the 3 layer groups of A.2 (GroupCosts.from_config(config))")
+            raise ValueError(
+                "PrefillPolicy.costs must have the 3 layer groups of A.2 (GroupCosts.from_config(config)); got "
+                f"group_costs.layer_groups {[(g.start, g.stop) for g in self.costs.groups]}"
+            )
+        self._check_cost_values()
         for name in ("entries", "thresholds", "calibration"):
             if not isinstance(getattr(self, name), Mapping):
                 raise TypeError(f"PrefillPolicy.{name} must be a mapping, got {type(getattr(self, name)).__name__}")
@@ -138,7 +142,9 @@ class PrefillPolicy(PolicyFile):
             if not isinstance(entry, PolicyEntry) or len(entry.action) != groups:
                 raise ValueError(f"entries[{label!r}] must be a PolicyEntry with one action per layer group ({groups})")
         if not is_number(self.budget) or not 0 <= self.budget <= 1:
-            raise ValueError(f"budget (B_P) must be a number in [0, 1], got {self.budget!r}")
+            raise ValueError(
+                f"budget (B_P) must be a number in [0, 1] (prefill_budget in the file), got {self.budget!r}"
+            )
         self._check_records()
 
     def lookup(self, labels: Sequence[str]) -> PolicyLookup:

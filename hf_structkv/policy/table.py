@@ -197,10 +197,7 @@ class PolicyTable(PolicyFile, RetentionPolicy):
                 "PolicyTable.costs.groups must be the 3 layer groups of A.2 (layer_groups(L)) or the single group of "
                 f"the no-layer-groups ablation (layer_groups(L, 1)), got {[(g.start, g.stop) for g in groups]}"
             )
-        for name in ("elements", "rows", "padding"):
-            values = getattr(self.costs, name)
-            if len(values) != len(groups) or not all(is_int(v) and v >= 0 for v in values):
-                raise ValueError(f"PolicyTable.costs.{name} must hold one integer >= 0 per layer group, got {values}")
+        self._check_cost_values()
 
     def _check_entries(self) -> None:
         valid = _valid_keys(self.family, self.tag_view, self.position_bins)
@@ -222,7 +219,9 @@ class PolicyTable(PolicyFile, RetentionPolicy):
 
     def _check_scalars(self) -> None:
         if not is_number(self.budget) or not 0 <= self.budget <= 1:
-            raise ValueError(f"budget (B_D) must be a number in [0, 1], got {self.budget!r}")
+            raise ValueError(
+                f"budget (B_D) must be a number in [0, 1] (decode_budget in the file), got {self.budget!r}"
+            )
         states = STATES[self.family]
         for state, bits in self.reserve_by_state.items():
             if state not in states:
