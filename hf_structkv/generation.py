@@ -61,13 +61,18 @@ def generation_inputs(
         ``{"input_ids": [B, T + q], "attention_mask": [B, T + q]}`` with ``T = cache.get_seq_length()``.
 
     Raises:
+        TypeError: ``cache`` is not a transformers ``Cache``, or ``attention_mask`` is not a tensor.
         ValueError: ``question_ids`` is not ``[B, q]``, ``attention_mask`` has another shape, the cache is empty, or
             a ``CompactedCache`` holds appended tokens.
     """
+    if not isinstance(cache, Cache):
+        raise TypeError(f"cache must be a transformers Cache pre-filled with the context, got {type(cache).__name__}")
     if not isinstance(question_ids, torch.Tensor) or question_ids.dim() != 2:
         raise ValueError("question_ids must be a [batch, length] LongTensor (tokenizer(..., return_tensors='pt'))")
     if attention_mask is None:
         attention_mask = torch.ones_like(question_ids)
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a tensor [batch, length] or None, got {type(attention_mask).__name__}")
     if attention_mask.shape != question_ids.shape:
         raise ValueError(
             f"attention_mask has shape {tuple(attention_mask.shape)} but question_ids {tuple(question_ids.shape)}"

@@ -26,8 +26,14 @@ def is_int(value: Any) -> bool:
 
 
 def is_number(value: Any) -> bool:
-    """Whether ``value`` is a finite ``int`` or ``float`` and not a ``bool``."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """Whether ``value`` is a finite ``int`` or ``float`` and not a ``bool`` (an ``int`` beyond the float range, such
+    as ``10**400``, is not finite)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def check_int(

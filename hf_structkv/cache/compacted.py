@@ -11,6 +11,7 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 
 from ..attention.registry import enable
 from ..persistence import SavedArtifact
+from .compacted_checks import BIAS_LIMIT, value_limit
 from .compacted_files import CACHE_FILES, read_cache_folder, write_cache_folder
 from .compacted_layers import CompactedLayer, SharedContextSlidingLayer
 
@@ -44,6 +45,8 @@ class CompactedCache(SavedArtifact, Cache):
         lengths = {layer.original_length for layer in layers}
         if len(lengths) != 1:
             raise ValueError(f"all layers must describe the same context, got original lengths {sorted(lengths)}")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise TypeError(f"metadata must be a dict (JSON-serialisable) or None, got {type(metadata).__name__}")
         super().__init__(layers=list(layers))
         self.original_length = lengths.pop()
         self.metadata = dict(metadata or {})
@@ -78,6 +81,8 @@ class CompactedCache(SavedArtifact, Cache):
             raise TypeError(
                 f"cache must be a transformers Cache prefilled with the context, got {type(cache).__name__}"
             )
+        if not isinstance(indices, Sequence):
+            raise TypeError(f"indices must list one entry per layer (None for a sliding-window layer), got {indices!r}")
         for name, per_layer in (("indices", indices), ("biases", biases), ("values", values)):
             if per_layer is not None and len(per_layer) != len(cache.layers):
                 raise ValueError(
@@ -222,10 +227,13 @@ def _select_layer(
             raise ValueError(f"{where} holds a position twice; each kept entry must be distinct")
         t = idx.numel()
         kept_keys.append(keys[h, idx])
+        where_v, where_b = f"values[{layer_idx}][{h}]", f"biases[{layer_idx}][{h}]"
         kept_values.append(
-            _per_head_tensor(head_values, h, (t, values.shape[-1]), f"values[{layer_idx}][{h}]", values[h, idx])
+            _per_head_tensor(
+                head_values, h, (t, values.shape[-1]), where_v, values[h, idx], value_limit(keys.shape[-1])
+            )
         )
-        bias = _per_head_tensor(head_biases, h, (t,), f"biases[{layer_idx}][{h}]", torch.zeros(t, device=keys.device))
+        bias = _per_head_tensor(head_biases, h, (t,), where_b, torch.zeros(t, device=keys.device), BIAS_LIMIT)
         kept_bias.append(bias.to(torch.float32))
         lengths.append(t)
     offsets = torch.zeros(n_heads + 1, dtype=torch.long)
@@ -239,7 +247,11 @@ def _select_layer(
     )
 
 
-def _per_head_tensor(per_head, h: int, shape: tuple[int, ...], where: str, default: torch.Tensor) -> torch.Tensor:
+def _per_head_tensor(
+    per_head, h: int, shape: tuple[int, ...], where: str, default: torch.Tensor, limit: float
+) -> torch.Tensor:
+    """``per_head[h]`` (``default`` when ``per_head`` is None), checked: ``shape``, finite, ``|x| <= limit`` (what a
+    load checks: `compacted_checks.value_limit`, `BIAS_LIMIT`)."""
     if per_head is None:
         return default
     tensor = per_head[h]
@@ -247,4 +259,9 @@ def _per_head_tensor(per_head, h: int, shape: tuple[int, ...], where: str, defau
         raise ValueError(f"{where} must be a tensor of shape {shape}, got {getattr(tensor, 'shape', type(tensor))}")
     if not torch.isfinite(tensor).all():
         raise ValueError(f"{where} holds NaN or infinite entries")
+    peak = float(tensor.abs().max()) if tensor.numel() else 0.0
+    if peak > limit:
+        raise ValueError(
+            f"{where} holds |x| = {peak:.4g}, above the {limit:.4g} a served cache can hold (float32 attention scores)"
+        )
     return tensor.to(default.device)

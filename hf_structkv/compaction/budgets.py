@@ -42,7 +42,7 @@ from ..persistence import (
     read_json_object,
     write_text_file,
 )
-from ..validation import check_int
+from ..validation import check_int, is_number
 from ..version import __version__
 
 __all__ = [
@@ -210,21 +210,22 @@ class HeadBudgets(SavedArtifact):
             ValueError: ``ratio`` is not a finite number > 0, ``length`` is not a positive integer, or the pair asks
                 for fewer entries than one per head or more than the cap allows.
         """
-        if not is_real(ratio) or not math.isfinite(ratio) or ratio <= 0:
+        if not is_number(ratio) or ratio <= 0:
             raise ValueError(f"ratio must be a finite number > 0 (original / kept entries), got {ratio!r}")
         check_int("length", length, 1, counts="context tokens")
         n_heads, cap = self.n_heads, math.floor(CAP_FRACTION * length)
         total = round(n_heads * length / ratio)
         if total < n_heads:
             raise ValueError(
-                f"ratio {ratio} leaves {total} entries for {n_heads} KV heads of a {length}-token context, but each "
-                f"head keeps at least one: use ratio <= {length}"
+                f"ratio {ratio} leaves {total} entries for {n_heads} KV heads of a {length}-token context (length "
+                f"{length}), but each head keeps at least one: use ratio <= {length}"
             )
         if total > n_heads * cap:
             fix = f"use ratio >= {length / cap:.4g}" if cap else "a 1-token context cannot be compacted"
             raise ValueError(
-                f"ratio {ratio} asks each KV head of a {length}-token context to keep {total / n_heads:.1f} entries "
-                f"on average, above the cap of {cap} ({CAP_FRACTION} of the length): {fix}"
+                f"ratio {ratio} asks each KV head of a {length}-token context (length {length}) to keep "
+                f"{total / n_heads:.1f} entries on average, above the cap of {cap} ({CAP_FRACTION} of the length): "
+                f"{fix}"
             )
         layers = list(self.weights)
         flat = [s for layer in layers for s in self.weights[layer]]

@@ -30,6 +30,11 @@ def _document_ids(tokenizer: PreTrainedTokenizerBase | None, document: str | tor
         raise ValueError(f"{where} must be a non-empty text or a [1, T] tensor of token ids")
     if document.shape[1] == 0:
         raise ValueError(f"{where} must be a non-empty text or a [1, T] tensor of token ids (it is empty)")
+    if document.dtype not in (torch.int64, torch.int32) or int(document.min()) < 0:
+        raise ValueError(
+            f"{where} must hold token ids: integers >= 0 (int64 or int32), got dtype {document.dtype} with smallest "
+            f"entry {document.min().item()}"
+        )
     return document
 
 

@@ -69,6 +69,11 @@ def resolve_budgets(budgets, model: PreTrainedModel, ratio: float) -> tuple[obje
         source, record = HeadBudgets.load(budgets, model=model), {"source": "HeadBudgets.load", "path": str(budgets)}
     else:
         source, record = budgets, {"source": type(budgets).__name__}
+        if isinstance(budgets, HeadBudgets):  # per-layer counts of another model would silently fit a smaller one
+            try:
+                budgets.check_model(model)
+            except ValueError as err:
+                raise ValueError(f"budgets were computed for another model: {err}") from None
     provenance = getattr(source, "provenance", None)
     if provenance is not None:
         record["provenance"] = provenance
@@ -248,6 +253,9 @@ def compact(
     settings.check_tokenizer(tokenizer)
     budget_source, budget_record = resolve_budgets(settings.budgets, model, settings.ratio)
     layout = ContextLayout.read(tokenizer, context, settings.prefix, settings.chunk_tokens)
+    vocabulary = model.get_input_embeddings().num_embeddings
+    if int(layout.ids.max()) >= vocabulary:
+        raise ValueError(f"context holds the token id {int(layout.ids.max())}, beyond the model's {vocabulary} ids")
     start = time.perf_counter()
     cache = prefill_context(model, layout.ids, settings.prefill_chunk_tokens, settings.progress)
     chunk_budgets = [_token_budgets(budget_source, settings.ratio, end - begin, cache) for begin, end in layout.spans]

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..validation import check_bool
+from ..validation import check_bool, check_int, is_number
 from .chunks import Context
 from .head_compaction import HEAD_METHODS
 from .head_method import CalibratedMethod
@@ -89,7 +88,7 @@ class CompactionSettings:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         ratio = self.ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 1 <= ratio < math.inf:
+        if not is_number(ratio) or not 1 <= ratio:
             raise ValueError(f"ratio must be a finite number >= 1 (original / kept entries), got {ratio!r}")
         hparams = dict(self.hparams)
         if issubclass(HEAD_METHODS[self.method], CalibratedMethod):
@@ -99,9 +98,11 @@ class CompactionSettings:
         if self.needs_queries and self.queries not in QUERY_TIERS:
             raise ValueError(f"queries must be one of {QUERY_TIERS} for method {self.method!r}, got {self.queries!r}")
         check_budgets(self.budgets)
-        if not 0 <= self.heldout_fraction < 1:
+        if not is_number(self.heldout_fraction) or not 0 <= self.heldout_fraction < 1:
             raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction!r}")
         check_bool("block_replay", self.block_replay)
+        check_int("seed", self.seed, 0, 2**63 - 1)
+        check_int("query_cap", self.query_cap, 1, counts="calibration queries per KV head")
         if self.self_study is None:
             object.__setattr__(self, "self_study", SelfStudy())
         elif not isinstance(self.self_study, SelfStudy):

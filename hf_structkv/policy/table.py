@@ -206,8 +206,8 @@ class PolicyTable(PolicyFile, RetentionPolicy):
             if key not in valid:
                 raise ValueError(
                     f"unknown lookup key {key!r} for the {self.family} vocabulary under tag_view={self.tag_view!r}: a "
-                    "key is 'class', 'class|role', 'class|role|state' or 'class|role|state|next' over the tags of "
-                    "hf_structkv.structure.tags.view_vocabulary"
+                    "key of entries is 'class', 'class|role', 'class|role|state' or 'class|role|state|next' over the "
+                    "tags of hf_structkv.structure.tags.view_vocabulary"
                 )
             if not isinstance(entry, PolicyEntry):
                 raise TypeError(f"entries[{key!r}] must be a PolicyEntry, got {type(entry).__name__}")
