@@ -88,12 +88,16 @@ def read_text_file(option: str, name: str) -> str:
     return text
 
 
-def check_out(out: str) -> None:
-    """``--out`` names a folder that exists or can be made and written: checked before any work.
+def check_out(out: str, saves: str | None = None) -> None:
+    """``--out`` names a folder that exists or can be made and written, and (``saves``: ``"cache"`` or
+    ``"budgets"``, what the command saves there) holds no other kind of saved artifact: checked before any work.
 
     Raises:
-        ValueError: ``out`` is an existing file, lies under a file, or its nearest existing folder is not writable.
+        ValueError: ``out`` is empty, an existing file, lies under a file, its nearest existing folder is not
+            writable, or it holds another artifact's files.
     """
+    if not out:
+        raise ValueError("--out is empty; pass a folder (it is made when missing)")
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise ValueError(f"--out {out!r} is an existing file; pass a folder (it is made when missing)")
@@ -104,6 +108,22 @@ def check_out(out: str) -> None:
         raise ValueError(f"--out {out!r} lies under the file {str(existing)!r}; pass a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"--out {out!r}: {str(existing)!r} is not writable; pass a folder you can write")
+    if saves is not None:
+        try:
+            _saved_class(saves).check_save_directory(path)
+        except ValueError as err:
+            raise ValueError(f"--out {out!r}: {err}") from None
+
+
+def _saved_class(saves: str):
+    """The artifact class a command saves into ``--out`` (imported only when checked)."""
+    if saves == "cache":
+        from .cache.compacted import CompactedCache
+
+        return CompactedCache
+    from .compaction.budgets import HeadBudgets
+
+    return HeadBudgets
 
 
 def read_context(args) -> str:
@@ -329,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     compact_p.add_argument("--out", required=True, help="folder to write cache.safetensors, config.json, README.md")
     compact_p.add_argument("--push", metavar="REPO_ID", help="also push to this Hub repository")
     compact_p.add_argument("--private", action="store_true", help="create the Hub repository private")
-    compact_p.set_defaults(func=cmd_compact)
+    compact_p.set_defaults(func=cmd_compact, saves="cache")
 
     gen_p = sub.add_parser("generate", help="answer questions from a saved compacted cache")
     model_options(gen_p)
@@ -391,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     budgets_p.add_argument("--out", required=True, help="folder to write config.json and README.md")
     budgets_p.add_argument("--push", metavar="REPO_ID", help="also push to this Hub repository")
     budgets_p.add_argument("--private", action="store_true", help="create the Hub repository private")
-    budgets_p.set_defaults(func=cmd_head_budgets)
+    budgets_p.set_defaults(func=cmd_head_budgets, saves="budgets")
 
     from .calibration.cli import add_calibrate_options
 
@@ -408,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if getattr(args, "out", None) is not None:
-            check_out(args.out)
+            check_out(args.out, getattr(args, "saves", None))
         return args.func(args)
     except RUNTIME_ERRORS as err:
         if args.debug:

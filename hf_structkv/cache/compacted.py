@@ -12,7 +12,7 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 from ..attention.registry import enable
 from ..persistence import SavedArtifact
 from .compacted_checks import BIAS_LIMIT, value_limit
-from .compacted_files import CACHE_FILES, read_cache_folder, write_cache_folder
+from .compacted_files import CACHE_FILES, check_config_is_a_cache, read_cache_folder, write_cache_folder
 from .compacted_layers import CompactedLayer, SharedContextSlidingLayer
 
 if TYPE_CHECKING:
@@ -169,6 +169,14 @@ class CompactedCache(SavedArtifact, Cache):
         if model is not None:
             enable(model)
         return cache
+
+    @classmethod
+    def check_save_directory(cls, directory: Path) -> None:
+        """`SavedArtifact.check_save_directory`, and a ``config.json`` there must be a compacted cache's (not a
+        model's)."""
+        super().check_save_directory(directory)
+        if directory.is_dir():
+            check_config_is_a_cache(directory)
 
     def _write_folder(self, directory: Path, repo_id: str | None) -> None:
         """``cache.safetensors``, ``config.json`` and the card: the context tensors only, never appended tokens."""

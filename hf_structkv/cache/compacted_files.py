@@ -62,6 +62,7 @@ __all__ = [
     "CACHE_FILES",
     "CONFIG_NAME",
     "TENSORS_NAME",
+    "check_config_is_a_cache",
     "read_cache_folder",
     "render_model_card",
     "write_cache_folder",
@@ -112,14 +113,14 @@ def write_cache_folder(
     data = save(tensors, metadata={"format": "pt"})
     config["tensors_sha256"] = hashlib.sha256(data).hexdigest()
     directory.mkdir(parents=True, exist_ok=True)
-    _check_config_is_a_cache(directory)
+    check_config_is_a_cache(directory)
     (directory / CONFIG_NAME).unlink(missing_ok=True)
     replace_file(directory / TENSORS_NAME, lambda tmp: tmp.write_bytes(data))
     write_text_file(directory / CARD_NAME, render_model_card(config, repo_id=repo_id))
     write_text_file(directory / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
-def _check_config_is_a_cache(directory: Path) -> None:
+def check_config_is_a_cache(directory: Path) -> None:
     """A ``config.json`` already in ``directory`` is a compacted cache's (one with ``layers`` and
     ``original_length``), so a save never overwrites a model's configuration or 0.1 head budgets."""
     if not (directory / CONFIG_NAME).exists():

@@ -66,7 +66,11 @@ def resolve_budgets(budgets, model: PreTrainedModel, ratio: float) -> tuple[obje
             return UniformBudgets.of(model), uniform | {"requested": "auto"}
         return shipped, {"source": "shipped", "requested": "auto", "provenance": shipped.provenance}
     if isinstance(budgets, (str, os.PathLike)):
-        source, record = HeadBudgets.load(budgets, model=model), {"source": "HeadBudgets.load", "path": str(budgets)}
+        try:
+            loaded = HeadBudgets.load(budgets, model=model)
+        except ValueError as err:  # named as the argument: the file may be fine, the model another
+            raise ValueError(f"budgets {str(budgets)!r}: {err}") from None
+        source, record = loaded, {"source": "HeadBudgets.load", "path": str(budgets)}
     else:
         source, record = budgets, {"source": type(budgets).__name__}
         if isinstance(budgets, HeadBudgets):  # per-layer counts of another model would silently fit a smaller one

@@ -251,13 +251,25 @@ class SavedArtifact:
         directory.mkdir(parents=True, exist_ok=True)
         try:
             with folder_lock(directory, exclusive=True):
-                check_no_other_artifact(directory, self.SAVED_FILES, type(self).__name__)
+                self.check_save_directory(directory)
                 remove_stale_temporaries(directory, self.SAVED_FILES)
                 self._write_folder(directory, repo_id=None)
         except BaseException:
             if created and not any(directory.iterdir()):
                 directory.rmdir()
             raise
+
+    @classmethod
+    def check_save_directory(cls, directory: Path) -> None:
+        """Refuse a ``directory`` that a save of this kind would spoil: one holding another kind of saved artifact
+        (`folders.check_no_other_artifact`). ``save_pretrained`` runs it under the folder's lock; a command line runs
+        it before any work.
+
+        Raises:
+            ValueError: naming the other artifact, its file and the fix.
+        """
+        if directory.is_dir():
+            check_no_other_artifact(directory, cls.SAVED_FILES, cls.__name__)
 
     def push_to_hub(
         self,
