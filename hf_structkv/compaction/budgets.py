@@ -363,7 +363,7 @@ def _model_card(config: dict[str, Any], repo_id: str | None) -> str:
             "---",
             card_front_matter(["head-budgets"], base),
             "---",
-            f"# Per-head KV budgets for {base or fingerprint['architecture']}",
+            f"# Per-head KV budgets for {base or fingerprint.get('architecture', 'an unnamed model')}",
             "",
             f"One share per KV head of the {layers} global layers ({fingerprint['num_key_value_heads']} KV heads "
             "each): how a compaction ratio is split among heads (mean retained fraction 1/ratio, each head capped "

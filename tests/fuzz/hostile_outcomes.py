@@ -42,13 +42,13 @@ MEMORY_BOUND = 256 * 2**20
 TIME_BOUND = 30.0
 """The most seconds one case may take (a tiny-model compaction from the CLI takes about 2 s)."""
 FUZZ = settings(
-    max_examples=40,
+    max_examples=100,
     deadline=None,  # run_case bounds the time of an example itself
     derandomize=True,
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
 )
-"""The hypothesis settings of every fuzz test: 40 examples drawn from a fixed seed (the same in every run), so the
+"""The hypothesis settings of every fuzz test: 100 examples drawn from a fixed seed (the same in every run), so the
 whole ``tests/fuzz`` folder stays within a few minutes on two cores."""
 ADDRESS_SPACE_HEADROOM = 4 * 2**30
 """While a case runs, the process may reserve at most this much more address space: an allocation sized by an

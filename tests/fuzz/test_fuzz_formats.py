@@ -245,3 +245,13 @@ def test_refusals_name_the_field_of_the_file(arts, tmp_path, kind, path, value, 
 def test_json_paths_cover_first_and_last_list_items():
     assert json_paths({"a": [1, {"b": 2}], "c": {}}) == [("a",), ("a", 0), ("a", 1), ("a", 1, "b"), ("c",)]
     assert json.loads(json.dumps(edited({"a": [1, 2]}, ("a", 1), None, delete=True))) == {"a": [1]}
+
+
+def test_head_budgets_without_an_architecture_save_again(arts, tmp_path):
+    """The fingerprint's ``architecture`` is descriptive (not checked against a model): a file without it loaded but
+    its save raised KeyError in the card."""
+    record = arts.record("budgets")
+    del record["fingerprint"]["architecture"]
+    folder = arts.copy("budgets", tmp_path / "budgets")
+    write_json(folder / "head_budgets.json", record)
+    assert judge_json_artifact("budgets", folder, record) is None
