@@ -80,14 +80,6 @@ def cli_cases(arts: Artifacts, work: Path) -> list[Case]:
         cases.append(Case("cli", f"hf-structkv {target}", label, run, words))
 
     compact = ["compact", "--context-file", str(files["context"]), "--ratio", "4"]
-    for value in ("0", "-1", "nan", "inf", "1e308", "0.5", "four", "1e-300"):
-        add(
-            "compact",
-            f"--ratio {value}",
-            lambda f, v=value: [*compact, "--ratio", v, "--out", str(f / "o")],
-            _saved_cache,
-            ("--ratio", "ratio"),
-        )
     for label, name in (
         ("empty", "empty"),
         ("white space", "blank"),
@@ -105,37 +97,30 @@ def cli_cases(arts: Artifacts, work: Path) -> list[Case]:
             _saved_cache,
             ("--context-file",),
         )
+    budgets_folders = {
+        "a policy folder": arts.root / "table",
+        "another model's budgets": files["qwen_budgets"],
+        "a corrupt budgets file": files["corrupt_budgets"],
+        "a cache folder": arts.root / "cache",
+    }
     for option, values in (
+        ("--ratio", ("0", "-1", "nan", "inf", "1e308", "0.5", "four", "1e-300")),
         ("--chunk-tokens", ("0", "-1", "1", "1e3", str(10**30))),
         ("--query-cap", ("0", "1", str(10**30))),
         ("--method", ("nope", "")),
         ("--queries", ("nope",)),
         ("--squad-paragraphs", ("0", "-1", "x")),
+        ("--budgets", ("nope", "uniform", "./missing-budgets", *budgets_folders)),
     ):
         for value in values:
+            argument = str(budgets_folders.get(value, value))
             add(
                 "compact",
                 f"{option} {value!r}",
-                lambda f, o=option, v=value: [*compact, o, v, "--out", str(f / "o")],
+                lambda f, o=option, v=argument: [*compact, o, v, "--out", str(f / "o")],
                 _saved_cache,
                 (option, option.strip("-").replace("-", "_")),
             )
-    for label, budgets in (
-        ("nope", "nope"),
-        ("uniform", "uniform"),
-        ("a policy folder", str(arts.root / "table")),
-        ("another model's budgets", str(files["qwen_budgets"])),
-        ("a corrupt budgets file", str(files["corrupt_budgets"])),
-        ("./missing", "./missing-budgets"),
-        ("a cache folder", str(arts.root / "cache")),
-    ):
-        add(
-            "compact",
-            f"--budgets {label}",
-            lambda f, b=budgets: [*compact, "--budgets", b, "--out", str(f / "o")],
-            _saved_cache,
-            ("--budgets", "budgets"),
-        )
     for label, out in (
         ("an existing file", lambda f: str(files["context"])),
         ("under a file", lambda f: str(files["context"] / "x")),
@@ -169,16 +154,16 @@ def cli_cases(arts: Artifacts, work: Path) -> list[Case]:
 
     good_cache = files["good_cache"]
     generate = ["generate", "--question", "Where were the Normans?", "--max-new-tokens", "3"]
-    for label, cache in (
-        ("missing", "./missing-cache"),
-        ("a policy folder", str(arts.root / "table")),
-        ("a budgets folder", str(arts.root / "budgets")),
-        ("a corrupt cache", str(files["corrupt_cache"])),
-        ("a file", str(files["context"])),
-        ("nope/cache", "nope/cache"),
-        ("a cache of another tokenizer", str(arts.root / "cache")),
-        ("a good cache", str(good_cache)),
-    ):
+    caches = {
+        "missing": "./missing-cache",
+        "a policy folder": str(arts.root / "table"),
+        "a budgets folder": str(arts.root / "budgets"),
+        "a corrupt cache": str(files["corrupt_cache"]),
+        "a file": str(files["context"]),
+        "a good cache": str(good_cache),
+    }
+    generate_caches = {**caches, "nope/cache": "nope/cache", "a cache of another tokenizer": str(arts.root / "cache")}
+    for label, cache in generate_caches.items():
         add(
             "generate",
             f"--cache {label}",
@@ -209,15 +194,7 @@ def cli_cases(arts: Artifacts, work: Path) -> list[Case]:
             (option,),
         )
 
-    for label, cache in (
-        ("missing", "./missing-cache"),
-        ("a policy folder", str(arts.root / "table")),
-        ("a budgets folder", str(arts.root / "budgets")),
-        ("a corrupt cache", str(files["corrupt_cache"])),
-        ("a file", str(files["context"])),
-        ("''", ""),
-        ("a good cache", str(good_cache)),
-    ):
+    for label, cache in {**caches, "''": ""}.items():
         add("info", label, lambda f, c=cache: ["info", c], _informed, ("cache", "path_or_repo_id"))
 
     budgets = ["head-budgets", "--text-file", str(files["context"]), "--max-answer-tokens", "4", "--query-cap", "64"]
