@@ -3,6 +3,7 @@ refit against its normal equations, the compensated value quantization against a
 per-head fallback, every method, extreme inputs, bad input."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,7 +11,12 @@ import torch
 from hf_structkv.compaction.head_compaction import HEAD_METHODS, compact_head, relative_loss
 from hf_structkv.compaction.head_statistics import CompactedHead, HeadProblem, QuantizedHead
 from hf_structkv.compaction.head_storage import OFFSET_BYTES, StorageLayout
-from hf_structkv.compaction.quantized_refit import quantize_values_compensated, refit_with_served_keys
+from hf_structkv.compaction.quantized_refit import (
+    compact_int4,
+    quantize_head,
+    quantize_values_compensated,
+    refit_with_served_keys,
+)
 from hf_structkv.quant import dequantize_int4, dequantize_int4_channels, quantize_int4
 
 FLOAT = torch.float64
@@ -60,7 +66,10 @@ def test_layout_rejects_bad_arguments_by_name():
 @pytest.mark.parametrize("method", ["kv_surgeon", "loo", "streaming_llm"])
 def test_served_keys_and_values_are_the_dequantised_stored_tensors(method, key_group):
     keys, values, calibration, _ = head_inputs(0)
-    head = compact_head(keys, values, calibration, 24, method, storage="int4", key_group=key_group)
+    problem = HeadProblem.build(keys, values, calibration)
+    rule = HEAD_METHODS[method]()
+    head = quantize_head(problem, rule.compact(problem, 24, 0), rule, key_group)  # what compact_head serves unless
+    head = replace(head, train_loss=problem.relative_loss(head))  # the same bytes in BF16 serve better
     assert isinstance(head, QuantizedHead) and head.storage == "int4" and not head.storage_fallback
     dim = keys.shape[1]
     stored_keys = dequantize_int4_channels(head.key_codes, head.key_scales, head.key_offsets, dim, key_group)
@@ -228,3 +237,18 @@ def test_bad_storage_arguments_are_named(kwargs, error, match):
     keys, values, calibration, _ = head_inputs(8)
     with pytest.raises(error, match=match):
         compact_head(keys, values, calibration, 4, "kv_surgeon", **kwargs)
+
+
+def test_split_guard_falls_back_where_the_int4_refit_only_fits_its_calibration_queries():
+    # 40 kept entries against 32 calibration queries: the INT4 refit interpolates them (a lower calibration loss
+    # than the 11 BF16 entries of the same bytes) and serves other queries badly; refit without a quarter of them,
+    # it loses on that quarter, so the BF16 head is served
+    keys, values, calibration, heldout = head_inputs(1, queries=32)
+    problem = HeadProblem.build(keys, values, calibration)
+    rule = HEAD_METHODS["kv_surgeon"](fallback_threshold=1.0)
+    unguarded = compact_int4(problem, rule, 40, 0, torch.bfloat16, guard_share=0.0)
+    guarded = compact_int4(problem, rule, 40, 0, torch.bfloat16, guard_share=0.25)
+    assert isinstance(unguarded, QuantizedHead) and not unguarded.storage_fallback
+    assert type(guarded) is CompactedHead and guarded.storage_fallback
+    assert problem.relative_loss(unguarded) < problem.relative_loss(guarded)
+    assert relative_loss(guarded, keys, heldout, values) < relative_loss(unguarded, keys, heldout, values)

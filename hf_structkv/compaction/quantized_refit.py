@@ -145,15 +145,19 @@ def compact_int4(
     seed: int,
     value_dtype: torch.dtype,
     key_group: int | None = None,
+    guard_share: float = 0.25,
 ) -> CompactedHead:
-    """``rule`` on ``min(budget, T)`` entries stored in INT4 (`quantize_head`), guarded: with calibration queries,
-    the same rule fitted in ``value_dtype`` (the cache's) at the most entries the INT4 head's bytes buy
-    (`StorageLayout`) is served instead, marked ``storage_fallback``, when its calibration loss is lower.
+    """``rule`` on ``min(budget, T)`` entries stored in INT4 (`quantize_head`), guarded against the same rule fitted
+    in ``value_dtype`` (the cache's) at the most entries the INT4 head's bytes buy (`StorageLayout`): that head is
+    served instead, marked ``storage_fallback``, when its loss on the calibration queries is lower, or when it is
+    lower on a seeded ``guard_share`` of them that the INT4 refit is redone without (the refit of many entries can fit
+    its calibration queries closely and others badly; 0: no such check).
 
     Returns:
         a `QuantizedHead`, or on fallback a `CompactedHead` with float32 bias and values in ``value_dtype``.
     """
-    quantized = quantize_head(problem, in_dtype(_compacted(problem, rule, budget, seed), value_dtype), rule, key_group)
+    selected = in_dtype(_compacted(problem, rule, budget, seed), value_dtype)
+    quantized = quantize_head(problem, selected, rule, key_group)
     if problem.queries is None:
         return quantized
     dim, value_dim = problem.keys.shape[1], problem.values.shape[1]
@@ -163,9 +167,13 @@ def compact_int4(
     if same_bytes < 1:
         return quantized
     plain = in_dtype(_compacted(problem, rule, same_bytes, seed), value_dtype)
-    if problem.relative_loss(quantized) <= problem.relative_loss(plain):
-        return quantized
-    return replace(plain, storage_fallback=True)
+    if not problem.relative_loss(quantized) <= problem.relative_loss(plain):
+        return replace(plain, storage_fallback=True)
+    if guard_share > 0 and problem.queries.shape[0] >= 2:
+        fit, check = problem.split(guard_share, seed)
+        if not check.relative_loss(quantize_head(fit, selected, rule, key_group)) <= check.relative_loss(plain):
+            return replace(plain, storage_fallback=True)
+    return quantized
 
 
 def in_dtype(head: CompactedHead, value_dtype: torch.dtype) -> CompactedHead:
