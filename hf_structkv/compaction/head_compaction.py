@@ -74,10 +74,11 @@ def compact_head(
         scaling: logit scale, default ``1/sqrt(D)``.
         seed: for randomised methods.
         storage: ``"bf16"``: keys and values in the values' dtype; ``"int4"``: packed INT4 codes, keys with FP16
-            scales per channel, values per row, the method's refit redone with the quantized keys and the value
-            rounding compensated (`quantized_refit`); a head that the same method serves better on the calibration
-            queries in the values' dtype at the same bytes is stored so, marked ``storage_fallback``.
-        key_group: ``"int4"`` only: kept entries per row of key scales (None: one row per head).
+            scales and offsets per channel, values per row, the method's refit redone with the quantized keys and the
+            value rounding compensated (`quantized_refit`); where the same method in the values' dtype at the same
+            bytes serves the calibration queries better (or a held-back quarter of them, refit without), that head
+            is stored instead, marked ``storage_fallback``.
+        key_group: ``"int4"`` only: kept entries per row of key scales and offsets (None: one row per head).
         **hparams: the method's hyperparameters (fields of its class, e.g. ``pool_factor=4`` or ``refit=False``).
 
     Returns:

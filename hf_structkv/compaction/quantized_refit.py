@@ -8,7 +8,8 @@ full row sums ``s``, values (23) against the full outputs ``O``. The refit value
 each row's rounding error compensated on the rows not yet quantized through the normal equations of (23) (the
 optimal-brain-quantization update; `quantize_values_compensated`), and kept only where that beats plain rounding on
 the calibration queries. A head whose INT4 fit serves its calibration queries worse than the same method fitted in the
-cache's dtype at the same bytes (`StorageLayout`) is stored in that dtype instead, marked ``storage_fallback``.
+cache's dtype at the same bytes (`StorageLayout`), or serves a held-back share of them worse when refit without it, is
+stored in that dtype instead, marked ``storage_fallback``.
 """
 
 from __future__ import annotations
