@@ -1,8 +1,8 @@
 """Triton kernel for symmetric per-row INT4 quantisation and nibble packing (PASK B.5).
 
 Bit-exact with ``hf_structkv.quant.quantize_int4``: per row of the last dimension, ``scale = max|x| / 7`` (IEEE FP32
-division) rounded to FP16 (round to nearest even) and floored at ``2**-24``; an all-zero row gets scale 1; codes
-``clip(round_half_even(x / scale), -7, 7)``; element ``2i`` in the low nibble of byte ``i``, ``2i + 1`` in the high
+division) capped at 65504, rounded to FP16 (round to nearest even) and floored at ``2**-24``; an all-zero row gets
+scale 1; codes ``clip(round_half_even(x / scale), -7, 7)``; element ``2i`` in the low nibble of byte ``i``, ``2i + 1`` in the high
 nibble, 4-bit two's complement; an odd last dimension is padded with a zero code.
 
 CPU tensors run under the Triton interpreter only: ``TRITON_INTERPRET=1`` set before triton is first imported.
@@ -19,6 +19,8 @@ from .runtime import check_runs_on
 
 SMALLEST_FP16: tl.constexpr = tl.constexpr(2.0**-24)
 """The smallest positive (subnormal) FP16 value: the floor of every scale."""
+LARGEST_FP16: tl.constexpr = tl.constexpr(65504.0)
+"""The largest finite FP16 value: the ceiling of every scale (a larger row saturates its codes, as on CPU)."""
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_ROWS = 16
 MAX_BLOCK_PAIRS = 128
@@ -69,7 +71,7 @@ def _quantize_int4_kernel(
         x_odd = tl.load(x_rows + (even[None, :] + 1) * stride_xd, mask=ok_odd, other=0.0).to(tl.float32)
         peak = tl.maximum(peak, tl.maximum(tl.max(tl.abs(x_even), axis=1), tl.max(tl.abs(x_odd), axis=1)))
 
-    scale = tl.math.div_rn(peak, 7.0).to(tl.float16).to(tl.float32)
+    scale = tl.minimum(tl.math.div_rn(peak, 7.0), LARGEST_FP16).to(tl.float16).to(tl.float32)
     scale = tl.where(peak == 0.0, 1.0, tl.maximum(scale, SMALLEST_FP16))
     tl.store(scales_ptr + rows, scale.to(tl.float16), mask=row_ok)
 
