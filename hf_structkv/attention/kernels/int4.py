@@ -2,8 +2,8 @@
 
 Bit-exact with ``hf_structkv.quant.quantize_int4``: per row of the last dimension, ``scale = max|x| / 7`` (IEEE FP32
 division) capped at 65504, rounded to FP16 (round to nearest even) and floored at ``2**-24``; an all-zero row gets
-scale 1; codes ``clip(round_half_even(x / scale), -7, 7)``; element ``2i`` in the low nibble of byte ``i``, ``2i + 1`` in the high
-nibble, 4-bit two's complement; an odd last dimension is padded with a zero code.
+scale 1; codes ``clip(round_half_even(x / scale), -7, 7)``; element ``2i`` in the low nibble of byte ``i``, ``2i + 1``
+in the high nibble, 4-bit two's complement; an odd last dimension is padded with a zero code.
 
 CPU tensors run under the Triton interpreter only: ``TRITON_INTERPRET=1`` set before triton is first imported.
 Inputs are not checked for NaN / inf (that would cost a device synchronisation per call); the reference rejects them.
