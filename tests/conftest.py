@@ -1,4 +1,5 @@
-"""Shared test setup: offline Hugging Face, at most two CPU threads, the default model, a mocked Hub."""
+"""Shared test setup: offline Hugging Face, at most two CPU threads, the default model, the embedded tokenizer and a
+tiny model over it, a mocked Hub."""
 
 import os
 from pathlib import Path
@@ -22,6 +23,26 @@ def default_model():
     from hf_structkv.models import load_default_model
 
     return load_default_model()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The embedded model's tokenizer (from its cached snapshot), once per test module; a module that needs another
+    tokenizer defines its own ``tokenizer`` fixture."""
+    from transformers import AutoTokenizer
+
+    from hf_structkv.models import ensure_default_snapshot
+
+    return AutoTokenizer.from_pretrained(ensure_default_snapshot(), local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    """A 3-layer random Qwen2 over ``tokenizer``'s vocabulary, fresh for each test module (tests enable it and switch
+    its attention); a module that needs another model defines its own ``model`` fixture."""
+    from hf_structkv.models import tiny_model
+
+    return tiny_model("qwen2", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, num_hidden_layers=3)
 
 
 @pytest.fixture

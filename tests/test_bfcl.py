@@ -9,7 +9,6 @@ pytest.importorskip(
     "bfcl_eval", reason='bfcl-eval is not installed: pip install --no-deps "bfcl-eval==2026.3.23" (scripts/setup.sh)'
 )
 
-from transformers import AutoTokenizer  # noqa: E402
 
 from hf_structkv.eval.bfcl import (  # noqa: E402
     CATEGORIES,
@@ -23,7 +22,7 @@ from hf_structkv.eval.bfcl import (  # noqa: E402
     tool_set_key,
 )
 from hf_structkv.eval.bfcl_checker import bfcl_model_output, check_calls  # noqa: E402
-from hf_structkv.models import ensure_default_snapshot, tiny_model  # noqa: E402
+from hf_structkv.models import tiny_model  # noqa: E402
 from hf_structkv.policy import PolicyTable, illustrative_policy  # noqa: E402
 
 # Cases per category in bfcl-eval 2026.3.23 (BFCL v4), as PASK Table 7 lists them.
@@ -237,11 +236,6 @@ def test_summarise_counts_per_category():
     }
     assert summary["mean_budget_ratio"] == pytest.approx(0.6)
     assert (summary["nbytes"], summary["full_nbytes"], summary["seconds"]) == (45, 60, 6.0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(ensure_default_snapshot(), local_files_only=True)
 
 
 RECORD_FIELDS = {

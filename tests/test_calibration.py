@@ -8,7 +8,6 @@ import random
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from hf_structkv.calibration import (
     BfclTask,
@@ -47,7 +46,6 @@ from hf_structkv.calibration.resume import ReferenceKV, first_changed_forward, r
 from hf_structkv.calibration.selection import evaluate_controller
 from hf_structkv.calibration.task_sensitivity import decode_generator, intervention_runs, prefill_generator
 from hf_structkv.eval.bfcl import bfcl_split
-from hf_structkv.models import ensure_default_snapshot, tiny_model
 from hf_structkv.policy import Action, GroupCosts, PolicyTable, PrefillPolicy
 from hf_structkv.policy.prefill import illustrative_prefill_policy
 from hf_structkv.quant.int4 import dequantize_int4, quantize_int4
@@ -215,16 +213,6 @@ def test_settings_errors_are_named():
 
 
 # ---------------------------------------------------------------------------------------------- tiny model
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(ensure_default_snapshot(), local_files_only=True)
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return tiny_model("qwen2", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, num_hidden_layers=3)
-
-
 @pytest.fixture(scope="module")
 def cases():
     return bfcl_split(["simple_python"], "calibration", limit=2), bfcl_split(["simple_python"], "development", limit=2)

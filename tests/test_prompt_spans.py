@@ -3,9 +3,7 @@
 import json
 
 import pytest
-from transformers import AutoTokenizer
 
-from hf_structkv.models import ensure_default_snapshot
 from hf_structkv.structure.prompt_spans import PROMPT_LABELS, label_prompt, token_labels
 from hf_structkv.structured_generation import CALL_INSTRUCTION
 
@@ -64,11 +62,6 @@ GOLDEN_FIRST_TOOL = [
     ("city", "parameter_key"),
     ('"]}}', "schema_scaffold"),
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(ensure_default_snapshot(), local_files_only=True)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, DynamicCache, LogitsProcessorList
+from transformers import DynamicCache, LogitsProcessorList
 
 from hf_structkv.eval.spider import (
     SpiderEntry,
@@ -17,17 +17,12 @@ from hf_structkv.eval.spider import (
     summarise,
 )
 from hf_structkv.eval.spider_evaluator import evaluator_schema, exact_match
-from hf_structkv.models import ensure_default_snapshot, tiny_model
+from hf_structkv.models import tiny_model
 from hf_structkv.policy import H2O, PolicyTable
 from hf_structkv.sql_generation import generate_sql, schema_ddl, sql_chat
 from hf_structkv.structure import StructuralLogitsProcessor
 from hf_structkv.structure.xgrammar_sql import SqlGrammarAdapter
 from hf_structkv.structured_generation import left_padded_batch
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(ensure_default_snapshot(), local_files_only=True)
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,8 @@ import numpy as np
 import pytest
 import torch
 import xgrammar
-from transformers import AutoTokenizer
 
 from hf_structkv.eval.spider import database_schema, load_spider
-from hf_structkv.models import ensure_default_snapshot
 from hf_structkv.structure import StructuralLogitsProcessor, StructuralTag
 from hf_structkv.structure.sql_grammar import (
     DatabaseSchema,
@@ -24,11 +22,6 @@ from hf_structkv.structure.sql_grammar import (
 )
 from hf_structkv.structure.sql_tags import SqlTagger
 from hf_structkv.structure.xgrammar_sql import SqlGrammarAdapter
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(ensure_default_snapshot(), local_files_only=True)
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import pytest
 import torch
 from lmformatenforcer import JsonSchemaParser
 from test_structure_golden import CASES, RESTAURANTS, STOCK, WEATHER
-from transformers import AutoTokenizer, LogitsProcessorList
+from transformers import LogitsProcessorList
 
-from hf_structkv.models import ensure_default_snapshot, tiny_model
+from hf_structkv.models import tiny_model
 from hf_structkv.structure.adapter import GrammarAdapter, GrammarSequence
 from hf_structkv.structure.function_calls import function_call_schema
 from hf_structkv.structure.lmfe import JsonSchemaAdapter, _transformers_integration
@@ -25,11 +25,6 @@ CALL_B = (
     '[{"name": "get_stock_price", "arguments": {"ticker": "IBM"}}, '
     '{"name": "get_weather", "arguments": {"location": "Rome"}}]'
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(ensure_default_snapshot(), local_files_only=True)
 
 
 def ids_of(tokenizer, text: str) -> list[int]:

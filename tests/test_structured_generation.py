@@ -3,10 +3,10 @@
 import pytest
 import torch
 from test_mixed_precision_cache import mixed_policy
-from transformers import AutoTokenizer, DynamicCache, LogitsProcessorList
+from transformers import DynamicCache, LogitsProcessorList
 
 from hf_structkv.cache.mixed_precision import StructuredMixedPrecisionCache
-from hf_structkv.models import ensure_default_snapshot, tiny_model
+from hf_structkv.models import tiny_model
 from hf_structkv.policy import PolicyTable, illustrative_policy
 from hf_structkv.structure import StructuralLogitsProcessor, TagSource, view_tags
 from hf_structkv.structured_generation import generate_calls, generate_structured, left_padded_batch, parse_calls
@@ -23,11 +23,6 @@ TOOLS = [
     }
 ]
 QUESTIONS = ["Weather in Oslo?", "How warm is it in Lima today, in fahrenheit please?"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(ensure_default_snapshot(), local_files_only=True)
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,8 @@ import pytest
 import torch
 from test_structure_golden import CASES, GOLDEN_DIR, RESTAURANTS, STOCK, TRIANGLE, WEATHER, tag_keys
 from test_structure_processor import ids_of, run_rows
-from transformers import AutoTokenizer
 
-from hf_structkv.models import ensure_default_snapshot, tiny_model
+from hf_structkv.models import tiny_model
 from hf_structkv.policy import PolicyTable
 from hf_structkv.structure.adapter import unpack_token_bitmask
 from hf_structkv.structure.function_calls import function_call_schema
@@ -67,11 +66,6 @@ EXTRA_CASES = {
     ),
 }
 ALL_CASES = {**CASES, **EXTRA_CASES}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(ensure_default_snapshot(), local_files_only=True)
 
 
 @pytest.fixture(scope="module")
