@@ -19,7 +19,7 @@ from .structure.processor import StructuralLogitsProcessor
 from .structure.sql_grammar import DatabaseSchema, identifier
 from .structured_generation import StructuredOutput, generate_structured, left_padded_batch
 
-__all__ = ["SQL_INSTRUCTION", "SqlGeneration", "generate_sql", "schema_ddl", "sql_chat"]
+__all__ = ["SQL_INSTRUCTION", "SqlGeneration", "generate_sql", "schema_ddl", "sql_chat", "sql_processor", "sql_prompt"]
 
 SQL_INSTRUCTION = (
     "You are a SQLite expert. Given the database schema below, answer the question with one SQL query and nothing "
@@ -73,6 +73,22 @@ def sql_chat(question: str, schema: DatabaseSchema) -> list[dict[str, str]]:
     ]
 
 
+def sql_prompt(tokenizer: PreTrainedTokenizerBase, question: str, schema: DatabaseSchema) -> str:
+    """The chat-template text of `sql_chat` (with the generation prompt), as `generate_sql` feeds it."""
+    return tokenizer.apply_chat_template(sql_chat(question, schema), add_generation_prompt=True, tokenize=False)
+
+
+def sql_processor(tokenizer: PreTrainedTokenizerBase, schema: DatabaseSchema, policy) -> StructuralLogitsProcessor:
+    """A `StructuralLogitsProcessor` over ``schema``'s SQL grammar (xgrammar) that emits the tags in ``policy``'s view
+    (``tag_view``, ``position_bins``: any `RetentionPolicy`), as the cache serving ``policy`` requires."""
+    from .structure.xgrammar_sql import SqlGrammarAdapter  # xgrammar is optional: imported on first use
+
+    adapter = SqlGrammarAdapter(tokenizer, schema)
+    return StructuralLogitsProcessor(
+        tokenizer, adapter=adapter, tag_view=policy.tag_view, position_bins=policy.position_bins
+    )
+
+
 def generate_sql(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -99,8 +115,6 @@ def generate_sql(
         ValueError: empty ``questions``; ``policy`` not a `PolicyTable` of the ``"sql"`` family.
         ImportError: xgrammar is not installed.
     """
-    from .structure.xgrammar_sql import SqlGrammarAdapter  # xgrammar is optional: imported on first use
-
     if not isinstance(policy, PolicyTable) or policy.family != "sql":
         got = f"family {policy.family!r}" if isinstance(policy, PolicyTable) else type(policy).__name__
         raise ValueError(
@@ -111,17 +125,14 @@ def generate_sql(
         questions = [questions]
     if not questions:
         raise ValueError("questions must be a non-empty string or a non-empty list of strings")
-    prompts = [
-        tokenizer.apply_chat_template(sql_chat(question, schema), add_generation_prompt=True, tokenize=False)
-        for question in questions
-    ]
-    batch = left_padded_batch(tokenizer, prompts, model.device)
-    adapter = SqlGrammarAdapter(tokenizer, schema)
-    processor = StructuralLogitsProcessor(tokenizer, adapter=adapter)
+    batch = left_padded_batch(
+        tokenizer, [sql_prompt(tokenizer, question, schema) for question in questions], model.device
+    )
+    processor = sql_processor(tokenizer, schema, policy)
     output = generate_structured(
         model, tokenizer, batch, processor, policy, max_new_tokens, prefill_plan=prefill_plan, **generate_kwargs
     )
     generated = output.sequences[:, output.prompt_length :].tolist()
-    stopped = [any(token in adapter.stop_token_ids for token in row) for row in generated]
+    stopped = [any(token in processor.adapter.stop_token_ids for token in row) for row in generated]
     queries = [text.strip() if done else None for text, done in zip(output.texts, stopped)]
     return SqlGeneration(**vars(output), queries=queries)

@@ -132,6 +132,18 @@ def test_generate_sql_all_high_equals_plain_generate_with_the_same_processor(mod
     assert [query is not None for query in result.queries] == [bool(stop) for stop in stops]
 
 
+def test_generate_sql_serves_a_table_calibrated_on_a_structural_ablation_view(model, tokenizer):
+    """The processor emits the policy's tag view (sql_processor), so an ablated all-high table is served (it was
+    refused as a view mismatch) and generates what the full view generates."""
+    schema = database_schema("concert_singer")
+    full = PolicyTable.all_high(model.config, family="sql", window=2)
+    ablated = PolicyTable.all_high(model.config, family="sql", window=2, tag_view="no_role")
+    want = generate_sql(model, tokenizer, "How many singers do we have?", schema, full, max_new_tokens=12)
+    got = generate_sql(model, tokenizer, "How many singers do we have?", schema, ablated, max_new_tokens=12)
+    assert torch.equal(got.sequences, want.sequences)
+    assert got.processor.tag_view == "no_role"
+
+
 def test_generate_sql_rejects_a_policy_of_another_family(model, tokenizer):
     schema = database_schema("concert_singer")
     with pytest.raises(ValueError, match="'sql' family"):

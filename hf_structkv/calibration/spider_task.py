@@ -1,12 +1,12 @@
 """`SpiderTask`: Spider text-to-SQL as a `CalibrationTask` (decode stage only).
 
-A case is a `SpiderEntry` (`load_spider`). It is generated as `generate_sql` generates it — the `sql_chat` prompt
-(the database's ``CREATE TABLE`` statements and the question), the database's xgrammar SQL grammar in a
-`StructuralLogitsProcessor`, one `generate_structured` call — and scored by Spider's official exact-set match
+A case is a `SpiderEntry` (`load_spider`). It is generated as `generate_sql` generates it — `sql_prompt` (the
+database's ``CREATE TABLE`` statements and the question), `sql_processor` (the database's xgrammar SQL grammar in the
+policy's tag view), one `generate_structured` call — and scored by Spider's official exact-set match
 (`exact_match`; a reply cut by the cap is the evaluator's empty query). `generate` composes those pieces instead of
 calling `generate_sql` because calibration generates under policies that are not tables (a decode intervention is a
-`BucketIntervention`) and under structural-ablation tag views, both of which `generate_sql` refuses or ignores; with a
-``"sql"`` `PolicyTable` the two give the same generation (tested).
+`BucketIntervention`), which `generate_sql` refuses; with a ``"sql"`` `PolicyTable` the two give the same
+generation (tested).
 
 Decode only: the prefill companion's keys are the tool-schema span labels of Table 6 (`label_prompt`), and a DDL
 schema has no such spans (its text would all be ``protected_content``), nor does `generate_sql` take a prefill policy
@@ -19,7 +19,7 @@ from types import MappingProxyType
 
 from ..eval.spider import SpiderEntry, database_schema, spider_tables
 from ..eval.spider_evaluator import exact_match
-from ..sql_generation import sql_chat
+from ..sql_generation import sql_processor, sql_prompt
 from ..structure.processor import StructuralLogitsProcessor
 from ..structured_generation import StructuredOutput, generate_structured, left_padded_batch
 from .task import CalibrationTask
@@ -49,21 +49,16 @@ class SpiderTask(CalibrationTask):
     ) -> StructuredOutput:
         if prefill_policy is not None:
             raise ValueError("the Spider task is decode-only: it takes no prefill_policy (module docstring)")
-        chat = sql_chat(case.question, database_schema(case.db_id))
-        prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-        batch = left_padded_batch(tokenizer, [prompt], model.device)
+        batch = left_padded_batch(
+            tokenizer, [sql_prompt(tokenizer, case.question, database_schema(case.db_id))], model.device
+        )
         processor = self.processor(tokenizer, case, policy)
         return generate_structured(
             model, tokenizer, batch, processor, policy, max_new_tokens, prefill_plan=prefill_plan
         )
 
     def processor(self, tokenizer, case: SpiderEntry, policy) -> StructuralLogitsProcessor:
-        from ..structure.xgrammar_sql import SqlGrammarAdapter  # xgrammar is optional: imported on first use
-
-        adapter = SqlGrammarAdapter(tokenizer, database_schema(case.db_id))
-        return StructuralLogitsProcessor(
-            tokenizer, adapter=adapter, tag_view=policy.tag_view, position_bins=policy.position_bins
-        )
+        return sql_processor(tokenizer, database_schema(case.db_id), policy)
 
     def score(self, case: SpiderEntry, text: str, stopped: bool) -> bool:
         """Official exact-set match of the query (``text`` stripped; ``None`` when not ``stopped``, as
