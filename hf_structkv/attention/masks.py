@@ -43,3 +43,20 @@ def structkv_mask(
     arguments["mask_function"] = remap_positions_for_packed_sequence(mask_function, positions)
     arguments["allow_is_causal_skip"] = False
     return sdpa_mask(**arguments)
+
+
+def slot_visibility(mask: torch.Tensor | None, batch: int, q_len: int, seen: int, device: torch.device) -> torch.Tensor:
+    """Bool ``[B, q, seen]``: which of a layer's ``seen`` slots each of the ``q`` query rows sees, from the mask the
+    attention function received (``None`` = causal over the last ``q`` slots; boolean or additive ``[B, 1, q, seen]``).
+
+    Raises:
+        ValueError: the mask covers another number of slots.
+    """
+    if mask is None:
+        slots = torch.arange(seen, device=device)
+        rows = torch.arange(q_len, device=device).unsqueeze(-1) + (seen - q_len)
+        return (slots <= rows).expand(batch, q_len, seen)
+    if mask.shape[-1] != seen:
+        raise ValueError(f"the attention mask covers {mask.shape[-1]} slots, the cache layer holds {seen}")
+    visible = mask if mask.dtype == torch.bool else mask > float("-inf")
+    return visible[:, 0].expand(batch, q_len, seen)

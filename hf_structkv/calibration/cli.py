@@ -28,12 +28,24 @@ def _tau(text: str) -> tuple[float, float]:
     return low, high
 
 
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard takes I/N (e.g. 0/2), got {text!r}") from None
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"--shard I/N needs 0 <= I < N, got {text!r}")
+    return index, count
+
+
 def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
     """The options of ``hf-structkv calibrate`` (after the shared ``--model`` / ``--dtype``)."""
     from ..eval.bfcl import CATEGORIES
 
     parser.add_argument("--benchmark", default="bfcl", choices=["bfcl"], help="calibration data (BFCL v4)")
-    parser.add_argument("--out", required=True, help="folder for policy_table.json, prefill_policy.json, report")
+    parser.add_argument(
+        "--out", help="folder for policy_table.json, prefill_policy.json, report (required unless --references-only)"
+    )
     parser.add_argument("--categories", nargs="+", default=["simple_python", "multiple"], choices=CATEGORIES)
     parser.add_argument(
         "--calibration-cases", type=int_option(1), help="cases per category of the calibration partition"
@@ -87,11 +99,33 @@ def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
         "(default ~/.cache/hf_structkv/calibration)",
     )
     parser.add_argument("--threads", type=int_option(1), help="torch CPU threads")
+    parser.add_argument(
+        "--test-reserved",
+        type=int_option(0),
+        help="top each category's calibration cases up to --calibration-cases from its test partition after its "
+        "first N cases (keep N >= the test cases bfcl_budget.py evaluates, 56 per category on the results page); "
+        "default: the calibration partition only",
+    )
+    parser.add_argument(
+        "--references-only",
+        action="store_true",
+        help="generate the reference trajectories of the calibration and development cases into --cache-dir and "
+        "stop (for background runs in pieces; --out is not written)",
+    )
+    parser.add_argument(
+        "--shard",
+        type=_shard,
+        default=(0, 1),
+        help="with --references-only: I/N takes every N-th case from the I-th (0-based), so N processes sharing "
+        "one --cache-dir split the references",
+    )
 
 
 def run_calibrate(args: argparse.Namespace, load_model) -> int:
     """Load the model (``load_model(name)``) and the BFCL partitions, run `calibrate`, save the result in ``--out``."""
-    from ..eval.bfcl import bfcl_split
+    from ..eval.bfcl import bfcl_calibration_cases, bfcl_split
+    from .bfcl_task import BfclTask
+    from .references import reference_trajectories
     from ..policy.table import DEFAULT_WINDOW
     from .floors import DEFAULT_THRESHOLDS
     from .runner import calibrate
@@ -115,15 +149,38 @@ def run_calibrate(args: argparse.Namespace, load_model) -> int:
         tag_view=args.tag_view,
         layer_groups=args.layer_groups,
     )
-    calibration = bfcl_split(args.categories, "calibration", seed=args.seed, limit=sizes["calibration_cases"])
+    if not args.out and not args.references_only:
+        raise ValueError("--out is required: the folder the calibrated policies and the report are written to")
+    if args.shard != (0, 1) and not args.references_only:
+        raise ValueError("--shard splits the reference pass only: pass it with --references-only")
+    calibration = bfcl_calibration_cases(
+        args.categories, seed=args.seed, limit=sizes["calibration_cases"], test_reserved=args.test_reserved
+    )
     development = bfcl_split(args.categories, "development", seed=args.seed, limit=sizes["dev_cases"])
     model, tokenizer = load_model(args.model)
     cache_dir = Path(args.cache_dir) if args.cache_dir else Path.home() / ".cache" / "hf_structkv" / "calibration"
+    if args.references_only:
+        index, count = args.shard
+        cases = (calibration + development)[index::count]
+        reference_trajectories(
+            model,
+            tokenizer,
+            BfclTask(),
+            cases,
+            settings.max_new_tokens,
+            settings.window,
+            settings.sink_tokens,
+            cache_dir=cache_dir,
+            progress=True,
+        )
+        print(f"{len(cases)} reference trajectories in {cache_dir}")
+        return 0
     data = {
         "benchmark": "BFCL v4 (bfcl-eval)",
         "categories": list(args.categories),
         "split_seed": args.seed,
         "calibration_cases_per_category": sizes["calibration_cases"],
+        "test_cases_reserved_per_category": args.test_reserved,
         "development_cases_per_category": sizes["dev_cases"],
         "model": args.model,
     }

@@ -38,6 +38,7 @@ __all__ = [
     "SPLIT_WEIGHTS",
     "BfclEntry",
     "BfclEvaluation",
+    "bfcl_calibration_cases",
     "bfcl_split",
     "evaluate_bfcl",
     "load_bfcl",
@@ -166,6 +167,11 @@ def split_bfcl(entries: Iterable[BfclEntry], seed: int = 0) -> dict[str, tuple[B
     return {name: tuple(part) for name, part in parts.items()}
 
 
+def _check_categories(categories) -> None:
+    if isinstance(categories, str) or not categories:
+        raise ValueError(f"categories must be a non-empty list of names from {list(CATEGORIES)}, got {categories!r}")
+
+
 def bfcl_split(
     categories: Sequence[str], split: str, seed: int = 0, limit: int | None = None, start: int = 0
 ) -> tuple[BfclEntry, ...]:
@@ -176,11 +182,34 @@ def bfcl_split(
         raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
     check_int("limit", limit, 1, counts="cases per category", none_ok=True)
     check_int("start", start, 0, counts="cases skipped per category")
-    if isinstance(categories, str) or not categories:
-        raise ValueError(f"categories must be a non-empty list of names from {list(CATEGORIES)}, got {categories!r}")
+    _check_categories(categories)
     chosen: list[BfclEntry] = []
     for category in categories:
         chosen.extend(split_bfcl(load_bfcl(category), seed)[split][start : None if limit is None else start + limit])
+    return tuple(chosen)
+
+
+def bfcl_calibration_cases(
+    categories: Sequence[str], seed: int = 0, limit: int | None = None, test_reserved: int | None = None
+) -> tuple[BfclEntry, ...]:
+    """The calibration partition of each category (`bfcl_split`), topped up to ``limit`` entries from the same
+    category's test partition after its first ``test_reserved`` entries, which stay untouched for testing.
+
+    PASK's 1:1:3 split leaves 40 calibration cases in ``multiple`` / ``parallel`` / ``parallel_multiple``; a
+    calibration of 64 per category takes the rest from test entries ``test_reserved ..`` (``bfcl_budget.py`` tests on
+    the first ``--cases`` of each test partition: with ``test_reserved`` at least that, the two never share a case).
+    ``test_reserved=None`` takes nothing from the test partition (`bfcl_split`'s calibration partition).
+    """
+    check_int("test_reserved", test_reserved, 0, counts="test cases per category kept for testing", none_ok=True)
+    if test_reserved is None:
+        return bfcl_split(categories, "calibration", seed=seed, limit=limit)
+    check_int("limit", limit, 1, counts="cases per category", none_ok=True)
+    _check_categories(categories)
+    chosen: list[BfclEntry] = []
+    for category in categories:
+        parts = split_bfcl(load_bfcl(category), seed)
+        pool = parts["calibration"] + parts["test"][test_reserved:]
+        chosen.extend(pool[:limit])
     return tuple(chosen)
 
 

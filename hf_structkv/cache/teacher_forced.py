@@ -1,0 +1,205 @@
+"""`TeacherForcedCache`: the retention schedule of a `StructuredMixedPrecisionCache` replayed over a known token
+sequence in one forward (teacher forcing), for the likelihood of a reference reply under a policy.
+
+In ``generate`` over a `StructuredMixedPrecisionCache`, forward ``k >= 1`` processes the token at position
+``p = P + k - 1`` (``P`` prompt tokens) and, before its attention, commits every token at a position ``j < p - window``
+(`MixedPrecisionLayer.commit`): from then on ``j`` is served at full precision (action ``H``), dequantised from
+per-row INT4 (``L``, `quantize_int4` of its keys and values) or not at all (``R``). The prompt forward (positions
+``< P``) commits nothing. When the tokens are known in advance, one forward over positions ``P .. P + T - 2`` can
+give each query row the cache exactly as that step of ``generate`` saw it: row ``p`` sees key ``j`` at full precision
+while ``j >= p - window`` or its action is ``H``, dequantised when it is committed with ``L``, and not when committed
+with ``R``. Quantisation is per token row, so a committed key's served value does not depend on the other tokens, and
+the replay equals step-by-step decoding with the same cache and schedule up to floating-point summation order
+(``tests/test_teacher_forced.py``). Actions come from the same `ActionSchedule` the mixed-precision cache uses (a
+`TagSource` over the known tags; prefill plan, sinks and stop tokens included); attention is the same registered
+function and the same `mixed_precision_attention` over two partitions with per-row visibility.
+
+The prompt forward is the same under every schedule, so `with_schedule` starts a new replay from a cache that holds
+the prompt, sharing its tensors (never copied, never written in place).
+
+Policies that decide from attention statistics (the H2O / SnapKV / MiKV baselines) are refused: their decisions
+depend on the attention of the step in which they are taken, which one forward over all steps does not reproduce.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import PretrainedConfig
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+
+from ..attention.kwargs import MIXED_KWARG
+from ..attention.masks import slot_visibility
+from ..attention.mixed_reference import DensePartition, Int4Partition
+from ..policy.costs import Action, GroupCosts
+from ..policy.retention import RetentionPolicy, check_retention_policy
+from ..quant.int4 import quantize_int4
+from ..structure.tag_source import TagSource
+from .action_schedule import ActionSchedule
+
+__all__ = ["TeacherForcedCache", "TeacherForcedLayer"]
+
+
+class TeacherForcedLayer(CacheLayerMixin):
+    """A global-attention layer of a `TeacherForcedCache`: every token's K/V at full precision ``[B, H_kv, n, D]``;
+    attention reads two partitions built per forward (`partitions`).
+
+    Args:
+        group: the layer group whose actions this layer applies.
+        schedule: the cache's `ActionSchedule`.
+        window: the policy's recent window.
+        first_commit: the first position whose forward commits (the prompt length ``P``).
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, group: int, schedule: ActionSchedule, window: int, first_commit: int):
+        super().__init__()
+        self.group, self.schedule, self.window, self.first_commit = group, schedule, window, first_commit
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]
+        self.is_initialized = True
+        self.schedule.begin(key_states.shape[0], key_states.shape[-2])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs: dict | None = None, **_):
+        """Append ``[B, H_kv, q, D]`` states; put this layer into ``kwargs["mixed_precision_layer"]``."""
+        if kwargs is None:
+            raise RuntimeError("this model's attention calls cache.update(...) without its attention kwargs")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        kwargs[MIXED_KWARG] = self
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def committed(self, q_len: int) -> torch.Tensor:
+        """Bool ``[q, n]``: key ``j`` is committed when query row ``i`` (position ``n - q + i``) runs."""
+        seen = self.get_seq_length()
+        rows = torch.arange(seen - q_len, seen, device=self.keys.device).unsqueeze(-1)
+        slots = torch.arange(seen, device=self.keys.device)
+        return (rows >= self.first_commit) & (slots < rows - self.window)
+
+    def partitions(
+        self, attention_mask: torch.Tensor | None, q_len: int, module: torch.nn.Module | None = None
+    ) -> list[DensePartition | Int4Partition]:
+        """The full-precision partition (every token, visible where uncommitted or kept ``H``) and, when some token
+        is lowered, the INT4 partition of the lowered tokens (visible where committed); visibility ``[B, q, n]``.
+        (``module``, the attention module, is what the registered function passes every mixed-precision layer; a
+        replay holds no compacted prefix that would need it.)"""
+        batch, seen = self.keys.shape[0], self.get_seq_length()
+        visible = slot_visibility(attention_mask, batch, q_len, seen, self.keys.device)
+        actions = self.schedule.actions(0, seen, self.group).to(self.keys.device)  # [B, n]
+        committed = self.committed(q_len).unsqueeze(0)  # [1, q, n]
+        kept = ~committed | (actions == Action.H).unsqueeze(1)
+        parts: list[DensePartition | Int4Partition] = [DensePartition(self.keys, self.values, visible & kept)]
+        lowered = (actions == Action.L).any(0).nonzero().squeeze(-1)  # columns lowered in some row
+        if lowered.numel():
+            low_visible = (visible & committed & (actions == Action.L).unsqueeze(1))[..., lowered]
+            key_codes, key_scales = quantize_int4(self.keys[..., lowered, :])
+            value_codes, value_scales = quantize_int4(self.values[..., lowered, :])
+            dims = self.keys.shape[-1], self.values.shape[-1]
+            parts.append(Int4Partition(key_codes, key_scales, value_codes, value_scales, *dims, low_visible))
+        return parts
+
+    def record_attention(self, *args, **kwargs) -> None:
+        """No attention statistics are recorded in a replay (the cache refuses policies that need them)."""
+
+    def reset(self) -> None:
+        self.__init__(self.group, self.schedule, self.window, self.first_commit)
+
+
+class TeacherForcedCache(Cache):
+    """A transformers ``Cache`` that replays a mixed-precision cache's schedule over known tokens (module docstring).
+
+    Feed the prompt first (one forward), then the known continuation in one forward; the logits of each row are those
+    of the corresponding ``generate`` step under ``policy`` and ``prefill_plan``.
+
+    Args:
+        model: the model (switched to hf_structkv's attention) or its config.
+        policy: a `RetentionPolicy` without attention statistics (a `PolicyTable`, an intervention).
+        tags: the `TagSource` of the known continuation (its tags decide the generated tokens' actions).
+        prefill_plan: optional int ``[B, P, groups]`` prompt actions (`ActionSchedule`).
+
+    Raises:
+        TypeError: ``model``, ``policy`` or ``tags`` of the wrong type.
+        ValueError: a policy with attention statistics, or one built for other layer dimensions.
+    """
+
+    def __init__(
+        self,
+        model,
+        policy: RetentionPolicy,
+        tags: TagSource,
+        prefill_plan: torch.Tensor | None = None,
+    ):
+        from ..attention.registry import enable
+
+        config = model if isinstance(model, PretrainedConfig) else getattr(model, "config", None)
+        if not isinstance(config, PretrainedConfig):
+            raise TypeError(f"model must be a transformers model or its config, got {type(model).__name__}")
+        if not isinstance(tags, TagSource):
+            raise TypeError(f"tags must be a TagSource (prompt_length, num_tagged, tag_at), got {type(tags).__name__}")
+        if tags.prompt_length is None:
+            raise ValueError("tags.prompt_length must be known: the replay commits from the first generated position")
+        if not isinstance(model, PretrainedConfig):
+            enable(model)
+        self.text_config = config.get_text_config()
+        self.tags = tags
+        self.schedule = self._schedule(policy, prefill_plan)
+        layer_types = (
+            getattr(self.text_config, "layer_types", None) or ["full_attention"] * self.text_config.num_hidden_layers
+        )
+        layers = []
+        for idx, layer_type in enumerate(layer_types):
+            if layer_type in ("sliding_attention", "chunked_attention"):
+                layers.append(DynamicSlidingWindowLayer(sliding_window=self.text_config.sliding_window))
+            else:
+                group = self.schedule.costs.group_of_layer(idx)
+                layers.append(TeacherForcedLayer(group, self.schedule, policy.window, tags.prompt_length))
+        super().__init__(layers=layers)
+
+    def _schedule(self, policy: RetentionPolicy, prefill_plan: torch.Tensor | None) -> ActionSchedule:
+        check_retention_policy(policy)
+        costs = GroupCosts.from_config(self.text_config, len(policy.costs.groups))
+        if policy.costs != costs:
+            raise ValueError(f"the policy was built for layer groups / head dimensions {policy.costs}, not {costs}")
+        if policy.attention_statistics() is not None:
+            raise ValueError(
+                "a policy that decides from attention statistics cannot be replayed in one forward: generate with it"
+            )
+        return ActionSchedule(policy, costs, self.tags, prefill_plan)
+
+    def with_schedule(self, policy: RetentionPolicy, prefill_plan: torch.Tensor | None = None) -> TeacherForcedCache:
+        """A new replay under ``policy`` / ``prefill_plan`` from this cache's current tokens (the prompt), sharing
+        their tensors; this cache is not changed.
+
+        Raises:
+            ValueError: this cache has seen tokens beyond the prompt (they may have been served under its schedule).
+        """
+        if self.get_seq_length() > self.tags.prompt_length:
+            raise ValueError("with_schedule starts from the prompt: this cache already holds generated tokens")
+        fresh = copy.copy(self)
+        fresh.schedule = self._schedule(policy, prefill_plan)
+        fresh.layers = []
+        for layer in self.layers:
+            clone = copy.copy(layer)
+            if isinstance(layer, TeacherForcedLayer):
+                clone.schedule, clone.window = fresh.schedule, policy.window
+            fresh.layers.append(clone)
+        if self.get_seq_length():
+            fresh.schedule.begin(self.layers[0].keys.shape[0], self.get_seq_length())
+        return fresh

@@ -1,0 +1,138 @@
+"""`TeacherForcedCache`: one forward over a known continuation gives, row by row, the logits of forced step-by-step
+decoding on a `StructuredMixedPrecisionCache` with the same policy, tags and prefill plan."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from hf_structkv.attention.registry import enable
+from hf_structkv.cache.mixed_precision import StructuredMixedPrecisionCache
+from hf_structkv.cache.teacher_forced import TeacherForcedCache
+from hf_structkv.calibration.buckets import Bucket
+from hf_structkv.calibration.interventions import BucketIntervention
+from hf_structkv.models import tiny_model
+from hf_structkv.policy.baselines import H2O
+from hf_structkv.policy.costs import Action, GroupCosts
+from hf_structkv.policy.table import PolicyEntry, PolicyTable
+from hf_structkv.structure.tags import StructuralTag
+
+HIT = StructuralTag("schema_bearing", "required", "critical", "no_lookahead")
+MISS = StructuralTag("pure_scaffold", "scaffold_separator", "boundary", "lookahead_critical")
+PROMPT, STEPS = 11, 14
+
+
+@dataclass
+class FixedTags:
+    """A `TagSource` over known tags: generated token ``i`` of every row has ``tags[i]``."""
+
+    tags: list
+    prompt_length: int
+    tag_view: str = "full"
+    position_bins: tuple = ()
+
+    def num_tagged(self, seq: int) -> int:
+        return len(self.tags)
+
+    def tag_at(self, seq: int, index: int):
+        return self.tags[index]
+
+
+def _tags() -> list:
+    """Every third token carries ``HIT``, the others ``MISS``; the last is a stop token."""
+    return [(HIT,) if i % 3 == 0 else (MISS,) for i in range(STEPS - 1)] + [None]
+
+
+def _stepwise_logits(model, tokens, policy, tags, plan) -> torch.Tensor:
+    """Logits ``[T - 1, V]`` of forced decoding, one token per forward (the prompt first)."""
+    cache = StructuredMixedPrecisionCache(model, policy, processor=tags, prefill_plan=plan)
+    rows = []
+    with torch.no_grad():
+        model(input_ids=tokens[:, :PROMPT], past_key_values=cache, use_cache=True)
+        for p in range(PROMPT, tokens.shape[1]):
+            rows.append(model(input_ids=tokens[:, p : p + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+    return torch.cat(rows).float()
+
+
+def _replayed_logits(model, tokens, policy, tags, plan, from_prompt=None) -> torch.Tensor:
+    if from_prompt is None:
+        cache = TeacherForcedCache(model, policy, tags, prefill_plan=plan)
+        with torch.no_grad():
+            model(input_ids=tokens[:, :PROMPT], past_key_values=cache, use_cache=True)
+    else:
+        cache = from_prompt.with_schedule(policy, plan)
+    with torch.no_grad():
+        return model(input_ids=tokens[:, PROMPT:], past_key_values=cache, use_cache=True).logits[0].float()
+
+
+def _table(model, window) -> PolicyTable:
+    """A calibrated-like table: scaffold released, schema-bearing kept, under a budget (its controller upgrades)."""
+
+    def entry(action, floor):
+        return PolicyEntry((Action[action],) * 3, (Action[floor],) * 3, ((1.0, 1.0),) * 3)
+
+    entries = {"pure_scaffold": entry("R", "R"), "schema_bearing": entry("L", "R"), "free_generation": entry("L", "L")}
+    costs = GroupCosts.from_config(model.config)
+    return PolicyTable("function_calling", costs, entries, 0.4, sink_tokens=2, window=window, provenance="illustrative")
+
+
+def _policies(model, window):
+    costs = GroupCosts.from_config(model.config)
+    high = PolicyTable.all_high(model.config, window=window, sink_tokens=2)
+    yield "H", high, None
+    for action in (Action.L, Action.R):
+        for group in range(3):
+            yield (
+                f"{action.name}{group}",
+                BucketIntervention(costs, Bucket("|".join(HIT), group), action, 2, window),
+                None,
+            )
+    plan = torch.full((1, PROMPT, 3), int(Action.H))
+    plan[0, 2:5, 0], plan[0, 5:7, 1], plan[0, 3:6, 2] = int(Action.L), int(Action.R), int(Action.L)
+    yield "prefill plan", high, plan
+    yield "table", _table(model, window), None
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "gemma3"])
+def test_replay_equals_forced_stepwise_decoding(arch):
+    model = enable(tiny_model(arch, num_hidden_layers=4 if arch == "gemma3" else 3))
+    tokens = torch.randint(3, 256, (1, PROMPT + STEPS - 1), generator=torch.Generator().manual_seed(0))
+    tags = FixedTags(_tags(), PROMPT)
+    window = 3
+    prompt_cache = TeacherForcedCache(model, PolicyTable.all_high(model.config, window=window, sink_tokens=2), tags)
+    with torch.no_grad():
+        model(input_ids=tokens[:, :PROMPT], past_key_values=prompt_cache, use_cache=True)
+    baseline = _stepwise_logits(model, tokens, PolicyTable.all_high(model.config, window=window), tags, None)
+    changed = 0
+    for name, policy, plan in _policies(model, window):
+        stepwise = _stepwise_logits(model, tokens, policy, tags, plan)
+        replayed = _replayed_logits(model, tokens, policy, tags, plan)
+        shared = _replayed_logits(model, tokens, policy, tags, plan, from_prompt=prompt_cache)
+        torch.testing.assert_close(replayed, stepwise, rtol=1e-4, atol=1e-4, msg=name)
+        torch.testing.assert_close(shared, replayed, rtol=0, atol=0, msg=name)
+        changed += not torch.allclose(stepwise, baseline, atol=1e-4)
+    assert changed >= 6  # the lowered schedules do change the logits: the comparison is not between all-high runs
+
+
+def test_the_prompt_is_shared_not_copied():
+    model = enable(tiny_model("qwen2"))
+    tokens = torch.randint(3, 256, (1, PROMPT + 4), generator=torch.Generator().manual_seed(1))
+    tags = FixedTags([(HIT,)] * 5, PROMPT)
+    cache = TeacherForcedCache(model, PolicyTable.all_high(model.config, window=2), tags)
+    with torch.no_grad():
+        model(input_ids=tokens[:, :PROMPT], past_key_values=cache, use_cache=True)
+    fork = cache.with_schedule(_table(model, 2))
+    assert fork.layers[0].keys.data_ptr() == cache.layers[0].keys.data_ptr()
+    with torch.no_grad():
+        model(input_ids=tokens[:, PROMPT:], past_key_values=fork, use_cache=True)
+    assert cache.get_seq_length() == PROMPT and fork.get_seq_length() == PROMPT + 4
+    with pytest.raises(ValueError, match="starts from the prompt"):
+        fork.with_schedule(PolicyTable.all_high(model.config, window=2))
+
+
+def test_policies_with_attention_statistics_are_refused():
+    model = enable(tiny_model("qwen2"))
+    with pytest.raises(ValueError, match="attention statistics"):
+        TeacherForcedCache(model, H2O(model, window=4), FixedTags([], PROMPT))
+    with pytest.raises(TypeError, match="TagSource"):
+        TeacherForcedCache(model, PolicyTable.all_high(model.config), object())
