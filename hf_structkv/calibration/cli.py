@@ -124,10 +124,10 @@ def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
 def run_calibrate(args: argparse.Namespace, load_model) -> int:
     """Load the model (``load_model(name)``) and the BFCL partitions, run `calibrate`, save the result in ``--out``."""
     from ..eval.bfcl import bfcl_calibration_cases, bfcl_split
-    from .bfcl_task import BfclTask
-    from .references import reference_trajectories
     from ..policy.table import DEFAULT_WINDOW
+    from .bfcl_task import BfclTask
     from .floors import DEFAULT_THRESHOLDS
+    from .references import reference_trajectories
     from .runner import calibrate
     from .settings import CalibrationSettings
 
