@@ -8,7 +8,8 @@ fused kernel works block by block instead of materialising ``[B, g, q, N]`` scor
 partition: faster and smaller on long contexts, such as the uncompacted context served during on-policy
 calibration (measured in docs/RESULTS.md). Soft-capping (tanh before the bias) has no SDPA form: the whole call
 goes to the reference. A KV head with no kept entry can leave a padded row without any visible key (SDPA's softmax
-is then NaN where the reference gives zeros): that head alone goes to the reference.
+is then NaN where the reference gives zeros): that head alone goes to the reference. INT4 heads are dequantised
+head by head (`CompactedPrefix.head`) once per forward, never kept.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def fused_compacted_attention(
             out = compacted_attention(query[:, heads], empty_prefix, appended_h, scaling)
             outputs.append(out.transpose(1, 2).to(torch.float32))
             continue
-        keys = torch.cat([prefix_keys.expand(batch, 1, -1, -1), appended_h.keys], dim=2)
-        values = torch.cat([prefix_values.expand(batch, 1, -1, -1), appended_h.values], dim=2)
+        keys = torch.cat([prefix_keys.float().expand(batch, 1, -1, -1), appended_h.keys.float()], dim=2)
+        values = torch.cat([prefix_values.float().expand(batch, 1, -1, -1), appended_h.values.float()], dim=2)
         bias = prefix_bias.to(torch.float32).expand(mask_batch, 1, q_len, -1)
         outputs.append(
             torch.nn.functional.scaled_dot_product_attention(

@@ -20,9 +20,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 from .backend import compacted_attention_for, mixed_precision_attention_for
-from .compacted_inputs import AppendedTokens, CompactedPrefix
+from .compacted_inputs import AppendedTokens
 from .kwargs import MIXED_KWARG, PREFIX_KWARG
 from .masks import structkv_mask
+from .mixed_reference import PrefixPartition, mixed_precision_attention
 
 ATTENTION_NAME = "hf_structkv"
 DEBUG_VARIABLE = "HF_STRUCTKV_DEBUG"
@@ -54,7 +55,8 @@ def structkv_attention(
         query: ``[B, H_q, q, D]``; key / value: ``[B, H_kv, n, D]`` as returned by the cache layer's ``update``.
         attention_mask: the mask built by the registered mask function (``None``, boolean or additive 4D).
         kwargs: the model's attention kwargs; a `CompactedLayer` puts itself under ``"compacted_prefix"``, a
-            `MixedPrecisionLayer` under ``"mixed_precision_layer"``.
+            `MixedPrecisionLayer` under ``"mixed_precision_layer"`` (its partitions: a compacted context's prefix,
+            the stores, the recent region).
 
     Returns:
         ``([B, q, H_q, D_v], None)``.
@@ -63,9 +65,12 @@ def structkv_attention(
     if mixed_layer is not None:
         if dropout and module.training:
             raise ValueError("a mixed-precision cache is for inference: put the model in eval mode (dropout must be 0)")
-        partitions = mixed_layer.partitions(attention_mask, query.shape[-2])
+        partitions = mixed_layer.partitions(attention_mask, query.shape[-2], module)
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-        out = mixed_precision_attention_for(query)(query, partitions, scaling=scaling, softcap=kwargs.get("softcap"))
+        # A compacted prefix (PrefixPartition) is merged by the torch reference; the Triton kernel reads slot stores.
+        with_prefix = any(isinstance(part, PrefixPartition) for part in partitions)
+        attend = mixed_precision_attention if with_prefix else mixed_precision_attention_for(query)
+        out = attend(query, partitions, scaling=scaling, softcap=kwargs.get("softcap"))
         mixed_layer.record_attention(query, partitions, scaling, kwargs.get("softcap"), module)  # no-op unless asked
         return _checked(out, module, "mixed-precision")
     prefix_layer = kwargs.pop(PREFIX_KWARG, None)
@@ -81,7 +86,7 @@ def structkv_attention(
         raise NotImplementedError("attention sinks (s_aux) are not supported with a compacted cache")
     out = compacted_attention_for(query)(
         query,
-        CompactedPrefix(*prefix_layer.read_prefix(module)),
+        prefix_layer.served_prefix(module),
         AppendedTokens(key, value, attention_mask),
         scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
         softcap=kwargs.get("softcap"),

@@ -9,11 +9,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
+from ..attention.compacted_inputs import QuantizedHeads, key_groups
 from ..attention.registry import enable
 from ..persistence import SavedArtifact
+from ..validation import check_int
 from .compacted_checks import BIAS_LIMIT, value_limit
 from .compacted_files import CACHE_FILES, check_config_is_a_cache, read_cache_folder, write_cache_folder
-from .compacted_layers import CompactedLayer, SharedContextSlidingLayer
+from .compacted_layers import CompactedLayer, Int4Head, SharedContextSlidingLayer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -64,6 +66,8 @@ class CompactedCache(SavedArtifact, Cache):
         biases: Sequence[Sequence[torch.Tensor] | None] | None = None,
         values: Sequence[Sequence[torch.Tensor] | None] | None = None,
         metadata: dict[str, Any] | None = None,
+        int4: Sequence[Sequence[Int4Head | None] | None] | None = None,
+        key_group: int | None = None,
     ) -> CompactedCache:
         """Build a compacted cache from a prefilled cache of the context and the kept positions of each KV head.
 
@@ -76,6 +80,10 @@ class CompactedCache(SavedArtifact, Cache):
                 default 0).
             values: optional ``values[layer][kv_head]`` ``[t, D_v]`` refit values (default: the original values).
             metadata: stored with the cache (see ``CompactedCache``).
+            int4: optional ``int4[layer][kv_head]``: an `Int4Head` (packed codes and FP16 scales, as
+                ``compact_head(..., storage="int4")`` returns them) to store that head in INT4, None to store it in
+                the cache's dtype; its ``values[layer][kv_head]``, if given, are not stored.
+            key_group: kept entries per row of INT4 key scales (None: one row per head), for every INT4 head.
         """
         if not isinstance(cache, Cache):
             raise TypeError(
@@ -83,7 +91,8 @@ class CompactedCache(SavedArtifact, Cache):
             )
         if not isinstance(indices, Sequence):
             raise TypeError(f"indices must list one entry per layer (None for a sliding-window layer), got {indices!r}")
-        for name, per_layer in (("indices", indices), ("biases", biases), ("values", values)):
+        check_int("key_group", key_group, 1, counts="kept entries per row of key scales", none_ok=True)
+        for name, per_layer in (("indices", indices), ("biases", biases), ("values", values), ("int4", int4)):
             if per_layer is not None and len(per_layer) != len(cache.layers):
                 raise ValueError(
                     f"{name} has {len(per_layer)} layers, the cache has {len(cache.layers)}: give one entry per layer "
@@ -101,19 +110,21 @@ class CompactedCache(SavedArtifact, Cache):
                 )
             layer_biases = None if biases is None else biases[layer_idx]
             layer_values = None if values is None else values[layer_idx]
+            layer_int4 = None if int4 is None else int4[layer_idx]
             if isinstance(source, DynamicSlidingWindowLayer):
-                if indices[layer_idx] is not None or layer_biases is not None or layer_values is not None:
+                if any(x is not None for x in (indices[layer_idx], layer_biases, layer_values, layer_int4)):
                     raise ValueError(
                         f"layer {layer_idx} is a sliding-window layer and is not compacted: pass None for it in "
-                        "indices, biases and values"
+                        "indices, biases, values and int4"
                     )
                 layers.append(
                     SharedContextSlidingLayer(source.sliding_window, source.keys, source.values, original_length)
                 )
             elif isinstance(source, DynamicLayer):
-                layers.append(
-                    _select_layer(layer_idx, source, indices[layer_idx], layer_biases, layer_values, original_length)
+                layer = _select_layer(
+                    layer_idx, source, indices[layer_idx], layer_biases, layer_values, original_length
                 )
+                layers.append(_with_int4(layer_idx, layer, layer_int4, key_group, source.values.dtype))
             else:
                 raise TypeError(f"cache layer {layer_idx} is a {type(source).__name__}; expected a DynamicCache layer")
         return cls(layers, metadata=metadata)
@@ -273,3 +284,65 @@ def _per_head_tensor(
             f"{where} holds |x| = {peak:.4g}, above the {limit:.4g} a served cache can hold (float32 attention scores)"
         )
     return tensor.to(default.device)
+
+
+def _with_int4(
+    layer_idx: int,
+    layer: CompactedLayer,
+    heads: Sequence[Int4Head | None] | None,
+    key_group: int | None,
+    dtype: torch.dtype,
+) -> CompactedLayer:
+    """``layer`` with the heads that ``heads`` gives an `Int4Head` stored in INT4 (their rows dropped from the
+    layer's keys and values), or ``layer`` itself when none is."""
+    if heads is None or all(head is None for head in heads):
+        return layer
+    lengths = layer.head_lengths()
+    if len(heads) != len(lengths):
+        raise ValueError(f"int4[{layer_idx}] must list one entry per KV head ({len(lengths)}), got {len(heads)}")
+    dim, value_dim = layer.prefix_keys.shape[-1], layer.prefix_values.shape[-1]
+    device = layer.prefix_keys.device
+    parts = []
+    offsets = layer.prefix_offsets.tolist()
+    plain_keys, plain_values = [layer.prefix_keys[:0]], [layer.prefix_values[:0]]
+    for h, (head, start, end) in enumerate(zip(heads, offsets[:-1], offsets[1:])):
+        if head is None:
+            plain_keys.append(layer.prefix_keys[start:end])
+            plain_values.append(layer.prefix_values[start:end])
+        else:
+            parts.append(_checked_int4_head(f"int4[{layer_idx}][{h}]", head, end - start, dim, value_dim, key_group))
+    tensors = tuple(torch.cat([part[i] for part in parts]).to(device).contiguous() for i in range(5))
+    int4_heads = [head is not None for head in heads]
+    return CompactedLayer(
+        torch.cat(plain_keys).to(dtype).contiguous(),
+        torch.cat(plain_values).to(dtype).contiguous(),
+        layer.prefix_bias,
+        layer.prefix_offsets,
+        layer.original_length,
+        QuantizedHeads.build(tensors, int4_heads, key_group, lengths),
+    )
+
+
+def _checked_int4_head(
+    where: str, head: object, length: int, dim: int, value_dim: int, key_group: int | None
+) -> Int4Head:
+    """``head`` if it is an `Int4Head` whose tensors fit a head of ``length`` entries (dtypes, shapes, finite
+    scales), else TypeError / ValueError naming ``where`` and the field."""
+    if not isinstance(head, Int4Head):
+        raise TypeError(f"{where} must be an Int4Head (or None for a head in the cache's dtype), got {type(head)}")
+    groups = key_groups(length, key_group)
+    expected = {
+        "key_codes": ((length, (dim + 1) // 2), torch.uint8),
+        "key_scales": ((groups, dim), torch.float16),
+        "key_offsets": ((groups, dim), torch.float16),
+        "value_codes": ((length, (value_dim + 1) // 2), torch.uint8),
+        "value_scales": ((length, 1), torch.float16),
+    }
+    for field, (shape, dtype) in expected.items():
+        tensor = getattr(head, field)
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            got = (tuple(tensor.shape), tensor.dtype) if isinstance(tensor, torch.Tensor) else type(tensor)
+            raise ValueError(f"{where}.{field} must be {dtype} of shape {shape} (key_group={key_group}), got {got}")
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(f"{where}.{field} holds NaN or infinite entries")
+    return head

@@ -5,6 +5,10 @@ Beyond shapes and dtypes, the stored numbers must be servable: every key and val
 bias within `BIAS_LIMIT` (finite is not enough: a key of 3e38 is finite, but its attention scores are not), and the
 recorded sizes (``context_nbytes``, ``full_kv_nbytes``) must be what the tensors and ``original_length`` give, so an
 edited ``original_length`` is refused rather than served at the wrong positions.
+
+Format 2 adds compacted layers with INT4 heads (``head_storage`` and ``key_group`` in the layer's description, five
+more tensors: `INT4_SUFFIXES`); a cache without them is written as format 1, which every hf_structkv reads, and both
+formats load.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..attention.compacted_inputs import key_groups
 from ..persistence import check_fingerprint, check_format_version
 from ..validation import is_int
 
@@ -24,12 +29,17 @@ __all__ = [
     "DTYPES",
     "FORMAT_VERSION",
     "TENSORS_NAME",
+    "INT4_SUFFIXES",
     "TENSOR_SUFFIXES",
+    "check_cache_format_version",
+    "tensor_suffixes",
     "validate_cache_files",
     "value_limit",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest format written and read (2: INT4 heads); format 1 files (no INT4 head) load as well."""
+FIRST_FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
 TENSORS_NAME = "cache.safetensors"
 DTYPES = {name: getattr(torch, name) for name in ("float64", "float32", "float16", "bfloat16")}
@@ -38,6 +48,11 @@ TENSOR_SUFFIXES = {
     "compacted": ("keys", "values", "bias", "offsets"),
     "sliding": ("window_keys", "window_values"),
 }
+INT4_SUFFIXES = ("key_codes", "key_scales", "key_offsets", "value_codes", "value_scales")
+"""The tensors a compacted layer with INT4 heads adds after its ``keys, values, bias, offsets`` (`QuantizedHeads`):
+key codes ``[M, ceil(D / 2)]`` uint8, key scales and key offsets ``[G, D]`` fp16, value codes ``[M, ceil(D_v / 2)]``
+uint8, value scales ``[M, 1]`` fp16 (``M``: entries of the INT4 heads, ``G``: their groups of ``key_group``)."""
+STORAGES = ("bf16", "int4")
 FP32_MAX = torch.finfo(torch.float32).max
 BIAS_LIMIT = math.log(FP32_MAX)
 """The largest ``|bias|`` stored (~88.72): a bias is the log of an attention multiplier, and ``e^bias`` beyond it
@@ -56,11 +71,22 @@ def value_limit(head_dim: int) -> float:
     return math.sqrt(FP32_MAX / math.sqrt(head_dim))
 
 
+def check_cache_format_version(value: Any) -> None:
+    """``format_version`` is 1 or `FORMAT_VERSION` (ValueError naming the file otherwise)."""
+    if not (is_int(value) and value == FIRST_FORMAT_VERSION):
+        check_format_version(value, FORMAT_VERSION, CONFIG_NAME)
+
+
+def tensor_suffixes(desc: dict[str, Any]) -> tuple[str, ...]:
+    """The tensor names of a (checked) layer description, in the order of ``layer.context_tensors()``."""
+    return TENSOR_SUFFIXES[desc["type"]] + (INT4_SUFFIXES if "head_storage" in desc else ())
+
+
 def validate_cache_files(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
     """Check ``config.json`` and the tensors against each other and against the fingerprint's model structure."""
     _check_config(config)
     layers, fingerprint = config["layers"], config["fingerprint"]
-    expected = {f"layers.{i}.{suffix}" for i, desc in enumerate(layers) for suffix in TENSOR_SUFFIXES[desc["type"]]}
+    expected = {f"layers.{i}.{suffix}" for i, desc in enumerate(layers) for suffix in tensor_suffixes(desc)}
     if expected != tensors.keys():
         raise ValueError(
             f"{TENSORS_NAME} does not hold the tensor names {CONFIG_NAME} describes: missing "
@@ -129,7 +155,7 @@ def _check_sizes(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> No
 def _check_config(config: dict[str, Any]) -> None:
     """Check the format fields of ``config.json`` (version first: a newer format may change the others; the
     fingerprint next: it sizes everything else)."""
-    check_format_version(config.get("format_version"), FORMAT_VERSION, CONFIG_NAME)
+    check_cache_format_version(config.get("format_version"))
     check_fingerprint(config.get("fingerprint"), f"the fingerprint in {CONFIG_NAME}")
     length = config.get("original_length")
     if not is_int(length) or length < 1:
@@ -144,6 +170,11 @@ def _check_config(config: dict[str, Any]) -> None:
         raise ValueError(f"layers in {CONFIG_NAME} must be a non-empty list of layer descriptions")
     for i, desc in enumerate(layers):
         _check_layer_description(i, desc, length)
+        if "head_storage" in desc and config["format_version"] == FIRST_FORMAT_VERSION:
+            raise ValueError(
+                f"layers[{i}].head_storage in {CONFIG_NAME} needs format_version {FORMAT_VERSION} (INT4 heads), but "
+                f"the file says format_version {FIRST_FORMAT_VERSION}: it was edited"
+            )
 
 
 def _check_layer_description(i: int, desc: Any, original_length: int) -> None:
@@ -160,12 +191,32 @@ def _check_layer_description(i: int, desc: Any, original_length: int) -> None:
                 f"layers[{i}].head_lengths in {CONFIG_NAME} must list one kept-entry count in "
                 f"[0, {original_length}] per KV head, got {lengths!r}"
             )
+        if "head_storage" in desc or "key_group" in desc:
+            _check_int4_description(i, desc)
     elif kind == "sliding":
         window = desc.get("sliding_window")
         if not is_int(window) or window < 2:
             raise ValueError(f"layers[{i}].sliding_window in {CONFIG_NAME} must be an integer >= 2, got {window!r}")
     else:
         raise ValueError(f"layers[{i}] in {CONFIG_NAME} must have type 'compacted' or 'sliding', got {desc!r}")
+
+
+def _check_int4_description(i: int, desc: dict[str, Any]) -> None:
+    """A compacted layer with INT4 heads: ``head_storage`` one of `STORAGES` per KV head, ``key_group`` null or an
+    integer >= 1."""
+    storage, group = desc.get("head_storage"), desc.get("key_group")
+    if not isinstance(storage, list) or len(storage) != len(desc["head_lengths"]):
+        raise ValueError(
+            f"layers[{i}].head_storage in {CONFIG_NAME} must list one storage per KV head "
+            f"({len(desc['head_lengths'])}), got {storage!r}"
+        )
+    if any(not isinstance(kind, str) or kind not in STORAGES for kind in storage):
+        raise ValueError(f"layers[{i}].head_storage in {CONFIG_NAME} must hold only {list(STORAGES)}, got {storage!r}")
+    if "key_group" not in desc or (group is not None and (not is_int(group) or group < 1)):
+        raise ValueError(
+            f"layers[{i}].key_group in {CONFIG_NAME} must be null (one row of key scales per head) or an integer "
+            f">= 1, got {group!r}"
+        )
 
 
 def _check_layer_kind(i: int, kind: str, layer_types: list[str] | None) -> None:
@@ -202,10 +253,24 @@ def _check_compacted_layer(
             f"tensor {prefix}offsets is {offsets.tolist()} but layers[{i}].head_lengths {lengths} in {CONFIG_NAME} "
             f"needs {expected} (offsets start at 0 and add each head's kept entries)"
         )
-    rows = expected[-1]
-    _check_tensor(prefix + "keys", tensors[prefix + "keys"], (rows, fingerprint["head_dim"]), dtype)
-    _check_tensor(prefix + "values", tensors[prefix + "values"], (rows, None), dtype)
+    int4_heads = [kind == "int4" for kind in desc.get("head_storage", ["bf16"] * len(lengths))]
+    dim, rows = fingerprint["head_dim"], expected[-1]
+    plain_rows = sum(n for n, is_int4 in zip(lengths, int4_heads) if not is_int4)
+    _check_tensor(prefix + "keys", tensors[prefix + "keys"], (plain_rows, dim), dtype)
+    _check_tensor(prefix + "values", tensors[prefix + "values"], (plain_rows, None), dtype)
     _check_tensor(prefix + "bias", tensors[prefix + "bias"], (rows,), torch.float32)
+    if "head_storage" in desc:
+        value_dim = tensors[prefix + "values"].shape[-1]
+        int4_rows = rows - plain_rows
+        groups = sum(key_groups(n, desc["key_group"]) for n, is_int4 in zip(lengths, int4_heads) if is_int4)
+        for suffix, shape, kind in (
+            ("key_codes", (int4_rows, (dim + 1) // 2), torch.uint8),
+            ("key_scales", (groups, dim), torch.float16),
+            ("key_offsets", (groups, dim), torch.float16),
+            ("value_codes", (int4_rows, (value_dim + 1) // 2), torch.uint8),
+            ("value_scales", (int4_rows, 1), torch.float16),
+        ):
+            _check_tensor(prefix + suffix, tensors[prefix + suffix], shape, kind)
 
 
 def _check_sliding_layer(

@@ -5,11 +5,14 @@ executes code:
 
 * ``cache.safetensors``: the context tensors only (never appended tokens). For a compacted layer ``i``:
   ``layers.{i}.keys`` ``[N, D]``, ``layers.{i}.values`` ``[N, D_v]`` (cache dtype), ``layers.{i}.bias`` ``[N]`` FP32,
-  ``layers.{i}.offsets`` ``[H_kv + 1]`` int64; for a sliding-window layer:
+  ``layers.{i}.offsets`` ``[H_kv + 1]`` int64 (with INT4 heads, format 2: keys and values hold the other heads'
+  rows only, followed by ``layers.{i}.key_codes`` / ``key_scales`` / ``key_offsets`` / ``value_codes`` /
+  ``value_scales``, see `compacted_checks.INT4_SUFFIXES`); for a sliding-window layer:
   ``layers.{i}.window_keys`` ``[1, H_kv, w, D]``
   and ``layers.{i}.window_values`` ``[1, H_kv, w, D_v]``.
 * ``config.json``: ``format_version``, ``hf_structkv_version``, ``original_length``, ``dtype``, ``layers`` (one
-  description per layer: ``{"type": "compacted", "head_lengths": [...]}`` or ``{"type": "sliding",
+  description per layer: ``{"type": "compacted", "head_lengths": [...]}`` (with INT4 heads also ``"head_storage":
+  ["int4", "bf16", ...]`` and ``"key_group": g | null``) or ``{"type": "sliding",
   "sliding_window": w}``), ``context_nbytes`` / ``full_kv_nbytes``, ``tensors_sha256`` (the SHA-256 of
   ``cache.safetensors``: a folder holding one save's config and another's tensors is refused, whoever wrote it;
   caches saved by 0.1 lack it), and every key of ``cache.metadata`` (the model
@@ -33,11 +36,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
+from ..attention.compacted_inputs import QuantizedHeads
 from ..persistence import (
     CARD_NAME,
     base_model,
     card_front_matter,
-    check_format_version,
     check_same_model,
     check_same_tokenizer,
     human_bytes,
@@ -52,7 +55,15 @@ from ..persistence import (
 )
 from ..validation import is_int
 from ..version import __version__
-from .compacted_checks import CONFIG_NAME, FORMAT_VERSION, TENSOR_SUFFIXES, TENSORS_NAME, validate_cache_files
+from .compacted_checks import (
+    CONFIG_NAME,
+    FIRST_FORMAT_VERSION,
+    FORMAT_VERSION,
+    TENSORS_NAME,
+    check_cache_format_version,
+    tensor_suffixes,
+    validate_cache_files,
+)
 from .compacted_layers import CompactedLayer, SharedContextSlidingLayer
 
 if TYPE_CHECKING:
@@ -149,8 +160,9 @@ def cache_config(layers: Sequence[CacheLayer], metadata: dict[str, Any]) -> dict
     if clash:
         raise ValueError(f"cache.metadata uses keys reserved by the file format: {clash}; rename them")
     context_only = [layer.fresh_copy() for layer in layers]  # the same context tensors, nothing appended
+    quantized = any(getattr(layer, "quantized", None) is not None for layer in layers)
     config = {
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if quantized else FIRST_FORMAT_VERSION,
         "hf_structkv_version": __version__,
         "original_length": layers[0].original_length,
         "dtype": _cache_dtype(layers),
@@ -187,6 +199,9 @@ def _layer_kind(layer: CacheLayer) -> str:
 
 def _describe_layer(layer: CacheLayer) -> dict[str, Any]:
     """The ``config.json`` description of one layer."""
+    if _layer_kind(layer) == "compacted" and layer.quantized is not None:
+        storage = {"head_storage": layer.head_storage(), "key_group": layer.quantized.key_group}
+        return {"type": "compacted", "head_lengths": layer.head_lengths(), **storage}
     if _layer_kind(layer) == "compacted":
         return {"type": "compacted", "head_lengths": layer.head_lengths()}
     return {"type": "sliding", "sliding_window": int(layer.sliding_window)}
@@ -196,7 +211,7 @@ def _cache_tensors(layers: Sequence[CacheLayer]) -> dict[str, torch.Tensor]:
     """The context tensors of every layer, on CPU, under their file names (``layers.{i}.keys``, ...)."""
     tensors = {}
     for i, layer in enumerate(layers):
-        suffixes = TENSOR_SUFFIXES[_layer_kind(layer)]
+        suffixes = tensor_suffixes(_describe_layer(layer))
         for suffix, tensor in zip(suffixes, layer.context_tensors(), strict=True):
             tensors[f"layers.{i}.{suffix}"] = tensor.detach().to("cpu").contiguous()
     return tensors
@@ -224,7 +239,7 @@ def read_cache_folder(
     if not folder.is_dir():
         raise ValueError(f"{folder} is a file: a compacted cache is loaded from its folder (or a Hub repository id)")
     config = read_json_object(folder, CONFIG_NAME, "compacted cache")
-    check_format_version(config.get("format_version"), FORMAT_VERSION, CONFIG_NAME)  # a newer format may size others
+    check_cache_format_version(config.get("format_version"))  # a newer format may size others
     data = _read_tensors_file(folder, config)
     tensors = _parse_tensors(folder / TENSORS_NAME, data)
     validate_cache_files(config, tensors)
@@ -284,8 +299,12 @@ def _build_layers(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> l
     length = config["original_length"]
     layers: list[CacheLayer] = []
     for i, desc in enumerate(config["layers"]):
-        parts = [tensors[f"layers.{i}.{suffix}"] for suffix in TENSOR_SUFFIXES[desc["type"]]]
-        if desc["type"] == "compacted":
+        parts = [tensors[f"layers.{i}.{suffix}"] for suffix in tensor_suffixes(desc)]
+        if desc["type"] == "compacted" and "head_storage" in desc:
+            int4_heads = [kind == "int4" for kind in desc["head_storage"]]
+            quantized = QuantizedHeads.build(tuple(parts[4:]), int4_heads, desc["key_group"], desc["head_lengths"])
+            layers.append(CompactedLayer(*parts[:4], length, quantized))
+        elif desc["type"] == "compacted":
             layers.append(CompactedLayer(*parts, length))
         else:
             layers.append(SharedContextSlidingLayer(desc["sliding_window"], *parts, length))
@@ -325,6 +344,7 @@ def render_model_card(cache_config: dict[str, Any], repo_id: str | None = None) 
         num_compacted=len(compacted),
         num_sliding=len(layers) - len(compacted),
         dtype=cache_config["dtype"],
+        storage=_storage_text(compacted, cache_config["dtype"]),
         method=metadata.get("method", "not recorded"),
         hyperparameters=markdown_items(metadata.get("hyperparameters")),
         calibration=markdown_items(metadata.get("calibration")),
@@ -333,4 +353,17 @@ def render_model_card(cache_config: dict[str, Any], repo_id: str | None = None) 
         fingerprint=json.dumps(fingerprint, indent=2, sort_keys=True),
         hf_structkv_version=cache_config["hf_structkv_version"],
         format_version=cache_config["format_version"],
+    )
+
+
+def _storage_text(compacted: list[dict[str, Any]], dtype: str) -> str:
+    """How the compacted layers' KV heads are stored, for the card (INT4 heads counted, with their key groups)."""
+    storages = [kind for desc in compacted for kind in desc.get("head_storage", ["bf16"] * len(desc["head_lengths"]))]
+    int4 = storages.count("int4")
+    if int4 == 0:
+        return f"every KV head in {dtype}"
+    groups = sorted({str(desc["key_group"] or "one per head") for desc in compacted if "head_storage" in desc})
+    return (
+        f"{int4} of {len(storages)} KV heads in INT4 (packed codes; keys with FP16 scales and offsets per channel, "
+        f"key groups: {', '.join(groups)}; values with an FP16 scale per row), the others in {dtype}"
     )

@@ -8,13 +8,32 @@ appended part and leaves the context as it was loaded.
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from ..attention.compacted_inputs import CompactedPrefix, QuantizedHeads, QuantizedPrefix
 from ..attention.kwargs import PREFIX_KWARG
 from ..persistence import check_same_model, config_fingerprint
+
+
+class Int4Head(NamedTuple):
+    """One KV head's kept entries in INT4, as ``compact_head(..., storage="int4")`` stores them (``L`` entries).
+
+    Attributes:
+        key_codes: ``[L, ceil(D / 2)]`` uint8 packed key codes.
+        key_scales: ``[ceil(L / key_group), D]`` fp16 per-channel key scales (one row when ``key_group`` is None).
+        key_offsets: fp16 per-channel key offsets, shaped as ``key_scales``.
+        value_codes: ``[L, ceil(D_v / 2)]`` uint8 packed value codes.
+        value_scales: ``[L, 1]`` fp16 per-row value scales.
+    """
+
+    key_codes: torch.Tensor
+    key_scales: torch.Tensor
+    key_offsets: torch.Tensor
+    value_codes: torch.Tensor
+    value_scales: torch.Tensor
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
@@ -160,6 +179,10 @@ class CompactedLayer(ContextLayer):
         prefix_values: ``[N, D_v]`` kept (possibly refit) values, same layout.
         prefix_bias: ``[N]`` FP32 per-entry logit bias (log multiplier).
         prefix_offsets: ``[H_kv + 1]`` int64 row offsets.
+        quantized: the KV heads stored in INT4 (`QuantizedHeads`: packed codes, FP16 key scales and offsets, FP16
+            value scales, ragged, no padding), or None. With it, ``prefix_keys`` / ``prefix_values`` hold only the
+            other heads' rows (at ``quantized.row_starts``), ``prefix_bias`` and ``prefix_offsets`` every head's;
+            attention dequantises the INT4 heads on every forward (`served_prefix`), nothing dequantised is kept.
 
     The attention mask spans only the appended tokens (``kv_offset`` = original length); the prefix reaches the
     attention function through the attention kwargs and is fully visible to every query.
@@ -174,18 +197,25 @@ class CompactedLayer(ContextLayer):
         prefix_bias: torch.Tensor,
         prefix_offsets: torch.Tensor,
         original_length: int,
+        quantized: QuantizedHeads | None = None,
     ):
         super().__init__(original_length, prefix_offsets.numel() - 1, prefix_keys.device)
         self.prefix_keys = prefix_keys
         self.prefix_values = prefix_values
         self.prefix_bias = prefix_bias
         self.prefix_offsets = prefix_offsets
+        self.quantized = quantized
         self._offsets_list = [int(x) for x in prefix_offsets.tolist()]
         self.awaiting_attention = False
 
     def head_lengths(self) -> list[int]:
         """Number of kept context entries of each KV head."""
         return [b - a for a, b in zip(self._offsets_list[:-1], self._offsets_list[1:])]
+
+    def head_storage(self) -> list[str]:
+        """How each KV head is stored: ``"int4"`` or ``"bf16"`` (the cache's dtype, whatever it is)."""
+        int4_heads = self.quantized.int4_heads if self.quantized is not None else (False,) * self.num_kv_heads
+        return ["int4" if is_int4 else "bf16" for is_int4 in int4_heads]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs: dict | None = None, **_):
         """Append ``key_states`` / ``value_states`` ``[B, H_kv, q, D]`` (bias 0) and hand the prefix to attention.
@@ -207,20 +237,32 @@ class CompactedLayer(ContextLayer):
         self.awaiting_attention = True
         return self.keys, self.values
 
-    def read_prefix(self, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-        """Called by the attention function of ``module``: the prefix tensors and the offsets as Python ints, after
-        checking that ``module``'s model is the one the cache was built for (`check_served_by`)."""
+    def served_prefix(self, module: torch.nn.Module) -> CompactedPrefix:
+        """Called by the attention function of ``module`` (the one place attention reads the prefix): the stored
+        prefix as a `CompactedPrefix` (INT4 heads as codes and scales, dequantised by its ``head``), after checking
+        that ``module``'s model is the one the cache was built for (`check_served_by`)."""
         self.awaiting_attention = False
         self.check_served_by(module)
-        return self.prefix_keys, self.prefix_values, self.prefix_bias, self._offsets_list
+        stored = (self.prefix_keys, self.prefix_values, self.prefix_bias, self._offsets_list)
+        return CompactedPrefix(*stored) if self.quantized is None else QuantizedPrefix(*stored, self.quantized)
+
+    def read_prefix(self, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """`served_prefix` as plain ``(keys [N, D], values [N, D_v], bias [N], offsets)``: the stored tensors; for a
+        layer with INT4 heads, keys and values dequantised (float32) for this call only."""
+        prefix = self.served_prefix(module)
+        if prefix.quantized is not None:
+            prefix = prefix.dense(torch.float32)
+        return prefix.keys, prefix.values, prefix.bias, prefix.offsets
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # The mask covers the appended tokens only; their logical positions start at the original length.
         return self.appended_length() + query_length, self.original_length
 
     def context_tensors(self) -> list[torch.Tensor]:
-        """Keys, values, biases and offsets of the compacted context."""
-        return [self.prefix_keys, self.prefix_values, self.prefix_bias, self.prefix_offsets]
+        """Keys, values, biases and offsets of the compacted context, then (with INT4 heads) key codes, key scales,
+        key offsets, value codes and value scales."""
+        quantized = [] if self.quantized is None else self.quantized.tensors()
+        return [self.prefix_keys, self.prefix_values, self.prefix_bias, self.prefix_offsets, *quantized]
 
     def full_nbytes(self) -> int:
         """Bytes of the same tokens in a plain ``DynamicLayer`` (original context at batch 1, plus appended)."""
@@ -228,13 +270,20 @@ class CompactedLayer(ContextLayer):
         return self.original_length * per_token * self.prefix_keys.element_size() + self.appended_nbytes()
 
     def overhead_nbytes(self) -> int:
-        """Bytes stored beyond the kept keys and values: biases and offsets."""
-        return _nbytes([self.prefix_bias, self.prefix_offsets])
+        """Bytes stored beyond the kept keys and values (or their codes): biases, offsets and INT4 scales / key
+        offsets."""
+        scales = [] if self.quantized is None else self.quantized.tensors()[1:3] + self.quantized.tensors()[4:]
+        return _nbytes([self.prefix_bias, self.prefix_offsets, *scales])
 
     def fresh_copy(self) -> CompactedLayer:
         """A layer sharing this layer's context tensors, with nothing appended."""
         return CompactedLayer(
-            self.prefix_keys, self.prefix_values, self.prefix_bias, self.prefix_offsets, self.original_length
+            self.prefix_keys,
+            self.prefix_values,
+            self.prefix_bias,
+            self.prefix_offsets,
+            self.original_length,
+            self.quantized,
         )
 
     def reset(self) -> None:
@@ -243,16 +292,20 @@ class CompactedLayer(ContextLayer):
 
     def offload(self):
         super().offload()
-        self.prefix_keys, self.prefix_values, self.prefix_bias = (
-            t.to("cpu", non_blocking=True) for t in (self.prefix_keys, self.prefix_values, self.prefix_bias)
-        )
+        self._move_context("cpu")
 
     def prefetch(self):
         super().prefetch()
         if self.prefix_keys.device != self.device:
-            self.prefix_keys, self.prefix_values, self.prefix_bias = (
-                t.to(self.device, non_blocking=True) for t in (self.prefix_keys, self.prefix_values, self.prefix_bias)
-            )
+            self._move_context(self.device)
+
+    def _move_context(self, device: torch.device | str) -> None:
+        self.prefix_keys, self.prefix_values, self.prefix_bias = (
+            t.to(device, non_blocking=True) for t in (self.prefix_keys, self.prefix_values, self.prefix_bias)
+        )
+        if self.quantized is not None:
+            moved = [t.to(device, non_blocking=True) for t in self.quantized.tensors()]
+            self.quantized = self.quantized._replace(**dict(zip(self.quantized._fields, moved)))
 
 
 class SharedContextSlidingLayer(ContextLayer):

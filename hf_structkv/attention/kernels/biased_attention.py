@@ -87,6 +87,8 @@ def triton_compacted_attention(
     """
     check_tensor("query", query, 4)
     check_inputs(prefix, appended)
+    if prefix.quantized is not None:  # INT4 heads: dequantised for this call (the kernel reads plain rows)
+        prefix = prefix.dense(query.dtype)
     check_tensor("prefix.keys", prefix.keys, 2)
     check_tensor("prefix.values", prefix.values, 2)
     check_tensor("prefix.bias", prefix.bias, 1)
