@@ -1,9 +1,11 @@
 """Plain-torch reference attention over the disjoint partitions of a mixed-precision cache layer (PASK B.5, eq. 15).
 
-A layer's visible keys live in exactly one of: a high-precision store (BF16, or the model dtype), a packed INT4 store
+A layer's visible keys live in exactly one of: a compacted prefix (a shared tool catalogue: ragged per KV head, with
+per-entry logit biases, `PrefixPartition`), a high-precision store (BF16, or the model dtype), a packed INT4 store
 (codes and FP16 scales per token x KV-head row, dequantised here, inside attention) and the recent region (the
 newest tokens, the current step's included). Each partition yields FP32 softmax statistics; they are merged exactly
-with `merge_partitions`. This defines correctness for the Triton mixed-precision kernel.
+with `merge_partitions`. This defines correctness for the Triton mixed-precision kernel (which serves layers without
+a prefix).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..quant.int4 import dequantize_int4
+from .compacted_inputs import CompactedPrefix
 from .partitions import PartitionStats, merge_partitions, partition_stats
 
 
@@ -66,6 +69,41 @@ class Int4Partition:
         return keys, values
 
 
+@dataclass(frozen=True)
+class PrefixPartition:
+    """A compacted prefix shared by every batch row and visible to every query: per KV head ``h`` its kept entries
+    (``prefix.head(h)``: keys ``[L_h, D]``, values ``[L_h, D_v]``, FP32 biases ``[L_h]``); entry ``j`` scores
+    ``softcap(q . k_j * scaling) + bias_j``, as in `compacted_attention`.
+
+    Attributes:
+        prefix: the `CompactedPrefix` (as the `CompactedLayer` hands it out, ``read_prefix``).
+    """
+
+    prefix: CompactedPrefix
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.prefix.num_kv_heads
+
+
+Partition = DensePartition | Int4Partition | PrefixPartition
+
+
+def _prefix_stats(
+    grouped_query: torch.Tensor, prefix: CompactedPrefix, scaling: float, softcap: float | None
+) -> PartitionStats:
+    """FP32 statistics of a compacted prefix for ``grouped_query`` ``[B, H_kv, g, q, D]``: per KV head over its own
+    ``L_h`` entries (biases added), stacked to ``[B, H_kv, g, q]`` / ``[B, H_kv, g, q, D_v]``."""
+    per_head = []
+    for h in range(prefix.num_kv_heads):
+        keys, values, bias = prefix.head(h)  # [L_h, D], [L_h, D_v], [L_h]
+        scores = (grouped_query[:, h] @ keys.float().transpose(-1, -2)) * scaling  # [B, g, q, L_h]
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        per_head.append(partition_stats(scores + bias.float(), values))
+    return PartitionStats(*(torch.stack(field, dim=1) for field in zip(*per_head, strict=True)))
+
+
 def _scores(
     grouped_query: torch.Tensor, part: DensePartition | Int4Partition, scaling: float, softcap: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,15 +116,15 @@ def _scores(
     return scores.masked_fill(~part.visible[:, None, None], float("-inf")), values
 
 
-def _stats(
-    grouped_query: torch.Tensor, part: DensePartition | Int4Partition, scaling: float, softcap: float | None
-) -> PartitionStats:
+def _stats(grouped_query: torch.Tensor, part: Partition, scaling: float, softcap: float | None) -> PartitionStats:
     """FP32 statistics of one partition for ``grouped_query`` ``[B, H_kv, g, q, D]``."""
+    if isinstance(part, PrefixPartition):
+        return _prefix_stats(grouped_query, part.prefix, scaling, softcap)
     scores, values = _scores(grouped_query, part, scaling, softcap)
     return partition_stats(scores, values.unsqueeze(2))
 
 
-def _grouped_query(query: torch.Tensor, partitions: list[DensePartition | Int4Partition]) -> torch.Tensor:
+def _grouped_query(query: torch.Tensor, partitions: list[Partition]) -> torch.Tensor:
     """``query`` ``[B, H_q, q, D]`` as FP32 ``[B, H_kv, g, q, D]`` over the partitions' KV heads."""
     if not partitions:
         raise ValueError("partitions must hold at least one partition")
@@ -102,7 +140,7 @@ def _grouped_query(query: torch.Tensor, partitions: list[DensePartition | Int4Pa
 
 def mixed_precision_attention(
     query: torch.Tensor,
-    partitions: list[DensePartition | Int4Partition],
+    partitions: list[Partition],
     scaling: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
@@ -111,7 +149,8 @@ def mixed_precision_attention(
     Args:
         query: ``[B, H_q, q, D]`` post-RoPE queries; ``H_q`` a multiple of ``H_kv`` (GQA: query head ``i`` reads KV
             head ``i // (H_q / H_kv)``; keys are never repeated).
-        partitions: each visible key in exactly one partition; empty partitions (``n = 0``) contribute nothing.
+        partitions: each visible key in exactly one partition; empty partitions (``n = 0``) contribute nothing; a
+            `PrefixPartition` is visible to every row.
         scaling: logit scale; softcap: optional tanh soft-capping.
 
     Returns:
@@ -125,7 +164,7 @@ def mixed_precision_attention(
 
 def attention_probabilities(
     query: torch.Tensor,
-    partitions: list[DensePartition | Int4Partition],
+    partitions: list[Partition],
     scaling: float,
     softcap: float | None = None,
 ) -> list[torch.Tensor]:
@@ -139,6 +178,11 @@ def attention_probabilities(
     Returns:
         One FP32 tensor ``[B, H_kv, g, q, n]`` per partition (``g`` query heads per KV head).
     """
+    if any(isinstance(part, PrefixPartition) for part in partitions):
+        raise ValueError(
+            "attention probabilities are per slot of a mixed-precision layer; a compacted prefix (PrefixPartition) "
+            "has no slots: leave it out"
+        )
     grouped = _grouped_query(query, partitions)
     scores = [_scores(grouped, part, scaling, softcap)[0] for part in partitions]  # each [B, H_kv, g, q, n]
     row_max = torch.stack([s.amax(dim=-1) if s.shape[-1] else s.new_full(s.shape[:-1], -torch.inf) for s in scores])
@@ -173,7 +217,7 @@ def summed_mass(probabilities: list[torch.Tensor], value_norms: list[torch.Tenso
 
 def attention_mass(
     query: torch.Tensor,
-    partitions: list[DensePartition | Int4Partition],
+    partitions: list[Partition],
     scaling: float,
     softcap: float | None = None,
     value_norms: list[torch.Tensor] | None = None,

@@ -45,6 +45,8 @@ class ActionSchedule:
             are ``H``.
         statistics: the cache's `AttentionMass` when the policy decides from attention statistics (then the
             controllers plan the prompt: no ``prefill_plan``), else ``None``.
+        context_length: positions ``0 .. context_length - 1`` hold a compacted context (served as it is, never
+            scheduled nor charged); the prompt and ``prefill_plan`` start after it.
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class ActionSchedule:
         processor: TagSource | None = None,
         prefill_plan: torch.Tensor | None = None,
         statistics: AttentionMass | None = None,
+        context_length: int = 0,
     ):
         if statistics is not None and prefill_plan is not None:
             raise ValueError(
@@ -75,6 +78,7 @@ class ActionSchedule:
         self.processor = processor
         self.prefill_plan = None if prefill_plan is None else prefill_plan.to(torch.int64).cpu()
         self.statistics = statistics
+        self.context_length = context_length
         self.controllers: list[RetentionController] = []
         self.first_length = 0
         self.decided: list[list[tuple[Action, ...] | None]] = []
@@ -112,7 +116,7 @@ class ActionSchedule:
 
     def _prompt_length(self) -> int | None:
         if self.processor is None:
-            return 0 if self.prefill_plan is None else self.prefill_plan.shape[1]
+            return self.context_length + (0 if self.prefill_plan is None else self.prefill_plan.shape[1])
         return self.processor.prompt_length
 
     def _decide_generated(self, row: int, index: int) -> tuple[Action, ...]:
@@ -140,9 +144,11 @@ class ActionSchedule:
         result = torch.full((self.batch_size, count), int(Action.H), dtype=torch.int64)
         stop = start + count
         if self.prefill_plan is not None:
-            planned_stop = min(stop, self.prefill_plan.shape[1])
-            if planned_stop > start:
-                result[:, : planned_stop - start] = self.prefill_plan[:, start:planned_stop, group]
+            plan_start = max(start, self.context_length)
+            planned_stop = min(stop, self.context_length + self.prefill_plan.shape[1])
+            if planned_stop > plan_start:
+                plan = self.prefill_plan[:, plan_start - self.context_length : planned_stop - self.context_length]
+                result[:, plan_start - start : planned_stop - start] = plan[..., group]
         prompt_length = self._prompt_length()
         if prompt_length is None and stop > self.first_length:
             raise _untagged(f"position {stop - 1}")
@@ -177,14 +183,15 @@ class ActionSchedule:
             self.statistics.select_rows(indices)
 
     def scheduled_bits_by_stage(self, num_tokens: int) -> tuple[float, float, int]:
-        """The ledger's payload over the first ``num_tokens`` positions of every sequence, in bits, split by stage:
-        ``(prompt_bits, decode_bits, prompt_length)``. Prompt tokens cost their planned actions; generated tokens
+        """The ledger's payload over the first ``num_tokens`` positions of every sequence (a compacted context's
+        excluded), in bits, split by stage: ``(prompt_bits, decode_bits, prompt_length)`` (``prompt_length``: the
+        prompt tokens after the context). Prompt tokens cost their planned actions; generated tokens
         their controller's charges (stop tokens free); tokens whose tags are available are scheduled first."""
         self._plan_prompt()
-        prompt_length = min(self._prompt_length() or 0, num_tokens)
+        prompt_length = max(self.context_length, min(self._prompt_length() or 0, num_tokens))
         prompt = 0.0
         for group in range(len(self.costs.groups)):
-            planned = self.actions(0, prompt_length, group)  # [B, P]
+            planned = self.actions(self.context_length, prompt_length - self.context_length, group)  # [B, P]
             values, counts = planned.unique(return_counts=True)
             prompt += sum(self.costs.cost(Action(int(a)), group) * int(n) for a, n in zip(values, counts))
         decode = 0.0
@@ -194,7 +201,7 @@ class ActionSchedule:
             for index in range(available):
                 self._decide_generated(row, index)
             decode += self.controllers[row].scheduled_bits
-        return prompt, decode, prompt_length
+        return prompt, decode, prompt_length - self.context_length
 
     def scheduled_bits(self, num_tokens: int) -> float:
         """Prompt and decode payload together (`scheduled_bits_by_stage`)."""

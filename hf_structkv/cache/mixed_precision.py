@@ -15,6 +15,18 @@ speculative forward and the next one never has to restore destroyed precision). 
 one place; attention merges the three partitions with shared FP32 statistics (`mixed_precision_attention`).
 The attention mask keeps transformers' layout (one column per slot, ``get_mask_sizes = (seen + q, 0)``); each
 partition reads the columns of its slots, so padding and absolute positions survive gaps.
+
+**A compacted context before the suffix** (``context=``, e.g. a tool catalogue read once and compacted offline): each
+global layer then holds a reference to the context's `CompactedLayer` and serves its prefix as a fourth partition
+(`PrefixPartition`: ragged per KV head, per-entry biases, visible to every row), read only through
+``CompactedLayer.read_prefix`` at each forward; nothing of it is copied, so every conversation built on one context
+shares its tensors. The prefix occupies logical slots ``0 .. T - 1`` (``T = original_length``): the layer starts with
+``first_recent = T``, so the suffix's slots, the slot maps, the schedule's positions, the mask columns (the
+placeholders of `generation_inputs` are columns of ones) and ``crop`` all keep the plain layer's arithmetic, and
+nothing below ``T`` can be cropped. Why a reference and not a third layer type: the compacted layer stays what a
+`CompactedCache` serves (it knows nothing of policies), the mixed layer adds one partition and one offset, and the
+attention function stays one function merging partitions in FP32 statistics. Sliding-window layers serve the
+context's window as a `CompactedCache` does (`SharedContextSlidingLayer`, see `composed_context`).
 """
 
 from __future__ import annotations
@@ -26,10 +38,13 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from ..attention.attention_mass import AttentionMass
+from ..attention.compacted_inputs import CompactedPrefix
 from ..attention.kwargs import MIXED_KWARG
 from ..attention.mixed_reference import (
     DensePartition,
     Int4Partition,
+    Partition,
+    PrefixPartition,
     attention_probabilities,
     head_output_projections,
     mixed_precision_attention,
@@ -41,6 +56,9 @@ from ..policy.retention import RetentionPolicy, check_retention_policy
 from ..quant.int4 import quantize_int4
 from ..structure.tag_source import TagSource
 from .action_schedule import ActionSchedule
+from .compacted import CompactedCache
+from .compacted_layers import CompactedLayer, ContextLayer
+from .composed_context import SLIDING_TYPES, context_layers
 from .slot_store import SlotStore
 
 
@@ -79,19 +97,30 @@ class MixedPrecisionLayer(CacheLayerMixin):
         schedule: the cache's shared `ActionSchedule`.
         window: tokens kept in the recent region at full precision before their action applies (>= 1).
         statistics: the cache's `AttentionMass` when its policy asks for attention statistics, else ``None``.
+        context: a compacted context's layer whose prefix precedes this layer's slots (module docstring), or
+            ``None``.
     """
 
     is_sliding = False
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, group: int, schedule: ActionSchedule, window: int, statistics: AttentionMass | None = None):
+    def __init__(
+        self,
+        group: int,
+        schedule: ActionSchedule,
+        window: int,
+        statistics: AttentionMass | None = None,
+        context: CompactedLayer | None = None,
+    ):
         super().__init__()
         self.group = group
         self.schedule = schedule
         self.window = window
         self.statistics = statistics
-        self.first_recent = 0
+        self.context = context
+        self.context_length = 0 if context is None else context.original_length
+        self.first_recent = self.context_length
         self.high = SlotStore()
         self.low = SlotStore()
 
@@ -101,7 +130,7 @@ class MixedPrecisionLayer(CacheLayerMixin):
         self.keys = key_states[..., :0, :]
         self.values = value_states[..., :0, :]
         self.is_initialized = True
-        self.schedule.begin(key_states.shape[0], key_states.shape[-2])
+        self.schedule.begin(key_states.shape[0], self.first_recent + key_states.shape[-2])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs: dict | None = None, **_):
         """Commit the actions of tokens that left the recent window, then append ``[B, H_kv, q, D]`` states.
@@ -157,11 +186,21 @@ class MixedPrecisionLayer(CacheLayerMixin):
         self.keys, self.values = self.keys[..., leaving:, :], self.values[..., leaving:, :]
         self.first_recent += leaving
 
-    def partitions(self, attention_mask: torch.Tensor | None, q_len: int) -> list[DensePartition | Int4Partition]:
-        """The high store, the low store and the recent region, each with its bool visibility ``[B, q, n]``."""
+    def partitions(
+        self, attention_mask: torch.Tensor | None, q_len: int, module: torch.nn.Module | None = None
+    ) -> list[Partition]:
+        """The compacted prefix (with a context), the high store, the low store and the recent region, each store
+        with its bool visibility ``[B, q, n]``.
+
+        Args:
+            attention_mask: the mask over every slot (prefix slots included), ``None`` = causal.
+            module: the attention module being served: the prefix's ``read_prefix`` checks its model.
+        """
         batch, seen = self.keys.shape[0], self.get_seq_length()
         visible = _visibility(attention_mask, batch, q_len, seen, self.keys.device)
-        parts: list[DensePartition | Int4Partition] = []
+        parts: list[Partition] = []
+        if self.context is not None:
+            parts.append(PrefixPartition(CompactedPrefix(*self.context.read_prefix(module))))
         if self.high.num_entries():
             fields, positions = self.high.view()
             parts.append(DensePartition(fields["keys"], fields["values"], _gather_visibility(visible, positions)))
@@ -184,7 +223,7 @@ class MixedPrecisionLayer(CacheLayerMixin):
     def record_attention(
         self,
         query: torch.Tensor,
-        partitions: list[DensePartition | Int4Partition],
+        partitions: list[Partition],
         scaling: float,
         softcap: float | None = None,
         module: torch.nn.Module | None = None,
@@ -230,9 +269,17 @@ class MixedPrecisionLayer(CacheLayerMixin):
 
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` slots (a negative value removes that many from the end). Tokens already
-        quantised or released stay so: only accounting and not-yet-committed tokens are restored."""
+        quantised or released stay so: only accounting and not-yet-committed tokens are restored.
+
+        Raises:
+            ValueError: the crop would cut into the compacted context.
+        """
         seen = self.get_seq_length()
         length = seen + max_length if max_length < 0 else min(max_length, seen)
+        if length < self.context_length:
+            raise ValueError(
+                f"cannot crop to {length} tokens: the compacted context of {self.context_length} tokens cannot be cut"
+            )
         self.high.crop(length)
         self.low.crop(length)
         if length >= self.first_recent:
@@ -262,20 +309,27 @@ class MixedPrecisionLayer(CacheLayerMixin):
         self.select_rows(torch.arange(self.keys.shape[0], device=self.keys.device)[indices])
 
     def reset(self) -> None:
-        self.__init__(self.group, self.schedule, self.window, self.statistics)
+        self.__init__(self.group, self.schedule, self.window, self.statistics, self.context)
+
+    def context_nbytes(self) -> int:
+        """Bytes of the compacted context's stored tensors (shared with every cache built on it; 0 without one)."""
+        tensors = [] if self.context is None else self.context.context_tensors()
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def nbytes(self) -> int:
-        """Allocated bytes: recent region, both stores with their scales and slot maps (padding included)."""
+        """Allocated bytes: the compacted context, recent region, both stores with their scales and slot maps
+        (padding included)."""
         recent = 0 if self.keys is None else sum(t.numel() * t.element_size() for t in (self.keys, self.values))
-        return recent + self.high.nbytes() + self.low.nbytes()
+        return self.context_nbytes() + recent + self.high.nbytes() + self.low.nbytes()
 
     def full_nbytes(self) -> int:
-        """Bytes of the same slots in a ``DynamicLayer`` of the model's dtype."""
+        """Bytes of the same slots in a ``DynamicLayer`` of the model's dtype (a compacted context counted once, at
+        its original length, as `CompactedLayer.full_nbytes` does)."""
         if self.keys is None:
             return 0
         batch, heads, _, head_dim = self.keys.shape
         per_slot = heads * (head_dim + self.values.shape[-1]) * self.keys.element_size()
-        return batch * self.get_seq_length() * per_slot
+        return (batch * (self.get_seq_length() - self.context_length) + self.context_length) * per_slot
 
 
 class StructuredMixedPrecisionCache(Cache):
@@ -300,7 +354,11 @@ class StructuredMixedPrecisionCache(Cache):
             generated token is unresolved, i.e. fully protected by the policy); it must emit the policy's
             ``tag_view`` and ``position_bins``, else ``ValueError``.
         prefill_plan: optional actions for the prompt tokens, int ``[B, P, groups]`` with the policy's number of
-            layer groups (see `ActionSchedule`).
+            layer groups (see `ActionSchedule`); with a ``context``, for the ``P`` tokens after it.
+        context: optional `CompactedCache` of a context read before every prompt (e.g. a compacted tool catalogue):
+            its prefix is served, shared and never copied, before the PASK-managed tokens, which continue at its
+            original length (module docstring). Feed ``generate`` with `generation_inputs` (placeholders for the
+            context). Not with attention-statistics policies.
 
     A policy whose `RetentionPolicy.attention_statistics` returns an `AttentionMass` (the attention-based baselines)
     has it filled by the layers during attention (torch reference only), and its controllers plan the prompt at the
@@ -309,7 +367,8 @@ class StructuredMixedPrecisionCache(Cache):
     Raises:
         TypeError: ``model`` is not a model or config, ``policy`` not a `RetentionPolicy`, ``processor`` not a
             `TagSource`.
-        ValueError: the policy was built for other layer dimensions, or the processor emits another tag view.
+        ValueError: the policy was built for other layer dimensions, the processor emits another tag view, or the
+            context was compacted for another model or is combined with an attention-statistics policy.
     """
 
     def __init__(
@@ -318,6 +377,7 @@ class StructuredMixedPrecisionCache(Cache):
         policy: RetentionPolicy,
         processor: TagSource | None = None,
         prefill_plan: torch.Tensor | None = None,
+        context: CompactedCache | None = None,
     ):
         from ..attention.registry import enable
 
@@ -348,18 +408,27 @@ class StructuredMixedPrecisionCache(Cache):
                 f"{processor_view!r}: build the processor with "
                 "StructuralLogitsProcessor(..., tag_view=policy.tag_view, position_bins=policy.position_bins)"
             )
+        layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers
+        contexts = [None] * len(layer_types) if context is None else context_layers(context, config, layer_types)
         self.policy = policy
         self.processor = processor
+        self.context = context
         self.statistics: AttentionMass | None = policy.attention_statistics()
-        self.schedule = ActionSchedule(policy, self.costs, processor, prefill_plan, self.statistics)
-        layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers
+        if context is not None and self.statistics is not None:
+            raise ValueError(
+                "a policy that decides from attention statistics (H2O / SnapKV / MiKV / CriticalKV baselines) cannot "
+                "serve a compacted context (its prefix has no slots to score): use a PolicyTable, or no context"
+            )
+        context_length = 0 if context is None else context.original_length
+        self.schedule = ActionSchedule(policy, self.costs, processor, prefill_plan, self.statistics, context_length)
         layers = []
-        for idx, layer_type in enumerate(layer_types):
-            if layer_type in ("sliding_attention", "chunked_attention"):
-                layers.append(DynamicSlidingWindowLayer(sliding_window=text_config.sliding_window))
+        for idx, (layer_type, layer_context) in enumerate(zip(layer_types, contexts, strict=True)):
+            if layer_type in SLIDING_TYPES:
+                sliding = DynamicSlidingWindowLayer(sliding_window=text_config.sliding_window)
+                layers.append(sliding if layer_context is None else layer_context)
             else:
                 group = self.costs.group_of_layer(idx)
-                layers.append(MixedPrecisionLayer(group, self.schedule, policy.window, self.statistics))
+                layers.append(MixedPrecisionLayer(group, self.schedule, policy.window, self.statistics, layer_context))
         super().__init__(layers=layers)
 
     def mixed_layers(self) -> list[MixedPrecisionLayer]:
@@ -372,6 +441,7 @@ class StructuredMixedPrecisionCache(Cache):
         Raises:
             NotImplementedError: the policy records attention statistics (mass already given to earlier slots by
                 the removed queries cannot be taken back).
+            ValueError: the crop would cut into the compacted context.
         """
         if self.statistics is not None:
             raise NotImplementedError(
@@ -380,6 +450,11 @@ class StructuredMixedPrecisionCache(Cache):
             )
         seen = self.get_seq_length()
         length = seen + max_length if max_length < 0 else min(max_length, seen)
+        if length < self.schedule.context_length:
+            raise ValueError(
+                f"cannot crop to {length} tokens: the compacted context of {self.schedule.context_length} tokens "
+                "cannot be cut"
+            )
         super().crop(max_length)
         self.schedule.crop(length)
 
@@ -400,7 +475,7 @@ class StructuredMixedPrecisionCache(Cache):
         regions, and the sliding layers' tensors."""
         total = 0
         for layer in self.layers:
-            if isinstance(layer, MixedPrecisionLayer):
+            if isinstance(layer, (MixedPrecisionLayer, ContextLayer)):
                 total += layer.nbytes()
             elif layer.is_initialized:
                 total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
@@ -412,16 +487,19 @@ class StructuredMixedPrecisionCache(Cache):
         sliding = sum(
             t.numel() * t.element_size()
             for layer in self.layers
-            if not isinstance(layer, MixedPrecisionLayer) and layer.is_initialized
+            if not isinstance(layer, (MixedPrecisionLayer, ContextLayer)) and layer.is_initialized
             for t in (layer.keys, layer.values)
         )
-        return sliding + sum(layer.full_nbytes() for layer in self.mixed_layers())
+        context_sliding = sum(layer.full_nbytes() for layer in self.layers if isinstance(layer, ContextLayer))
+        return sliding + context_sliding + sum(layer.full_nbytes() for layer in self.mixed_layers())
 
     def scheduled_payload(self) -> float:
-        """The ledger's scheduled payload of every cached token, in bytes (B.3 cost convention: ``m(H) = 16 n_c``
-        bits, ``m(L) = 4 n_c + 16 k_c``, ``m(R) = 0``), over all sequences."""
+        """The ledger's scheduled payload of every cached token after the compacted context, in bytes (B.3 cost
+        convention: ``m(H) = 16 n_c`` bits, ``m(L) = 4 n_c + 16 k_c``, ``m(R) = 0``), over all sequences."""
         return self.schedule.scheduled_bits(self.get_seq_length()) / 8
 
     def full_payload(self) -> float:
-        """The Full-KV payload of the same tokens under the same convention (``C_full`` bits per token), in bytes."""
-        return self.schedule.batch_size * self.get_seq_length() * self.costs.full / 8
+        """The Full-KV payload of the same tokens (after the compacted context) under the same convention
+        (``C_full`` bits per token), in bytes."""
+        suffix = self.get_seq_length() - self.schedule.context_length
+        return self.schedule.batch_size * suffix * self.costs.full / 8
