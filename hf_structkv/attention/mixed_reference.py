@@ -76,7 +76,8 @@ class PrefixPartition:
     ``softcap(q . k_j * scaling) + bias_j``, as in `compacted_attention`.
 
     Attributes:
-        prefix: the `CompactedPrefix` (as the `CompactedLayer` hands it out, ``read_prefix``).
+        prefix: the `CompactedPrefix` as the `CompactedLayer` serves it (``served_prefix``; INT4 heads are
+            dequantised by its ``head``).
     """
 
     prefix: CompactedPrefix

@@ -19,14 +19,15 @@ partition reads the columns of its slots, so padding and absolute positions surv
 **A compacted context before the suffix** (``context=``, e.g. a tool catalogue read once and compacted offline): each
 global layer then holds a reference to the context's `CompactedLayer` and serves its prefix as a fourth partition
 (`PrefixPartition`: ragged per KV head, per-entry biases, visible to every row), read only through
-``CompactedLayer.read_prefix`` at each forward; nothing of it is copied, so every conversation built on one context
-shares its tensors. The prefix occupies logical slots ``0 .. T - 1`` (``T = original_length``): the layer starts with
-``first_recent = T``, so the suffix's slots, the slot maps, the schedule's positions, the mask columns (the
-placeholders of `generation_inputs` are columns of ones) and ``crop`` all keep the plain layer's arithmetic, and
-nothing below ``T`` can be cropped. Why a reference and not a third layer type: the compacted layer stays what a
-`CompactedCache` serves (it knows nothing of policies), the mixed layer adds one partition and one offset, and the
-attention function stays one function merging partitions in FP32 statistics. Sliding-window layers serve the
-context's window as a `CompactedCache` does (`SharedContextSlidingLayer`, see `composed_context`).
+``CompactedLayer.served_prefix`` at each forward (BF16 or INT4 heads alike); nothing of it is copied, so every
+conversation built on one context shares its tensors. The prefix occupies logical slots ``0 .. T - 1``
+(``T = original_length``): the layer starts with ``first_recent = T``, so the suffix's slots, the slot maps, the
+schedule's positions, the mask columns (the placeholders of `generation_inputs` are columns of ones) and ``crop`` all
+keep the plain layer's arithmetic, and nothing below ``T`` can be cropped. Why a reference and not a third layer
+type: the compacted layer stays what a `CompactedCache` serves (it knows nothing of policies), the mixed layer adds one
+partition and one offset, and the attention function stays one function merging partitions in FP32 statistics.
+Sliding-window layers serve the context's window as a `CompactedCache` does (`SharedContextSlidingLayer`, see
+`composed_context`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from ..attention.attention_mass import AttentionMass
-from ..attention.compacted_inputs import CompactedPrefix
 from ..attention.kwargs import MIXED_KWARG
 from ..attention.mixed_reference import (
     DensePartition,
@@ -194,13 +194,13 @@ class MixedPrecisionLayer(CacheLayerMixin):
 
         Args:
             attention_mask: the mask over every slot (prefix slots included), ``None`` = causal.
-            module: the attention module being served: the prefix's ``read_prefix`` checks its model.
+            module: the attention module being served: ``served_prefix`` checks its model.
         """
         batch, seen = self.keys.shape[0], self.get_seq_length()
         visible = _visibility(attention_mask, batch, q_len, seen, self.keys.device)
         parts: list[Partition] = []
         if self.context is not None:
-            parts.append(PrefixPartition(CompactedPrefix(*self.context.read_prefix(module))))
+            parts.append(PrefixPartition(self.context.served_prefix(module)))
         if self.high.num_entries():
             fields, positions = self.high.view()
             parts.append(DensePartition(fields["keys"], fields["values"], _gather_visibility(visible, positions)))
