@@ -271,3 +271,52 @@ def test_copies_share_the_int4_tensors(llama):
     copy = cache.copy()
     for mine, theirs in zip(cache.layers, copy.layers, strict=True):
         assert isinstance(theirs, CompactedLayer) and theirs.quantized is mine.quantized
+
+
+class DigitTokenizer:
+    """Whitespace-separated integers -> ids (the calibration prompts' words hashed into the vocabulary)."""
+
+    def __call__(self, text, return_tensors=None, add_special_tokens=False):
+        ids = [int(t) if t.isdigit() else 3 + sum(map(ord, t)) % 250 for t in text.split()]
+        return type("Encoding", (), {"input_ids": torch.tensor([ids])})
+
+    def get_vocab(self):
+        return {str(i): i for i in range(256)}
+
+
+def test_compact_int4_spends_the_bytes_of_the_ratio_on_int4_entries():
+    from hf_structkv.compaction import compact
+
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (1, 64), generator=torch.Generator().manual_seed(3))
+    ratio, key_group = 8, 8
+    cache = compact(model, DigitTokenizer(), ids, ratio=ratio, storage="int4", key_group=key_group, progress=False)
+    record = cache.metadata["storage"]
+    assert record["requested"] == "int4" and record["key_group"] == key_group
+    assert record["int4_heads"] + record["fallback_heads"] == 4
+    dim = value_dim = 16
+    budget_bytes = (64 // ratio) * (dim + value_dim) * 4  # float32 tiny model: 8 entries' keys and values
+    int4_entries = StorageLayout("int4", dim, value_dim, key_group=key_group).entries_for(budget_bytes)
+    bf16_layout = StorageLayout("bf16", dim, value_dim, 4)
+    for layer in cache.layers:
+        for kind, length in zip(layer.head_storage(), layer.head_lengths(), strict=True):
+            if kind == "int4":
+                assert length == int4_entries > 64 // ratio
+            else:  # a fallback: the dtype head at the INT4 head's bytes
+                int4_bytes = StorageLayout("int4", dim, value_dim, key_group=key_group).nbytes(int4_entries)
+                assert length == bf16_layout.entries_for(int4_bytes)
+    assert cache.nbytes() <= cache.full_nbytes() / ratio * 1.1  # bias / offset overhead beyond the K/V bytes
+
+
+def test_compact_int4_refuses_chunks_and_bad_storage_before_prefilling():
+    from hf_structkv.compaction import compact
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (1, 32), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match="storage must be one of"):
+        compact(model, DigitTokenizer(), ids, storage="int8")
+    with pytest.raises(ValueError, match="one chunk"):
+        compact(model, DigitTokenizer(), ids, storage="int4", chunk_tokens=16)
+    with pytest.raises(ValueError, match="key_group"):
+        compact(model, DigitTokenizer(), ids, storage="int4", key_group=0)

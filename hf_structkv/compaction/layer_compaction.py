@@ -4,15 +4,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ..cache.compacted import CompactedCache
+from ..cache.compacted_layers import Int4Head
 from .head_compaction import compact_head, relative_loss
-from .head_statistics import CompactedHead
+from .head_statistics import CompactedHead, QuantizedHead
+from .head_storage import StorageLayout
 from .settings import CompactionSettings
 
 __all__ = ["CacheSelection", "LayerResult", "compact_layer", "split_queries"]
@@ -20,32 +22,60 @@ __all__ = ["CacheSelection", "LayerResult", "compact_layer", "split_queries"]
 
 @dataclass(frozen=True)
 class CacheSelection:
-    """Per-layer ``indices`` / ``biases`` / ``values`` lists in `CompactedCache.from_selection`'s format."""
+    """Per-layer ``indices`` / ``biases`` / ``values`` / ``int4`` lists in `CompactedCache.from_selection`'s format
+    (``int4``: an `Int4Head` for each head stored in INT4, with the ``key_group`` of every such head)."""
 
     indices: list
     biases: list
     values: list
+    int4: list
+    key_group: int | None = None
 
     @classmethod
-    def keep_everything(cls, cache: DynamicCache) -> CacheSelection:
-        """Every position of every global layer (None for sliding layers), bias 0, original values."""
+    def keep_everything(cls, cache: DynamicCache, key_group: int | None = None) -> CacheSelection:
+        """Every position of every global layer (None for sliding layers), bias 0, original values, nothing in INT4
+        (INT4 heads set later share ``key_group``)."""
         length = cache.get_seq_length()
         indices = [
             None if layer.is_sliding else [torch.arange(length) for _ in range(layer.keys.shape[1])]
             for layer in cache.layers
         ]
         n_layers = len(cache.layers)
-        return cls(indices, [None] * n_layers, [None] * n_layers)
+        return cls(indices, [None] * n_layers, [None] * n_layers, [None] * n_layers, key_group)
 
     def set_layer(self, layer_idx: int, heads: list[CompactedHead]) -> None:
         """Layer ``layer_idx`` keeps ``heads`` (one per KV head, positions in the cache)."""
         self.indices[layer_idx] = [head.indices for head in heads]
         self.biases[layer_idx] = [head.bias for head in heads]
         self.values[layer_idx] = [head.values for head in heads]
+        self.int4[layer_idx] = [_int4_head(head, self.key_group) for head in heads]
 
     def build(self, cache: DynamicCache, metadata: dict | None = None) -> CompactedCache:
         """The `CompactedCache` of ``cache`` keeping this selection."""
-        return CompactedCache.from_selection(cache, self.indices, self.biases, self.values, metadata=metadata)
+        return CompactedCache.from_selection(
+            cache, self.indices, self.biases, self.values, metadata=metadata, int4=self.int4, key_group=self.key_group
+        )
+
+
+def _int4_head(head: CompactedHead, key_group: int | None) -> Int4Head | None:
+    """The stored codes and scales of a head kept in INT4 (None for a head in the cache's dtype)."""
+    if not isinstance(head, QuantizedHead):
+        return None
+    if head.key_group != key_group:
+        raise ValueError(f"an INT4 head has key_group {head.key_group}, the selection {key_group}")
+    return Int4Head(head.key_codes, head.key_scales, head.key_offsets, head.value_codes, head.value_scales)
+
+
+def entry_budget(budget: int, keys: torch.Tensor, values: torch.Tensor, storage: str, key_group: int | None) -> int:
+    """Kept entries of a head whose budget is ``budget`` entries in the cache's dtype: ``budget`` itself for
+    ``"bf16"``; for ``"int4"`` the most entries whose INT4 bytes (`StorageLayout`: codes, scales, key offsets, FP32
+    biases, the head's row offset) fit in the bytes of ``budget`` keys and values ``[T, D]`` / ``[T, D_v]`` in their
+    dtype, ``budget · (D + D_v) · element_bytes`` (at least 1)."""
+    if storage == "bf16":
+        return budget
+    dim, value_dim = keys.shape[-1], values.shape[-1]
+    nbytes = budget * (dim + value_dim) * values.element_size()
+    return max(1, StorageLayout(storage, dim, value_dim, key_group=key_group).entries_for(nbytes))
 
 
 def split_queries(
@@ -85,8 +115,12 @@ def _compact_chunk(
     for h, budget in enumerate(budgets):
         keys, values = layer.keys[0, h, begin:end], layer.values[0, h, begin:end]
         head_queries = None if fit is None else fit[h]
+        storage = {"storage": settings.storage}
+        if settings.storage == "int4":
+            storage["key_group"] = settings.key_group
+        entries = entry_budget(budget, keys, values, settings.storage, settings.key_group)
         head = compact_head(
-            keys, values, head_queries, budget, settings.method, scaling, settings.seed, **settings.hparams
+            keys, values, head_queries, entries, settings.method, scaling, settings.seed, **storage, **settings.hparams
         )
         heads.append(head)
         if heldout is not None and heldout.shape[1] > 0:
@@ -133,6 +167,9 @@ def compact_layer(
         _compact_chunk(layer, span, chunk_budgets, None if queries is None else queries[index], settings, scaling)
         for index, (span, chunk_budgets) in enumerate(zip(spans, budgets, strict=True))
     ]
+    if settings.storage != "bf16":  # one chunk and no prefix (checked by compact): INT4 heads kept as they are
+        heads = [replace(head, indices=head.indices + spans[0][0]) for head in chunks[0].heads]
+        return LayerResult(heads, chunks[0].heldout_losses)
     heads = []
     for h, per_chunk in enumerate(zip(*(chunk.heads for chunk in chunks))):
         heads.append(_in_context(list(per_chunk), spans, _kept_whole(layer.values[0, h, :prefix_tokens])))

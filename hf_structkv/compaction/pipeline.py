@@ -161,6 +161,8 @@ def compact(
     prefill_chunk_tokens: int | None = 1024,
     block_replay: bool = True,
     prefix: Context | None = None,
+    storage: str = "bf16",
+    key_group: int | None = 32,
     **hparams,
 ) -> CompactedCache:
     """Compact ``context`` for ``model`` at compression ``ratio``.
@@ -233,6 +235,16 @@ def compact(
             seed serves a system prompt uncompacted next to the compacted context (on the embedded model, keeping
             its 24-token chat scaffold whole did not change the QA accuracy at 10x; docs/BENCHMARKS.md).
             ``None``: no prefix.
+        storage: ``"bf16"`` (default): kept keys and values in the model's dtype, ``ratio`` counts entries as above;
+            ``"int4"``: each head is compacted by ``compact_head(..., storage="int4")`` (packed INT4 codes, keys with
+            FP16 scales and offsets per channel, the refit redone with the quantized keys; a head that serves its
+            calibration queries better in the model's dtype at the same bytes falls back to it) and ``ratio`` is a
+            **byte** ratio: a head whose budget is ``t`` entries (``floor(T / ratio)`` under uniform budgets) gets
+            the bytes of ``t`` keys and values in the model's dtype, ``t · (D + D_v) · element_bytes`` (``1/ratio``
+            of its full keys and values), and keeps the most INT4 entries whose stored bytes (codes, scales, key
+            offsets, FP32 biases, its row offset: `StorageLayout`) fit in them. ``"int4"`` needs one chunk and no
+            ``prefix``. The metadata's ``storage`` counts the heads stored in INT4 and the fallbacks.
+        key_group: ``storage="int4"`` only: kept entries per row of key scales and offsets (None: one row per head).
         **hparams: the method's hyper-parameters (e.g. ``sink_tokens=4`` for StreamingLLM, ``pool_factor`` for
             KV-Surgeon); refitting methods get ``refit_guard=DEFAULT_REFIT_GUARD`` unless given (``0``: the paper's
             unconditional refit). They are recorded in the metadata.
@@ -252,6 +264,8 @@ def compact(
         prefill_chunk_tokens=prefill_chunk_tokens,
         block_replay=block_replay,
         prefix=prefix,
+        storage=storage,
+        key_group=key_group,
         hparams=hparams,
     )
     settings.check_tokenizer(tokenizer)
@@ -260,10 +274,16 @@ def compact(
     vocabulary = model.get_input_embeddings().num_embeddings
     if int(layout.ids.max()) >= vocabulary:
         raise ValueError(f"context holds the token id {int(layout.ids.max())}, beyond the model's {vocabulary} ids")
+    if settings.storage != "bf16" and (len(layout.spans) > 1 or layout.prefix_tokens):
+        raise ValueError(
+            f"storage={settings.storage!r} compacts the context as one chunk without a prefix, got "
+            f"{len(layout.spans)} chunks and a {layout.prefix_tokens}-token prefix: pass one document, "
+            "chunk_tokens=None and prefix=None, or storage='bf16'"
+        )
     start = time.perf_counter()
     cache = prefill_context(model, layout.ids, settings.prefill_chunk_tokens, settings.progress)
     chunk_budgets = [_token_budgets(budget_source, settings.ratio, end - begin, cache) for begin, end in layout.spans]
-    selection = CacheSelection.keep_everything(cache)
+    selection = CacheSelection.keep_everything(cache, settings.key_group if settings.storage == "int4" else None)
     scalings = attention_scalings(model)
     enable(model)
     conversations, source = None, None
@@ -296,6 +316,8 @@ def compact(
         "prefill_chunk_tokens": settings.prefill_chunk_tokens,
         "compaction_seconds": round(time.perf_counter() - start, 3),
     }
+    if settings.storage != "bf16":
+        metadata["storage"] = _storage_record(settings, selection)
     if heldout_losses:
         metadata["quality"] = _quality(heldout_losses)
     return selection.build(cache, metadata=metadata)
@@ -320,6 +342,18 @@ def _calibration_description(
     if settings.queries == "self_study":
         description["self_study"] = {**settings.self_study.describe(), "seed_of_chunk_c": "seed + c"}
     return description
+
+
+def _storage_record(settings: CompactionSettings, selection: CacheSelection) -> dict:
+    """The storage asked for, how ``ratio`` counts, how many KV heads are stored in INT4 and how many fell back."""
+    stored = [head is not None for layer in selection.int4 if layer is not None for head in layer]
+    return {
+        "requested": settings.storage,
+        "ratio_counts": "bytes of the keys and values in the model's dtype",
+        "key_group": settings.key_group,
+        "int4_heads": sum(stored),
+        "fallback_heads": len(stored) - sum(stored),
+    }
 
 
 def _quality(heldout_losses: dict[int, list[float]]) -> dict:

@@ -11,6 +11,7 @@ from ..validation import check_bool, check_int, is_number
 from .chunks import Context
 from .head_compaction import HEAD_METHODS
 from .head_method import CalibratedMethod
+from .head_storage import check_storage
 from .queries import DEFAULT_CAP
 from .self_study import SelfStudy
 
@@ -82,6 +83,8 @@ class CompactionSettings:
     prefill_chunk_tokens: int | None = 1024
     block_replay: bool = True
     prefix: Context | None = None
+    storage: str = "bf16"
+    key_group: int | None = 32
     hparams: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -98,6 +101,8 @@ class CompactionSettings:
         if self.needs_queries and self.queries not in QUERY_TIERS:
             raise ValueError(f"queries must be one of {QUERY_TIERS} for method {self.method!r}, got {self.queries!r}")
         check_budgets(self.budgets)
+        check_storage(self.storage)
+        check_int("key_group", self.key_group, 1, counts="kept entries per row of INT4 key scales", none_ok=True)
         if not is_number(self.heldout_fraction) or not 0 <= self.heldout_fraction < 1:
             raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction!r}")
         check_bool("block_replay", self.block_replay)
