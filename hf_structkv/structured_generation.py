@@ -3,10 +3,15 @@
 `generate_calls` wires the three pieces that must agree — the `StructuralLogitsProcessor` (grammar + tags), the
 `StructuredMixedPrecisionCache` (storage) and the `PolicyTable` (actions) — into one ``model.generate`` call and
 returns the parsed calls with the cache's measured bytes.
+
+A tool catalogue can be read once and compacted (`catalogue_text` is what to compact): ``generate_calls(...,
+context=compacted_catalogue)`` then feeds only each prompt's text after the catalogue (`conversation_text`), and the
+cache serves the catalogue's compacted prefix before it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -15,7 +20,9 @@ from typing import Any
 import torch
 from transformers import BatchEncoding, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
+from .cache.compacted import CompactedCache
 from .cache.mixed_precision import StructuredMixedPrecisionCache
+from .generation import generation_inputs
 from .policy.costs import Action
 from .policy.prefill import PrefillPolicy, batch_prefill_plan
 from .policy.retention import RetentionPolicy, check_retention_policy
@@ -129,6 +136,88 @@ def call_prompt(tokenizer: PreTrainedTokenizerBase, question, tools: Sequence[Ma
     return tokenizer.apply_chat_template(_chat(question), tools=list(tools), add_generation_prompt=True, tokenize=False)
 
 
+def catalogue_text(tokenizer: PreTrainedTokenizerBase, tools: Sequence[Mapping[str, Any]]) -> str:
+    """The tool catalogue as the chat template renders it: every prompt of `call_prompt` for ``tools`` starts with
+    this text (the system turn with the call instruction and the tools, in the template's tool format), which ends
+    at the end of a special token, so that the catalogue's tokens followed by a conversation's tokens are the full
+    prompt's tokens (`conversation_text` checks it). Compact it once (``compact(model, tokenizer, catalogue_text(...))``
+    or ``hf-structkv compact --tools``) and pass the cache as ``generate_calls(..., context=)``.
+
+    Raises:
+        ValueError: the template renders no common, special-token-ended opening for two different questions (then
+            the catalogue cannot be split from the conversation token-exactly).
+    """
+    first, second = (call_prompt(tokenizer, probe, tools) for probe in ("a", "b"))
+    common = 0
+    while common < min(len(first), len(second)) and first[common] == second[common]:
+        common += 1
+    found = ((first.rfind(token, 0, common), token) for token in tokenizer.get_added_vocab() if token)
+    end = max((at + len(token) for at, token in found if at >= 0), default=0)  # added tokens are never merged
+    if not first[:end].strip():
+        raise ValueError(
+            "the tokenizer's chat template renders no opening shared by every question that ends at a special "
+            "token: its tool catalogue cannot be compacted apart from the conversation"
+        )
+    catalogue = first[:end]
+    conversation_text(tokenizer, first, catalogue)
+    return catalogue
+
+
+def catalogue_metadata(tokenizer: PreTrainedTokenizerBase, tools: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """What a compacted catalogue records about itself (``metadata["catalogue"]``): the SHA-256 of `catalogue_text`,
+    its token count and tool count, so that ``generate_calls(..., context=)`` can check it serves the same tools."""
+    text = catalogue_text(tokenizer, tools)
+    tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return {"sha256": hashlib.sha256(text.encode()).hexdigest(), "tokens": tokens, "tools": len(tools)}
+
+
+def conversation_text(tokenizer: PreTrainedTokenizerBase, prompt: str, catalogue: str) -> str:
+    """``prompt``'s text after the ``catalogue`` (`catalogue_text`).
+
+    Raises:
+        ValueError: ``prompt`` does not start with ``catalogue`` (e.g. a question with its own system message), or
+            the catalogue's tokens followed by the conversation's are not the prompt's tokens.
+    """
+    if not prompt.startswith(catalogue):
+        raise ValueError(
+            "the prompt does not start with the tool catalogue's text (a question with its own system message?): "
+            "answer it without context="
+        )
+    rest = prompt[len(catalogue) :]
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in (prompt, catalogue, rest)]
+    if ids[0] != ids[1] + ids[2]:
+        raise ValueError("the prompt's tokens are not the catalogue's tokens followed by the conversation's")
+    return rest
+
+
+def check_catalogue(
+    tokenizer: PreTrainedTokenizerBase, tools: Sequence[Mapping[str, Any]], context: CompactedCache
+) -> str:
+    """`catalogue_text` of ``tools`` after checking that ``context`` is its compacted cache: its length is the
+    catalogue's token count and, when its metadata records the catalogue (`catalogue_metadata`), the same text.
+
+    Raises:
+        TypeError: ``context`` is not a `CompactedCache`.
+        ValueError: ``context`` was compacted from another text.
+    """
+    if not isinstance(context, CompactedCache):
+        raise TypeError(
+            "context must be the CompactedCache of the tools' catalogue (hf-structkv compact --tools), got "
+            f"{type(context).__name__}"
+        )
+    expected = catalogue_metadata(tokenizer, tools)
+    recorded = context.metadata.get("catalogue")
+    if context.original_length != expected["tokens"] or (
+        isinstance(recorded, dict) and recorded.get("sha256") != expected["sha256"]
+    ):
+        raise ValueError(
+            f"context holds a {context.original_length}-token context, not the catalogue of these {len(tools)} tools "
+            f"({expected['tokens']} tokens, sha256 {expected['sha256'][:12]}): compact catalogue_text(tokenizer, "
+            "tools) (hf-structkv compact --tools) and pass that cache"
+        )
+    return catalogue_text(tokenizer, tools)
+
+
 def parse_calls(text: str) -> list[dict] | None:
     """The calls of a generated reply: the JSON list it holds, ``None`` when it is not one (cut, malformed)."""
     try:
@@ -148,6 +237,7 @@ def generate_calls(
     prefill_plan: torch.Tensor | None = None,
     prefill_policy: PrefillPolicy | None = None,
     engine: str = "auto",
+    context: CompactedCache | None = None,
     **generate_kwargs,
 ) -> StructuredGeneration:
     """Answer each question with function calls to ``tools`` under their JSON schema, on a mixed-precision cache.
@@ -167,6 +257,11 @@ def generate_calls(
             (`batch_prefill_plan`, with ``policy``'s sink tokens and window).
         engine: the grammar engine that masks (`StructuralLogitsProcessor`'s ``engine``): ``"auto"`` (xgrammar when
             installed), ``"xgrammar"`` or ``"lmfe"``; the tags are the same either way.
+        context: optional `CompactedCache` of ``tools``' catalogue (`catalogue_text`, e.g. loaded with
+            ``CompactedCache.from_pretrained(folder_or_repo, model=model)``): the prompts then hold only the text after
+            the catalogue (placeholders stand for it, `generation_inputs`) and the cache serves the compacted
+            catalogue before them, shared; ``sequences`` start with those placeholders, and a prefill plan covers
+            the conversation tokens only.
         generate_kwargs: passed to ``model.generate`` (not ``logits_processor`` / ``past_key_values``: this call
             owns them).
     """
@@ -179,6 +274,9 @@ def generate_calls(
     if not questions or isinstance(questions, Mapping):
         raise ValueError("questions must be a non-empty string or a non-empty list of questions")
     prompts = [call_prompt(tokenizer, question, tools) for question in questions]
+    if context is not None:
+        catalogue = check_catalogue(tokenizer, tools, context)
+        prompts = [conversation_text(tokenizer, prompt, catalogue) for prompt in prompts]
     batch = left_padded_batch(tokenizer, prompts, model.device)
     if prefill_policy is not None:
         if prefill_plan is not None:
@@ -189,9 +287,16 @@ def generate_calls(
     processor = StructuralLogitsProcessor(
         tokenizer, tools=tools, tag_view=policy.tag_view, position_bins=policy.position_bins, engine=engine
     )
-    output = generate_structured(
-        model, tokenizer, batch, processor, policy, max_new_tokens, prefill_plan=prefill_plan, **generate_kwargs
-    )
+    if context is None:
+        output = generate_structured(
+            model, tokenizer, batch, processor, policy, max_new_tokens, prefill_plan=prefill_plan, **generate_kwargs
+        )
+    else:
+        cache = StructuredMixedPrecisionCache(model, policy, processor, prefill_plan, context=context)
+        batch = generation_inputs(cache, batch["input_ids"], batch["attention_mask"])
+        output = generate_structured(
+            model, tokenizer, batch, processor, policy, max_new_tokens, cache=cache, **generate_kwargs
+        )
     return StructuredGeneration(**vars(output), calls=[parse_calls(text) for text in output.texts])
 
 

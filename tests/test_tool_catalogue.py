@@ -1,0 +1,91 @@
+"""A compacted tool catalogue served before PASK-managed calls (issue 33, part 1): `catalogue_text` splits the chat
+template's rendering token-exactly, ``generate_calls(..., context=)`` answers as the full prompt does, mismatches are
+refused before any forward."""
+
+import pytest
+import torch
+from test_compacted_serving import keep_all, prefill
+from test_structured_generation import QUESTIONS, TOOLS
+
+import hf_structkv
+from hf_structkv import CompactedCache
+from hf_structkv.models import tiny_model
+from hf_structkv.persistence import model_fingerprint
+from hf_structkv.policy import PolicyTable
+from hf_structkv.structured_generation import (
+    call_prompt,
+    catalogue_metadata,
+    catalogue_text,
+    conversation_text,
+    generate_calls,
+)
+
+MORE_TOOLS = [
+    *TOOLS,
+    {
+        "name": "book_table",
+        "description": "Book a restaurant table",
+        "parameters": {
+            "type": "dict",
+            "properties": {"restaurant": {"type": "string"}, "people": {"type": "integer"}},
+            "required": ["restaurant", "people"],
+        },
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return hf_structkv.enable(tiny_model("qwen2", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id))
+
+
+def compacted_catalogue(model, tokenizer, tools) -> CompactedCache:
+    """Every entry of the catalogue kept (bias 0), with the catalogue recorded as `compact --tools` records it."""
+    ids = tokenizer(catalogue_text(tokenizer, tools), return_tensors="pt", add_special_tokens=False).input_ids
+    metadata = {"fingerprint": model_fingerprint(model, tokenizer), "catalogue": catalogue_metadata(tokenizer, tools)}
+    return CompactedCache.from_selection(prefill(model, ids), keep_all(prefill(model, ids)), metadata=metadata)
+
+
+@pytest.mark.parametrize("tools", [TOOLS, MORE_TOOLS], ids=["one_tool", "two_tools"])
+def test_catalogue_then_conversation_tokens_are_the_full_prompt_tokens(tokenizer, tools):
+    catalogue = catalogue_text(tokenizer, tools)
+    assert all(tool["name"] in catalogue for tool in tools) and "user" not in catalogue.split("<|im_start|>")[-1]
+    for question in [*QUESTIONS, [{"role": "user", "content": "Book for 4 at Noma."}]]:
+        full = call_prompt(tokenizer, question, tools)
+        conversation = conversation_text(tokenizer, full, catalogue)
+        assert catalogue + conversation == full
+        ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in (catalogue, conversation, full)]
+        assert ids[0] + ids[1] == ids[2]
+    own_system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"}]
+    with pytest.raises(ValueError, match="does not start with the tool catalogue"):
+        conversation_text(tokenizer, call_prompt(tokenizer, own_system, tools), catalogue)
+
+
+def test_generate_calls_on_a_compacted_catalogue_answers_as_the_full_prompt(model, tokenizer):
+    policy = PolicyTable.all_high(model.config, window=2)
+    full = generate_calls(model, tokenizer, QUESTIONS, TOOLS, policy, max_new_tokens=16)
+    context = compacted_catalogue(model, tokenizer, TOOLS)
+    composed = generate_calls(model, tokenizer, QUESTIONS, TOOLS, policy, max_new_tokens=16, context=context)
+    assert composed.texts == full.texts and composed.calls == full.calls
+    generated = [result.sequences[:, result.prompt_length :] for result in (full, composed)]
+    assert torch.equal(generated[0], generated[1])
+    # the prompt fed to generate excludes the catalogue: placeholders stand for its tokens
+    assert composed.prompt_length == full.prompt_length
+    assert composed.cache.get_seq_length() == full.cache.get_seq_length()
+    assert composed.bytes_report()["budget_ratio"] == 1.0
+    layer = composed.cache.mixed_layers()[0]
+    assert layer.context is context.layers[0] and layer.context_length == context.original_length
+
+
+def test_a_context_of_other_tools_or_text_is_refused_before_generating(model, tokenizer):
+    policy = PolicyTable.all_high(model.config)
+    other = compacted_catalogue(model, tokenizer, MORE_TOOLS)
+    with pytest.raises(ValueError, match="not the catalogue of these 1 tools"):
+        generate_calls(model, tokenizer, QUESTIONS, TOOLS, policy, context=other)
+    with pytest.raises(TypeError, match="context must be the CompactedCache"):
+        generate_calls(model, tokenizer, QUESTIONS, TOOLS, policy, context="catalogue")
+    own_system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"}]
+    with pytest.raises(ValueError, match="own system message"):
+        generate_calls(
+            model, tokenizer, own_system, TOOLS, policy, context=compacted_catalogue(model, tokenizer, TOOLS)
+        )
