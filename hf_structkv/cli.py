@@ -154,7 +154,8 @@ def cmd_compact(args) -> int:
     document = read_context(args)
     model, tokenizer = load_model(args.model, DTYPES[args.dtype])
     start = time.perf_counter()
-    cache = compact_document(model, tokenizer, document, progress=True, **compaction_kwargs(args))
+    storage = {"storage": args.storage, "key_group": args.key_group}
+    cache = compact_document(model, tokenizer, document, progress=True, **compaction_kwargs(args), **storage)
     seconds = time.perf_counter() - start
     cache.save_pretrained(args.out)
     print(f"compacted {cache.original_length} tokens in {seconds:.1f} s -> {args.out}")
@@ -195,7 +196,9 @@ def cmd_info(args) -> int:
     print(json.dumps({k: v for k, v in config.items() if k != "layers"}, indent=2))
     print(f"original length      {cache.original_length}")
     print(f"kept entries (global layers, all heads) {sum(lengths):,}")
-    print(f"stored bytes         {cache.nbytes():,}  (biases + offsets {cache.overhead_nbytes():,})")
+    storages = [kind for heads in cache.head_storage() if heads is not None for kind in heads]
+    print(f"storage              {storages.count('int4')} of {len(storages)} KV heads in INT4, the others in dtype")
+    print(f"stored bytes         {cache.nbytes():,}  (biases + offsets {cache.overhead_nbytes():,} with INT4 scales)")
     print(f"full DynamicCache    {cache.full_nbytes():,}  ({cache.full_nbytes() / cache.nbytes():.2f}x smaller)")
     return 0
 
@@ -346,6 +349,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--squad-paragraphs", type=int_option(1), default=20, help="paragraphs of the article to use"
     )
     compaction_options(compact_p)
+    compact_p.add_argument(
+        "--storage",
+        default="bf16",
+        choices=("bf16", "int4"),
+        help="'bf16': kept keys and values in the model's dtype, --ratio counts entries; 'int4': INT4 codes with a "
+        "quantization-aware refit, --ratio counts bytes (of the keys and values in the model's dtype)",
+    )
+    compact_p.add_argument(
+        "--key-group", type=int_option(1), default=32, help="--storage int4: kept entries per row of key scales"
+    )
     compact_p.add_argument("--out", required=True, help="folder to write cache.safetensors, config.json, README.md")
     compact_p.add_argument("--push", metavar="REPO_ID", help="also push to this Hub repository")
     compact_p.add_argument("--private", action="store_true", help="create the Hub repository private")

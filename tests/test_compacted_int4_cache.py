@@ -320,3 +320,23 @@ def test_compact_int4_refuses_chunks_and_bad_storage_before_prefilling():
         compact(model, DigitTokenizer(), ids, storage="int4", chunk_tokens=16)
     with pytest.raises(ValueError, match="key_group"):
         compact(model, DigitTokenizer(), ids, storage="int4", key_group=0)
+
+
+def test_cli_info_shows_storage_and_bytes(llama, tmp_path, capsys):
+    from hf_structkv.cli import main
+
+    cache, _ = int4_cache(llama, context_ids(), key_group=8)
+    cache.save_pretrained(tmp_path)
+    assert main(["info", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "storage              2 of 4 KV heads in INT4" in out
+    assert f"stored bytes         {cache.nbytes():,}" in out
+
+
+def test_cli_compact_accepts_storage():
+    from hf_structkv.cli import build_parser
+
+    args = build_parser().parse_args(["compact", "--out", "x", "--storage", "int4", "--key-group", "16"])
+    assert (args.storage, args.key_group) == ("int4", 16)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["compact", "--out", "x", "--storage", "int8"])

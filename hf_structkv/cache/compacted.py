@@ -209,6 +209,11 @@ class CompactedCache(SavedArtifact, Cache):
         """Bytes stored beyond kept keys and values: per-entry biases and per-head offsets."""
         return sum(layer.overhead_nbytes() for layer in self.layers)
 
+    def head_storage(self) -> list[list[str] | None]:
+        """How each KV head of each layer is stored, ``"int4"`` or ``"bf16"`` (the cache's dtype); ``None`` for
+        sliding-window layers."""
+        return [layer.head_storage() if isinstance(layer, CompactedLayer) else None for layer in self.layers]
+
     def head_lengths(self) -> list[list[int] | None]:
         """Kept context entries per KV head of each layer (``None`` for sliding-window layers)."""
         return [layer.head_lengths() if isinstance(layer, CompactedLayer) else None for layer in self.layers]
