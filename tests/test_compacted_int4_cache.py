@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import DynamicCache
 
 import hf_structkv
 from hf_structkv import CompactedCache
 from hf_structkv.attention.backend import BACKEND_ENV
 from hf_structkv.attention.compacted_inputs import key_groups
 from hf_structkv.cache.compacted_layers import CompactedLayer, Int4Head
+from hf_structkv.compaction.context_prefill import prefill_context as prefill
 from hf_structkv.compaction.head_storage import OFFSET_BYTES, StorageLayout
 from hf_structkv.models import tiny_model
 from hf_structkv.persistence import model_fingerprint
@@ -26,13 +26,6 @@ from hf_structkv.quant import (
 )
 
 CONTEXT_LEN = 40
-
-
-def prefill(model, ids: torch.Tensor) -> DynamicCache:
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(ids, cache=cache)
-    return cache
 
 
 def int4_cache(model, context: torch.Tensor, key_group: int | None = 8, plain_heads=(0,), seed: int = 0):
@@ -65,9 +58,7 @@ def int4_cache(model, context: torch.Tensor, key_group: int | None = 8, plain_he
         int4.append(layer_int4)
         expected.append(layer_expected)
     metadata = {"fingerprint": model_fingerprint(model), "method": "test"}
-    cache = CompactedCache.from_selection(
-        full, indices, biases, metadata=metadata, int4=int4, key_group=key_group
-    )
+    cache = CompactedCache.from_selection(full, indices, biases, metadata=metadata, int4=int4, key_group=key_group)
     return cache, expected
 
 
