@@ -318,8 +318,8 @@ def test_head_lengths_not_matching_offsets(saved):
 
 def test_unknown_format_version(saved):
     _, _, folder = saved
-    rewrite_config(folder, lambda c: c.update(format_version=2))
-    with pytest.raises(ValueError, match="unknown format_version 2"):
+    rewrite_config(folder, lambda c: c.update(format_version=3))
+    with pytest.raises(ValueError, match="unknown format_version 3"):
         CompactedCache.load(folder)
 
 
