@@ -151,10 +151,15 @@ def compaction_kwargs(args) -> dict:
 def cmd_compact(args) -> int:
     from .compaction.dataset import compact_document
 
+    storage = {"storage": args.storage, "key_group": args.key_group}
+    if args.tools:
+        from .cli_calls import compact_tools
+
+        options = {**compaction_kwargs(args), **storage}
+        return compact_tools(args, lambda name: load_model(name, DTYPES[args.dtype]), options)
     document = read_context(args)
     model, tokenizer = load_model(args.model, DTYPES[args.dtype])
     start = time.perf_counter()
-    storage = {"storage": args.storage, "key_group": args.key_group}
     cache = compact_document(model, tokenizer, document, progress=True, **compaction_kwargs(args), **storage)
     seconds = time.perf_counter() - start
     cache.save_pretrained(args.out)
@@ -280,6 +285,13 @@ def cmd_calibrate(args) -> int:
     return run_calibrate(args, lambda name: load_model(name, DTYPES[args.dtype]))
 
 
+def cmd_generate_calls(args) -> int:
+    """Function calls to --tools on a PASK cache, after a compacted catalogue with --catalogue (`cli_calls`)."""
+    from .cli_calls import run_generate_calls
+
+    return run_generate_calls(args, lambda name: load_model(name, DTYPES[args.dtype]))
+
+
 def _fractions(text: str) -> list[float]:
     try:
         return [float(part) for part in text.split(",")]
@@ -345,6 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     source = compact_p.add_mutually_exclusive_group()
     source.add_argument("--context-file", help="UTF-8 text file holding the context")
     source.add_argument("--squad-article", default="Normans", help="a SQuAD dev article title (default: Normans)")
+    source.add_argument(
+        "--tools", help="JSON file of tool definitions: compact their catalogue as the chat template renders it"
+    )
     compact_p.add_argument(
         "--squad-paragraphs", type=int_option(1), default=20, help="paragraphs of the article to use"
     )
@@ -370,6 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen_p.add_argument("--question", action="append", required=True, type=question, help="question text (repeatable)")
     gen_p.add_argument("--max-new-tokens", type=int_option(1), default=48)
     gen_p.set_defaults(func=cmd_generate)
+
+    from .cli_calls import add_generate_calls_parser
+
+    add_generate_calls_parser(sub, model_options, question).set_defaults(func=cmd_generate_calls)
 
     info_p = sub.add_parser("info", help="print a saved cache's metadata and bytes")
     info_p.add_argument("cache", help="a saved cache folder or Hub repository id")

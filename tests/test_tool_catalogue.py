@@ -2,6 +2,9 @@
 template's rendering token-exactly, ``generate_calls(..., context=)`` answers as the full prompt does, mismatches are
 refused before any forward."""
 
+import json
+import re
+
 import pytest
 import torch
 from test_compacted_serving import keep_all, prefill
@@ -89,3 +92,62 @@ def test_a_context_of_other_tools_or_text_is_refused_before_generating(model, to
         generate_calls(
             model, tokenizer, own_system, TOOLS, policy, context=compacted_catalogue(model, tokenizer, TOOLS)
         )
+
+
+@pytest.fixture
+def cli_model(monkeypatch, model, tokenizer):
+    """``hf-structkv`` loading the tiny Qwen2 over the embedded tokenizer whatever --model says."""
+    from hf_structkv import cli
+
+    monkeypatch.setattr(cli, "load_model", lambda name, dtype: (model, tokenizer))
+
+
+def test_cli_compacts_a_catalogue_and_generates_calls_after_it(tmp_path, cli_model, tokenizer, capsys):
+    from hf_structkv.cli import main
+
+    tools_file = tmp_path / "tools.json"
+    tools_file.write_text(json.dumps(MORE_TOOLS))
+    folder = tmp_path / "catalogue"
+    argv = ["compact", "--tools", str(tools_file), "--method", "random", "--ratio", "2", "--out", str(folder)]
+    argv += ["--storage", "bf16"]
+    assert main(argv) == 0
+    saved = CompactedCache.from_pretrained(folder)
+    assert saved.metadata["catalogue"] == catalogue_metadata(tokenizer, MORE_TOOLS)
+    capsys.readouterr()
+    calls = ["generate-calls", "--tools", str(tools_file), "--policy", "all-high", "--max-new-tokens", "8"]
+    assert main([*calls, "--prompt", "Book for 4 at Noma.", "--catalogue", str(folder)]) == 0
+    out = capsys.readouterr().out
+    catalogue_bytes = int(re.search(r"\(([\d,]+) of them the compacted catalogue\)", out).group(1).replace(",", ""))
+    assert catalogue_bytes == saved.nbytes() > 0 and "Q: 'Book for 4 at Noma.'" in out
+    assert main([*calls, "--prompt", "Book for 4 at Noma."]) == 0
+    assert "(0 of them the compacted catalogue)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate-calls", "--tools", "missing.json", "--prompt", "x"], r"--tools 'missing.json' is not a file"),
+        (["generate-calls", "--tools", "{tools}", "--prompt", " "], r"argument --prompt: must hold a question"),
+        (["generate-calls", "--tools", "{tools}", "--prompt", "x", "--policy", "best"], r"argument --policy: takes"),
+        (["generate-calls", "--tools", "{bad}", "--prompt", "x"], r"--tools '.*bad.json': tools must contain"),
+        (["generate-calls", "--tools", "{tools}", "--prompt", "x", "--catalogue", "/no/such/dir"], r"--catalogue"),
+        (["compact", "--tools", "{tools}", "--keep-template", "--out", "{out}"], r"--keep-template applies"),
+        (["compact", "--tools", "{tools}", "--context-file", "a.txt", "--out", "x"], r"not allowed with"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line_before_loading_the_model(tmp_path, monkeypatch, capsys, argv, message):
+    from hf_structkv import cli
+
+    monkeypatch.setattr(cli, "load_model", lambda name, dtype: pytest.fail("the model was loaded"))
+    (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
+    (tmp_path / "bad.json").write_text("[]")
+    paths = {"tools": tmp_path / "tools.json", "bad": tmp_path / "bad.json", "out": tmp_path / "out"}
+    argv = [arg.format(**paths) for arg in argv]
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_info:
+        code = exit_info.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    lines = err.splitlines()
+    assert re.search(message, lines[-1]) and (len(lines) == 1 or lines[0].startswith("usage")), err
