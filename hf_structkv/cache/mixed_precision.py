@@ -40,6 +40,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 
 from ..attention.attention_mass import AttentionMass
 from ..attention.kwargs import MIXED_KWARG
+from ..attention.masks import slot_visibility
 from ..attention.mixed_reference import (
     DensePartition,
     Int4Partition,
@@ -60,18 +61,6 @@ from .compacted import CompactedCache
 from .compacted_layers import CompactedLayer, ContextLayer
 from .composed_context import SLIDING_TYPES, context_layers
 from .slot_store import SlotStore
-
-
-def _visibility(mask: torch.Tensor | None, batch: int, q_len: int, seen: int, device: torch.device) -> torch.Tensor:
-    """Bool ``[B, q, seen]``: which slots each query row sees (``None`` = causal over the current ``q`` tokens)."""
-    if mask is None:
-        slots = torch.arange(seen, device=device)
-        rows = torch.arange(q_len, device=device).unsqueeze(-1) + (seen - q_len)
-        return (slots <= rows).expand(batch, q_len, seen)
-    if mask.shape[-1] != seen:
-        raise ValueError(f"the attention mask covers {mask.shape[-1]} slots, the cache layer holds {seen}")
-    visible = mask if mask.dtype == torch.bool else mask > float("-inf")
-    return visible[:, 0].expand(batch, q_len, seen)
 
 
 def _gather_visibility(visible: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -197,7 +186,7 @@ class MixedPrecisionLayer(CacheLayerMixin):
             module: the attention module being served: ``served_prefix`` checks its model.
         """
         batch, seen = self.keys.shape[0], self.get_seq_length()
-        visible = _visibility(attention_mask, batch, q_len, seen, self.keys.device)
+        visible = slot_visibility(attention_mask, batch, q_len, seen, self.keys.device)
         parts: list[Partition] = []
         if self.context is not None:
             parts.append(PrefixPartition(self.context.served_prefix(module)))
