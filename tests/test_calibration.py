@@ -493,19 +493,19 @@ def test_intervention_runs_generate_each_needed_case_once_with_a_store(tmp_path)
     entries = [type("Entry", (), {"id": r.case_id})() for r in refs]
     calls = []
 
-    def generate(entry, reference, bucket, action):
+    def measure(entry, reference, bucket, action):
         calls.append((entry.id, action))
-        return dataclasses.replace(reference, valid=entry.id == "a" and action == L)
+        return entry.id == "a" and action == L
 
     first = intervention_runs(
-        BFCL, entries, refs, [BUCKET], "decode", generate, 4, 3, store=VerdictStore.open(tmp_path, {})
+        BFCL, entries, refs, [BUCKET], "decode", measure, 4, 3, store=VerdictStore.open(tmp_path, {})
     )
     assert len(calls) == 4 and first.reused == 0
     second = intervention_runs(
-        BFCL, entries, refs, [BUCKET], "decode", generate, 4, 3, store=VerdictStore.open(tmp_path, {})
+        BFCL, entries, refs, [BUCKET], "decode", measure, 4, 3, store=VerdictStore.open(tmp_path, {})
     )
     assert len(calls) == 4 and second.reused == 4
-    assert second.verdicts == first.verdicts == {(BUCKET, L): [True, False], (BUCKET, R): [False, False]}
+    assert second.values == first.values == {(BUCKET, L): [True, False], (BUCKET, R): [False, False]}
     assert second.generated == first.generated == {(BUCKET, L): 2, (BUCKET, R): 2}
 
 

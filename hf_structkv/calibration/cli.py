@@ -91,6 +91,21 @@ def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
         help="3: PASK's lower / middle / upper groups; 1: the no-layer-groups ablation (PASK Fig. 5), one action "
         "per token for every layer (with --decode-only)",
     )
+    parser.add_argument(
+        "--sensitivity",
+        default="verdict",
+        choices=["verdict", "likelihood"],
+        help="Runtime-V by generated verdicts (the paper's protocol) or by the teacher-forced likelihood loss of the "
+        "reference replies (one forward per intervention; development selection by likelihood, confirmed by "
+        "verdicts)",
+    )
+    parser.add_argument(
+        "--max-confirmations",
+        type=int_option(1),
+        default=3,
+        help="with --sensitivity likelihood: candidates passing by likelihood confirmed by development verdicts, "
+        "cheapest first, before the all-high fallback",
+    )
     parser.add_argument("--seed", type=int, default=0, help="split and torch seed")
     parser.add_argument(
         "--cache-dir",
@@ -148,6 +163,8 @@ def run_calibrate(args: argparse.Namespace, load_model) -> int:
         seed=args.seed,
         tag_view=args.tag_view,
         layer_groups=args.layer_groups,
+        sensitivity=args.sensitivity,
+        max_confirmations=args.max_confirmations,
     )
     if not args.out and not args.references_only:
         raise ValueError("--out is required: the folder the calibrated policies and the report are written to")

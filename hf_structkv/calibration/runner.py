@@ -30,6 +30,7 @@ from ..version import __version__
 from .bfcl_task import BfclTask
 from .candidates import all_high_candidate
 from .development_store import DevelopmentStore
+from .likelihood import LikelihoodStore
 from .references import generation_key, reference_trajectories, with_position_tags
 from .settings import CalibrationSettings, settings_json
 from .stages import decode_stage, prefill_stage, run_stage
@@ -134,15 +135,22 @@ def calibrate(
             lengths.setdefault(r.category, []).append(r.num_decoded)
         view["position_bins"] = position_bin_starts(lengths)
         refs = [with_position_tags(r, view["position_bins"], task.family) for r in refs]
+        dev_refs = [with_position_tags(r, view["position_bins"], task.family) for r in dev_refs]
     reference = PolicyTable.all_high(
         model, family=task.family, window=settings.window, sink_tokens=settings.sink_tokens, **view
     )
     reference_error = sum(not r.valid for r in dev_refs) / len(dev_refs)
     stages = []
     if "decode" in settings.stages:
-        stages.append(decode_stage(model, tokenizer, task, development, refs, costs, settings, fingerprint, view))
+        stages.append(
+            decode_stage(
+                model, tokenizer, task, development, dev_refs, refs, reference, costs, settings, fingerprint, view
+            )
+        )
     if "prefill" in settings.stages:
-        stages.append(prefill_stage(model, tokenizer, task, development, refs, reference, costs, settings, fingerprint))
+        stages.append(
+            prefill_stage(model, tokenizer, task, development, dev_refs, refs, reference, costs, settings, fingerprint)
+        )
     report: dict[str, Any] = {
         "hf_structkv_version": __version__,
         "settings": settings_json(settings),
@@ -164,7 +172,9 @@ def calibrate(
         stage.name: (None, None)
         if cache_dir is None
         else (
-            VerdictStore.open(cache_dir, {**store_key, "stage": stage.name}),
+            (LikelihoodStore if stage.by_likelihood else VerdictStore).open(
+                cache_dir, {**store_key, "stage": stage.name}
+            ),
             DevelopmentStore.open(cache_dir, {**store_key, "stage": stage.name}),
         )
         for stage in stages

@@ -13,7 +13,9 @@ from .floors import DEFAULT_THRESHOLDS, check_thresholds
 from .reserve import DEFAULT_RESERVE_HORIZON, DEFAULT_RESERVE_QUANTILE
 from .selection import dev_candidate_indices
 
-__all__ = ["STAGES", "STAGE_CHOICES", "CalibrationSettings", "settings_json"]
+__all__ = ["SENSITIVITIES", "STAGES", "STAGE_CHOICES", "CalibrationSettings", "settings_json"]
+
+SENSITIVITIES = ("verdict", "likelihood")
 
 STAGES = ("decode", "prefill")
 STAGE_CHOICES = (("decode", "prefill"), ("decode",), ("prefill",))
@@ -40,6 +42,12 @@ class CalibrationSettings:
         layer_groups: 3 (A.2), or 1 for the Fig. 5 "no layer groups" ablation: one bucket per tag covering every
             layer, so a token's action is tied across depth (decode stage only: the prefill companion keeps 3).
         seed: seeds torch (greedy decoding is deterministic; the split seed is the caller's).
+        sensitivity: ``"verdict"`` (PASK §3.4: Runtime-V by generation and the task's verdict, development selection
+            by verdicts) or ``"likelihood"`` (teacher-forced likelihood loss of the reference replies,
+            `calibration.likelihood`; development selection by likelihood, confirmed by verdicts). The thresholds and
+            tolerances are read on the same scale in both (a likelihood loss of 1 is one lost case).
+        max_confirmations: with ``"likelihood"``, how many candidates passing by likelihood (cheapest first) are
+            confirmed by development verdicts before the all-high fallback.
     """
 
     max_new_tokens: int = 128
@@ -55,6 +63,8 @@ class CalibrationSettings:
     seed: int = 0
     tag_view: str = "full"
     layer_groups: int = 3
+    sensitivity: str = "verdict"
+    max_confirmations: int = 3
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "thresholds", check_thresholds(self.thresholds))
@@ -71,6 +81,9 @@ class CalibrationSettings:
         if self.tag_view not in TAG_VIEWS:
             raise ValueError(f"tag_view must be one of {TAG_VIEWS}, got {self.tag_view!r}")
         check_group_count(self.layer_groups)
+        if self.sensitivity not in SENSITIVITIES:
+            raise ValueError(f"sensitivity must be one of {SENSITIVITIES}, got {self.sensitivity!r}")
+        check_int("max_confirmations", self.max_confirmations, 1)
         if self.layer_groups != 3 and "prefill" in self.stages:
             raise ValueError(
                 "layer_groups=1 (the no-layer-groups ablation) calibrates the decode table only: pass "

@@ -16,10 +16,17 @@ from .development_store import DevelopmentStore, candidate_digest
 from .distortion import attention_distortion, capture_reference_states
 from .floors import envelope, protection_floors
 from .interventions import occurrences, prefill_positions
+from .likelihood import likelihood_measure, replay_candidate
 from .path import greedy_path, upgrade_priorities
 from .selection import DevResult, dev_candidate_indices, evaluate_controller, select_cheapest
 from .task import CalibrationTask
-from .task_sensitivity import decode_generator, intervention_runs, prefill_generator, task_sensitivity
+from .task_sensitivity import (
+    decode_generator,
+    intervention_runs,
+    likelihood_sensitivity,
+    prefill_generator,
+    task_sensitivity,
+)
 
 __all__ = ["Stage", "decode_stage", "prefill_stage", "run_stage"]
 
@@ -31,9 +38,13 @@ class Stage:
     Attributes:
         name: ``"decode"`` or ``"prefill"``.
         buckets, mean_counts: the stage's buckets and their mean occurrence counts ``N̄`` per reference.
-        generate: ``(case, reference, bucket, action) -> CaseRun`` of one intervention (`intervention_runs`).
+        measure: ``(case, reference, bucket, action) -> value`` of one intervention (`intervention_runs`): its
+            verdict, or its likelihood loss (``settings.sensitivity``).
         build: ``(actions, floors, priorities, tau) -> candidate`` (a `PolicyTable` or a `PrefillPolicy`).
-        evaluate: ``(candidate, progress bar, store) -> DevResult`` on the development cases.
+        evaluate: ``(candidate, progress bar, store) -> DevResult`` on the development cases: generated and scored
+            (verdicts), or replayed (likelihood: ``error_rate`` is the mean likelihood loss).
+        confirm: with likelihood sensitivity, the verdict evaluation that confirms a candidate the likelihood
+            selected; ``None`` with verdicts.
         cost, nominal: the measured cost of a `DevResult` and the nominal budget of a candidate.
         alpha: the development tolerance.
     """
@@ -41,19 +52,25 @@ class Stage:
     name: str
     buckets: list[Bucket]
     mean_counts: dict[Bucket, float]
-    generate: Callable
+    measure: Callable
     build: Callable
     evaluate: Callable[[Any, bool, DevelopmentStore | None], DevResult]
+    confirm: Callable[[Any, bool, DevelopmentStore | None], DevResult] | None
     cost: Callable[[DevResult], float]
     nominal: Callable[[Any], float]
     alpha: float
 
+    @property
+    def by_likelihood(self) -> bool:
+        return self.confirm is not None
+
 
 def decode_stage(
-    model, tokenizer, task: CalibrationTask, development, refs, costs, settings, fingerprint, view
+    model, tokenizer, task: CalibrationTask, development, dev_refs, refs, reference, costs, settings, fingerprint, view
 ) -> Stage:
     """The decode stage: one bucket per (tag key on the references, layer group); candidates are ``task``'s family
-    tables of ``view`` (tag view and position bins), evaluated with decode under the candidate."""
+    tables of ``view`` (tag view and position bins), evaluated with decode under the candidate (generated, or
+    replayed on ``dev_refs`` with likelihood sensitivity). ``reference``: the all-high table of ``view``."""
     keys = sorted({key for r in refs for tags in r.tags if tags for key in tags})
     groups = len(costs.groups)
     buckets = [Bucket(key, c, groups) for key in keys for c in range(groups)]
@@ -76,17 +93,29 @@ def decode_stage(
             **view,
         )
 
+    def generate_and_score(table, progress, store):
+        return evaluate_controller(
+            model, tokenizer, task, development, table, settings.max_new_tokens, progress=progress, store=store
+        )
+
+    def replay(table, progress, store):
+        return replay_candidate(model, dev_refs, table, reference, None, progress)
+
+    if settings.sensitivity == "likelihood":
+        measure, evaluate, confirm = likelihood_measure(model, costs, "decode", reference), replay, generate_and_score
+    else:
+        generate = decode_generator(
+            model, tokenizer, task, costs, settings.max_new_tokens, settings.sink_tokens, settings.window, **view
+        )
+        measure, evaluate, confirm = _verdict_measure(generate), generate_and_score, None
     return Stage(
         name="decode",
         buckets=buckets,
         mean_counts=counts,
-        generate=decode_generator(
-            model, tokenizer, task, costs, settings.max_new_tokens, settings.sink_tokens, settings.window, **view
-        ),
+        measure=measure,
         build=build,
-        evaluate=lambda table, progress, store: evaluate_controller(
-            model, tokenizer, task, development, table, settings.max_new_tokens, progress=progress, store=store
-        ),
+        evaluate=evaluate,
+        confirm=confirm,
         cost=lambda result: result.decode_ratio,
         nominal=lambda table: table.budget,
         alpha=settings.alpha_decode,
@@ -94,7 +123,7 @@ def decode_stage(
 
 
 def prefill_stage(
-    model, tokenizer, task: CalibrationTask, development, refs, reference, costs, settings, fingerprint
+    model, tokenizer, task: CalibrationTask, development, dev_refs, refs, reference, costs, settings, fingerprint
 ) -> Stage:
     """The prefill stage (decode held at the all-high ``reference``): one bucket per (prompt label lowered on some
     reference, layer group); candidates are `PrefillPolicy` objects, evaluated as ``prefill_policy``."""
@@ -119,7 +148,7 @@ def prefill_stage(
             thresholds={"tau_low": tau[0], "tau_high": tau[1]},
         )
 
-    def evaluate(policy, progress, store):
+    def generate_and_score(policy, progress, store):
         return evaluate_controller(
             model,
             tokenizer,
@@ -132,13 +161,22 @@ def prefill_stage(
             store=store,
         )
 
+    def replay(policy, progress, store):
+        return replay_candidate(model, dev_refs, reference, reference, policy, progress)
+
+    if settings.sensitivity == "likelihood":
+        measure, evaluate, confirm = likelihood_measure(model, costs, "prefill", reference), replay, generate_and_score
+    else:
+        generate = prefill_generator(model, tokenizer, task, reference, settings.max_new_tokens)
+        measure, evaluate, confirm = _verdict_measure(generate), generate_and_score, None
     return Stage(
         name="prefill",
         buckets=buckets,
         mean_counts=counts,
-        generate=prefill_generator(model, tokenizer, task, reference, settings.max_new_tokens),
+        measure=measure,
         build=build,
         evaluate=evaluate,
+        confirm=confirm,
         cost=lambda result: result.prefill_ratio,
         nominal=lambda policy: policy.budget,
         alpha=settings.alpha_prefill,
@@ -159,8 +197,13 @@ def run_stage(
     store,
     dev_store,
 ) -> tuple[Any, dict[str, Any]]:
-    """Runtime-V (verdicts read from / written to ``store`` when given), Runtime-D, priorities, one greedy path per
-    τ, development selection of one stage (development cases read from / written to ``dev_store`` when given).
+    """Runtime-V (measurements read from / written to ``store`` when given), Runtime-D, priorities, one greedy path
+    per τ, development selection of one stage (generated development cases read from / written to ``dev_store``).
+
+    With likelihood sensitivity the candidates are selected by their development likelihood loss (the all-high
+    reference's is 0) and the cheapest passing ones, in cost order, are confirmed by the task's verdicts on the
+    development cases (at most ``settings.max_confirmations``): the first within ``alpha`` of the reference's error
+    rate is selected.
 
     Returns:
         ``(selected candidate or None for the all-high fallback, the stage's report)``.
@@ -171,13 +214,14 @@ def run_stage(
         refs,
         stage.buckets,
         stage.name,
-        stage.generate,
+        stage.measure,
         settings.sink_tokens,
         settings.window,
         progress,
         store=store,
+        **({"skipped": _zero_loss} if stage.by_likelihood else {}),
     )
-    sensitivity = task_sensitivity(runs, refs)
+    sensitivity = likelihood_sensitivity(runs) if stage.by_likelihood else task_sensitivity(runs, refs)
     distortion = attention_distortion(
         refs,
         stage.buckets,
@@ -188,6 +232,8 @@ def run_stage(
         lambda r: capture_reference_states(model, r),
     )
     priorities = upgrade_priorities(distortion, stage.mean_counts, costs)
+    selection_error = 0.0 if stage.by_likelihood else reference_error  # a likelihood loss is relative already
+    measured = "dev likelihood loss" if stage.by_likelihood else "dev accuracy"
     evaluated: dict[str, tuple[Any, DevResult, dict]] = {}
     paths = []
     for tau in settings.thresholds:
@@ -201,15 +247,17 @@ def run_stage(
             if identity not in evaluated:
                 result = stage.evaluate(candidate, progress, dev_store)
                 evaluated[identity] = (candidate, result, {"tau": list(tau), "index": index})
+                value = result.error_rate if stage.by_likelihood else 1 - result.error_rate
                 log(
                     f"{stage.name} tau={tau} candidate {index}/{len(candidates) - 1}: nominal budget "
-                    f"{stage.nominal(candidate):.3f}, dev accuracy {1 - result.error_rate:.3f} "
-                    f"(all-high {1 - reference_error:.3f}), measured {stage.cost(result):.3f}"
+                    f"{stage.nominal(candidate):.3f}, {measured} {value:.3f}"
+                    + ("" if stage.by_likelihood else f" (all-high {1 - reference_error:.3f})")
+                    + f", measured {stage.cost(result):.3f}"
                     + (f" ({result.reused} of {len(result.valid)} cases from the cache)" if result.reused else "")
                 )
             result = evaluated[identity][1]
             evaluated_here.append(index)
-            passed = result.error_rate - reference_error <= stage.alpha + 1e-12
+            passed = result.error_rate - selection_error <= stage.alpha + 1e-12
             if settings.max_dev_candidates is not None and passed:
                 break
         paths.append(
@@ -222,10 +270,16 @@ def run_stage(
             }
         )
     rows = list(evaluated.values())
-    choice = select_cheapest(
-        [stage.cost(r) for _, r, _ in rows], [r.error_rate for _, r, _ in rows], reference_error, stage.alpha
-    )
+    costs_, errors = [stage.cost(r) for _, r, _ in rows], [r.error_rate for _, r, _ in rows]
+    confirmations: list[dict[str, Any]] = []
+    if stage.by_likelihood:
+        choice = _confirmed(
+            stage, rows, costs_, errors, reference_error, settings, progress, log, dev_store, confirmations
+        )
+    else:
+        choice = select_cheapest(costs_, errors, reference_error, stage.alpha)
     report = {
+        "sensitivity": settings.sensitivity,
         "buckets": {
             str(b): {
                 "V": {a.name: sensitivity[b][a] for a in (Action.L, Action.R)},
@@ -245,12 +299,16 @@ def run_stage(
             {
                 **where,
                 "nominal_budget": stage.nominal(candidate),
-                "accuracy": 1 - result.error_rate,
+                **(
+                    {"likelihood_loss": result.error_rate}
+                    if stage.by_likelihood
+                    else {"accuracy": 1 - result.error_rate, "cases_from_cache": result.reused}
+                ),
                 "measured_ratio": stage.cost(result),
-                "cases_from_cache": result.reused,
             }
             for candidate, result, where in rows
         ],
+        **({"confirmations": confirmations} if stage.by_likelihood else {}),
         "alpha": stage.alpha,
         "reference_development_accuracy": 1 - reference_error,
     }
@@ -258,8 +316,55 @@ def run_stage(
         report["selected"] = "all-high fallback"
         return None, report
     candidate, result, where = rows[choice]
-    report["selected"] = {**where, "accuracy": 1 - result.error_rate, "measured_ratio": stage.cost(result)}
+    if stage.by_likelihood:
+        confirmed = confirmations[-1]
+        report["selected"] = {**where, **{k: confirmed[k] for k in ("likelihood_loss", "accuracy", "measured_ratio")}}
+    else:
+        report["selected"] = {**where, "accuracy": 1 - result.error_rate, "measured_ratio": stage.cost(result)}
     return candidate, report
+
+
+def _verdict_measure(generate):
+    """``measure`` for `intervention_runs` from a ``generate`` of `CaseRun` objects: the run's verdict."""
+
+    def measure(case, reference, bucket, action) -> bool:
+        return generate(case, reference, bucket, action).valid
+
+    return measure
+
+
+def _zero_loss(reference) -> float:
+    """The likelihood loss of a case an intervention cannot change."""
+    return 0.0
+
+
+def _confirmed(stage, rows, costs, losses, reference_error, settings, progress, log, dev_store, confirmations):
+    """The index of the cheapest candidate within ``alpha`` by development likelihood loss that the task's verdicts
+    confirm (error rate within ``alpha`` of the reference's), trying at most ``settings.max_confirmations`` of them
+    in cost order; ``None`` when none is confirmed. Appends one record per confirmation to ``confirmations``."""
+    passing = [i for i, loss in enumerate(losses) if loss <= stage.alpha + 1e-12]
+    for index in sorted(passing, key=lambda i: (costs[i], i))[: settings.max_confirmations]:
+        candidate, likelihood, where = rows[index]
+        verdicts = stage.confirm(candidate, progress, dev_store)
+        passed = verdicts.error_rate - reference_error <= stage.alpha + 1e-12
+        confirmations.append(
+            {
+                **where,
+                "likelihood_loss": likelihood.error_rate,
+                "accuracy": 1 - verdicts.error_rate,
+                "measured_ratio": stage.cost(verdicts),
+                "passed": passed,
+                "cases_from_cache": verdicts.reused,
+            }
+        )
+        log(
+            f"{stage.name} confirmation of tau={where['tau']} candidate {where['index']}: dev accuracy "
+            f"{1 - verdicts.error_rate:.3f} (all-high {1 - reference_error:.3f}), measured {stage.cost(verdicts):.3f}"
+            f" -> {'selected' if passed else 'rejected'}"
+        )
+        if passed:
+            return index
+    return None
 
 
 def _upgrade(before: dict, after: dict) -> str:

@@ -1,14 +1,17 @@
 """Runtime-V: task sensitivity ``V(q, a) = R̂_cal(π_{q,a}) − R̂_cal(π_ref)`` by interventions over complete
-autoregressive generation, scored by the task's verdict (BFCL's AST checker in PASK §3.4; `CalibrationTask.score`).
+autoregressive generation, scored by the task's verdict (BFCL's AST checker in PASK §3.4; `CalibrationTask.score`),
+or its likelihood counterpart ``V_lik(q, a)``, the mean likelihood loss of the reference replies under the
+intervention (`likelihood`).
 
-Each calibration case is generated under the intervention (batch 1, `run_case`; only from the first forward where it
-can differ from the reference, `resume`: the same generation) unless the intervention provably
-reproduces the reference: a decode intervention whose bucket has no occurrence early enough to leave the recent window
-before the trajectory ends (`reaches_generation`), or a prefill intervention that lowers no prompt token (or a
-reference of one token). Skipped cases count with the reference's verdict (a zero contribution to ``V``).
+Each calibration case is measured under the intervention (verdict: generated, batch 1, `run_case`; only from the
+first forward where it can differ from the reference, `resume`: the same generation; likelihood: replayed,
+`likelihood_replayer`) unless the intervention provably reproduces the reference: a decode intervention whose bucket
+has no occurrence early enough to leave the recent window before the trajectory ends (`reaches_generation`), or a
+prefill intervention that lowers no prompt token (or a reference of one token). Skipped cases count with the
+reference's verdict (a zero contribution to ``V``) or a zero loss.
 
-With a `VerdictStore`, a needed case whose verdict is stored is read instead of generated (a resumed or repeated
-calibration), and each new verdict is stored as soon as it exists.
+With a store (`VerdictStore`, `LikelihoodStore`), a needed case whose measurement is stored is read instead of
+measured (a resumed or repeated calibration), and each new measurement is stored as soon as it exists.
 """
 
 from __future__ import annotations
@@ -22,16 +25,17 @@ from tqdm.auto import tqdm
 from ..policy.costs import Action, GroupCosts
 from ..policy.table import PolicyTable
 from .buckets import Bucket
+from .intervention_store import InterventionStore
 from .interventions import BucketIntervention, prefill_intervention_plan, prefill_positions, reaches_generation
 from .references import CaseRun, ReferenceTrajectory, run_case
 from .resume import RecordedReferences, first_changed_forward, resumed_case_run
 from .task import CalibrationTask
-from .verdicts import VerdictStore
 
 __all__ = [
     "InterventionRuns",
     "decode_generator",
     "intervention_runs",
+    "likelihood_sensitivity",
     "needs_generation",
     "prefill_generator",
     "task_sensitivity",
@@ -42,16 +46,17 @@ ACTIONS = (Action.L, Action.R)
 
 @dataclass
 class InterventionRuns:
-    """What Runtime-V generated.
+    """What Runtime-V measured.
 
     Attributes:
-        verdicts: ``{(bucket, action): [valid per case]}`` (skipped cases: the reference's verdict).
-        generated: ``{(bucket, action): number of cases that need a generation}`` (generated now or read back).
-        reused: how many of those were read from the `VerdictStore` instead of generated.
-        seconds: total generation time.
+        values: ``{(bucket, action): [measurement per case]}``: verdicts (skipped cases: the reference's verdict) or
+            likelihood losses (skipped cases: 0.0).
+        generated: ``{(bucket, action): number of cases that need a measurement}`` (measured now or read back).
+        reused: how many of those were read from the store instead of measured.
+        seconds: total measuring time.
     """
 
-    verdicts: dict[tuple[Bucket, Action], list[bool]] = field(default_factory=dict)
+    values: dict[tuple[Bucket, Action], list] = field(default_factory=dict)
     generated: dict[tuple[Bucket, Action], int] = field(default_factory=dict)
     reused: int = 0
     seconds: float = 0.0
@@ -72,18 +77,21 @@ def intervention_runs(
     references: Sequence[ReferenceTrajectory],
     buckets: Sequence[Bucket],
     stage: str,
-    generate: Callable[[object, ReferenceTrajectory, Bucket, Action], CaseRun],
+    measure: Callable[[object, ReferenceTrajectory, Bucket, Action], object],
     sink_tokens: int,
     window: int,
     progress: bool = False,
-    store: VerdictStore | None = None,
+    store: InterventionStore | None = None,
+    skipped: Callable[[ReferenceTrajectory], object] = lambda reference: reference.valid,
 ) -> InterventionRuns:
-    """Verdicts of every intervention ``(bucket, a)``, ``a ∈ {L, R}``, on every case.
+    """Measurements of every intervention ``(bucket, a)``, ``a ∈ {L, R}``, on every case.
 
     Args:
         task, cases, references: the calibration cases (``task``'s) and their reference trajectories (same order).
-        generate: ``(case, reference, bucket, action) -> CaseRun`` of one intervened generation.
-        store: verdicts read before generating and written after (``None``: every needed case is generated).
+        measure: ``(case, reference, bucket, action) -> value`` of one intervention (a verdict: `verdict_measure`;
+            a likelihood loss: `likelihood_measure`).
+        store: measurements read before measuring and written after (``None``: every needed case is measured).
+        skipped: the value of a case the intervention cannot change (default: the reference's verdict).
     """
     if len(cases) != len(references) or any(task.case_id(c) != r.case_id for c, r in zip(cases, references)):
         raise ValueError("cases and references must be the same cases in the same order")
@@ -91,23 +99,23 @@ def intervention_runs(
     runs = InterventionRuns()
     total = sum(map(sum, todo)) * len(ACTIONS)
     start = time.perf_counter()
-    runs.verdicts = {(bucket, action): [] for bucket in buckets for action in ACTIONS}
+    runs.values = {(bucket, action): [] for bucket in buckets for action in ACTIONS}
     runs.generated = {(bucket, action): sum(needed) for bucket, needed in zip(buckets, todo) for action in ACTIONS}
-    with tqdm(total=total, desc=f"runtime-V ({stage})", unit="gen", disable=not progress) as bar:
+    with tqdm(total=total, desc=f"runtime-V ({stage})", unit="run", disable=not progress) as bar:
         for index, (case, reference) in enumerate(zip(cases, references)):  # case by case: one reference at a time
             for bucket, needed in zip(buckets, todo):
                 for action in ACTIONS:
                     if not needed[index]:
-                        runs.verdicts[bucket, action].append(reference.valid)
+                        runs.values[bucket, action].append(skipped(reference))
                         continue
-                    valid = None if store is None else store.get(reference, bucket, action)
-                    if valid is None:
-                        valid = generate(case, reference, bucket, action).valid
+                    value = None if store is None else store.get(reference, bucket, action)
+                    if value is None:
+                        value = measure(case, reference, bucket, action)
                         if store is not None:
-                            store.put(reference, bucket, action, valid)
+                            store.put(reference, bucket, action, value)
                     else:
                         runs.reused += 1
-                    runs.verdicts[bucket, action].append(valid)
+                    runs.values[bucket, action].append(value)
                     bar.update()
     runs.seconds = time.perf_counter() - start
     return runs
@@ -119,9 +127,18 @@ def task_sensitivity(
     """``{bucket: {Action.L: V(q, L), Action.R: V(q, R)}}``: error rate under the intervention minus the reference's."""
     reference_errors = sum(not r.valid for r in references)
     sensitivity: dict[Bucket, dict[Action, float]] = {}
-    for (bucket, action), verdicts in runs.verdicts.items():
+    for (bucket, action), verdicts in runs.values.items():
         errors = sum(not valid for valid in verdicts)
         sensitivity.setdefault(bucket, {})[action] = (errors - reference_errors) / len(references)
+    return sensitivity
+
+
+def likelihood_sensitivity(runs: InterventionRuns) -> dict[Bucket, dict[Action, float]]:
+    """``{bucket: {Action.L: V_lik(q, L), Action.R: V_lik(q, R)}}``: the mean likelihood loss over the cases (skipped
+    cases 0)."""
+    sensitivity: dict[Bucket, dict[Action, float]] = {}
+    for (bucket, action), losses in runs.values.items():
+        sensitivity.setdefault(bucket, {})[action] = sum(losses) / len(losses)
     return sensitivity
 
 

@@ -17,43 +17,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..policy.costs import Action
-from .buckets import Bucket
-from .jsonl_store import JsonLinesStore
-from .references import ReferenceTrajectory, key_digest
+from .intervention_store import InterventionStore
 
 __all__ = ["VerdictStore"]
 
 
-class VerdictStore(JsonLinesStore):
-    """The verdicts of one generation key (module docstring; `get` reads, `put` appends one line).
+class VerdictStore(InterventionStore):
+    """The verdicts of one generation key (module docstring; `get` reads, `put` appends one line)."""
 
-    Args:
-        path: the JSON-lines file (created by the first `put`).
-        key: the generation key the file belongs to (JSON-serialisable).
-    """
-
-    ID_FIELDS = ("case", "reference", "bucket", "action")
     PREFIX = "verdicts"
+    FIELD = "valid"
+    EXPECTED = "a bool (the AST checker's verdict)"
 
-    @staticmethod
-    def accepts(fields: dict[str, Any]) -> bool:
-        return isinstance(fields.get("valid"), bool)
-
-    def get(self, reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> bool | None:
-        """The stored verdict of intervention ``(bucket, action)`` on ``reference``'s case, ``None`` when absent."""
-        record = self.get_record(self._identity(reference, bucket, action))
-        return None if record is None else record["valid"]
-
-    def put(self, reference: ReferenceTrajectory, bucket: Bucket, action: Action, valid: bool) -> None:
-        """Store the verdict ``valid`` of intervention ``(bucket, action)`` on ``reference``'s case (appended and
-        flushed at once)."""
-        if not isinstance(valid, bool):
-            raise TypeError(f"valid must be a bool (the AST checker's verdict), got {type(valid).__name__}")
-        self.put_record(self._identity(reference, bucket, action), {"valid": valid})
-
-    @staticmethod
-    def _identity(reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> tuple[str, str, str, str]:
-        if action not in (Action.L, Action.R):
-            raise ValueError(f"an intervention applies R or L, got {action!r}")
-        return reference.case_id, key_digest(list(reference.tokens)), str(bucket), action.name
+    @classmethod
+    def valid_value(cls, value: Any) -> bool:
+        return isinstance(value, bool)

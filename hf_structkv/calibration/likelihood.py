@@ -1,0 +1,209 @@
+"""Likelihood sensitivity: how much a retention schedule lowers the teacher-forced likelihood of a case's reference
+reply, on the verdict's scale.
+
+A reference trajectory (greedy, all-high) has prompt ``x`` and reply tokens ``y_0 .. y_{T-1}`` (the stop token
+included when there is one). `CaseReplay` runs the prompt once (a `TeacherForcedCache`, all-high) and then, per
+schedule (a policy and an optional prefill plan), one forward over ``y_0 .. y_{T-2}`` in which every row sees the cache
+as that step of ``generate`` would have seen it under the schedule (`hf_structkv.cache.teacher_forced`). This gives
+``log p_π(y_k | x, y_<k)`` for ``k = 1 .. T - 1`` (``y_0`` comes from the prompt forward, which no schedule changes).
+
+For a schedule whose first possible effect is forward ``k0`` (a decode intervention on bucket ``q``: ``i0 + window + 2``
+for ``q``'s first occurrence ``i0``; a prefill plan: 1; a complete controller: 1), the **likelihood drop** of the case
+is ``Δ = Σ_{k0 <= k < T} [log p_ref(y_k | ·) − log p_π(y_k | ·)]``, the log-ratio of the probabilities the all-high
+cache and the schedule give to the reference reply from ``k0`` on (a sum: a reply is kept only if every token is), and
+the case's **likelihood loss** is ``ℓ = clip(1 − exp(−Δ), −1, 1)``: the share of the reference reply's probability
+the schedule removes. ``ℓ`` is on the verdict's scale: 0 for a schedule that changes nothing, near 1 for one that
+makes the reference reply impossible (a lost case), negative when the schedule makes it more likely (bounded by −1
+like a gained case). Cases a decode intervention cannot reach (`task_sensitivity.needs_generation`) are not replayed:
+their loss is exactly 0. The likelihood sensitivity ``V_lik(q, a)`` is the mean loss over the calibration cases, the
+counterpart of ``V(q, a)`` = (errors under the intervention − reference errors) / cases.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..cache.teacher_forced import TeacherForcedCache
+from ..policy.costs import Action, GroupCosts
+from ..policy.prefill import PrefillPolicy, plan_prefill
+from ..policy.retention import RetentionPolicy
+from ..policy.table import PolicyTable
+from ..structure.tags import StructuralTag
+from .buckets import Bucket
+from .intervention_store import InterventionStore
+from .interventions import BucketIntervention, prefill_intervention_plan
+from .references import ReferenceTrajectory
+from .resume import first_changed_forward
+from .selection import DevResult
+
+__all__ = [
+    "CaseReplay",
+    "LikelihoodStore",
+    "ReferenceTags",
+    "likelihood_loss",
+    "likelihood_measure",
+    "replay_candidate",
+]
+
+
+@dataclass(frozen=True)
+class ReferenceTags:
+    """A `TagSource` over a reference trajectory's recorded tags (batch 1): what the processor emitted in the
+    reference's generation, in the view it was recorded in (``tag_view``, ``position_bins``: the policy's)."""
+
+    reference: ReferenceTrajectory
+    tag_view: str = "full"
+    position_bins: tuple[int, ...] = ()
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.reference.prompt_ids)
+
+    def num_tagged(self, seq: int) -> int:
+        return len(self.reference.tokens)
+
+    def tag_at(self, seq: int, index: int) -> tuple[StructuralTag, ...] | None:
+        return self.reference.candidates(index)
+
+
+def likelihood_loss(reference_log_probs: torch.Tensor, log_probs: torch.Tensor, first: int) -> float:
+    """``clip(1 − exp(−Δ), −1, 1)`` with ``Δ`` the summed drop of ``log_probs`` below ``reference_log_probs``
+    (both ``[T]``) from token ``first`` on (module docstring); 0 when ``first >= T``."""
+    if reference_log_probs.shape != log_probs.shape:
+        raise ValueError(
+            f"log-probability shapes differ: {tuple(reference_log_probs.shape)} vs {tuple(log_probs.shape)}"
+        )
+    drop = float((reference_log_probs[first:].double() - log_probs[first:].double()).sum())
+    return max(-1.0, min(1.0, -math.expm1(-drop))) if drop > -700 else -1.0
+
+
+class CaseReplay:
+    """One reference trajectory's prompt forward, shared by the replays of every schedule on it.
+
+    Args:
+        model: the model (switched to hf_structkv's attention).
+        reference: the case's `ReferenceTrajectory` (at least one generated token).
+        all_high: the all-high policy of the calibration (its window, sinks, tag view and bins).
+    """
+
+    def __init__(self, model, reference: ReferenceTrajectory, all_high: PolicyTable):
+        if not reference.tokens:
+            raise ValueError(f"the reference of {reference.case_id} has no generated token to replay")
+        self.model, self.reference, self.all_high = model, reference, all_high
+        self.tags = ReferenceTags(reference, all_high.tag_view, tuple(all_high.position_bins))
+        self.prompt_cache = TeacherForcedCache(model, all_high, self.tags)
+        device = model.device
+        self.tokens = torch.tensor([list(reference.prompt_ids) + list(reference.tokens)], device=device)
+        prompt = len(reference.prompt_ids)
+        with torch.no_grad():
+            logits = model(input_ids=self.tokens[:, :prompt], past_key_values=self.prompt_cache, use_cache=True).logits
+        self.first_log_prob = torch.log_softmax(logits[0, -1].float(), -1)[reference.tokens[0]].reshape(1)
+        self._reference_log_probs: torch.Tensor | None = None
+
+    def log_probs(self, policy: RetentionPolicy, prefill_plan: torch.Tensor | None = None) -> torch.Tensor:
+        """``[T]`` FP32 log-probabilities of the reference's generated tokens under ``policy`` and ``prefill_plan``
+        (teacher-forced, one forward after the shared prompt)."""
+        return self.log_probs_in(self.prompt_cache.with_schedule(policy, prefill_plan))
+
+    def log_probs_in(self, cache: TeacherForcedCache) -> torch.Tensor:
+        """``[T]`` log-probabilities of the generated tokens replayed in ``cache`` (a `with_schedule` of the prompt)."""
+        prompt = len(self.reference.prompt_ids)
+        if self.tokens.shape[1] == prompt + 1:
+            return self.first_log_prob
+        with torch.no_grad():
+            logits = self.model(input_ids=self.tokens[:, prompt:-1], past_key_values=cache, use_cache=True).logits
+        rows = torch.log_softmax(logits[0].float(), -1)  # [T - 1, V]
+        later = rows.gather(-1, self.tokens[0, prompt + 1 :].unsqueeze(-1)).squeeze(-1)
+        return torch.cat([self.first_log_prob, later])
+
+    @property
+    def reference_log_probs(self) -> torch.Tensor:
+        """``[T]`` log-probabilities under the all-high policy (computed once)."""
+        if self._reference_log_probs is None:
+            self._reference_log_probs = self.log_probs(self.all_high)
+        return self._reference_log_probs
+
+    def loss(self, policy: RetentionPolicy, first: int, prefill_plan: torch.Tensor | None = None) -> float:
+        """The likelihood loss of ``policy`` / ``prefill_plan`` from token ``first`` on (`likelihood_loss`)."""
+        return likelihood_loss(self.reference_log_probs, self.log_probs(policy, prefill_plan), first)
+
+
+def likelihood_measure(model, costs: GroupCosts, stage: str, all_high: PolicyTable):
+    """``measure(case, reference, bucket, action) -> loss`` for `intervention_runs`: the likelihood loss of the
+    decode intervention `BucketIntervention` (from its first changed forward) or of the prefill intervention plan
+    (from forward 1) on the reference (one `CaseReplay` per case: `intervention_runs` goes case by case).
+
+    Args:
+        costs: the model's layer-group costs (of the calibrated table).
+        stage: ``"decode"`` or ``"prefill"``.
+        all_high: the calibration's all-high policy (window, sinks, tag view and bins).
+    """
+    if stage not in ("decode", "prefill"):
+        raise ValueError(f"stage must be 'decode' or 'prefill', got {stage!r}")
+    current: list[CaseReplay] = []
+    window, sinks = all_high.window, all_high.sink_tokens
+
+    def measure(case, reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> float:
+        if not current or current[0].reference is not reference:
+            current[:] = [CaseReplay(model, reference, all_high)]
+        replay = current[0]
+        if stage == "prefill":
+            return replay.loss(all_high, 1, prefill_intervention_plan(reference, bucket, action, sinks, window))
+        view = {"tag_view": all_high.tag_view, "position_bins": tuple(all_high.position_bins)}
+        policy = BucketIntervention(costs, bucket, action, sinks, window, **view)
+        return replay.loss(policy, first_changed_forward(reference, bucket.key, window))
+
+    return measure
+
+
+def replay_candidate(
+    model,
+    references: Sequence[ReferenceTrajectory],
+    policy: RetentionPolicy,
+    all_high: PolicyTable,
+    prefill_policy: PrefillPolicy | None = None,
+    progress: bool = False,
+) -> DevResult:
+    """A complete candidate (a decode table, or the all-high decode with a ``prefill_policy``) on the development
+    references by likelihood: ``error_rate`` is the mean likelihood loss from token 1 on (the all-high reference's
+    is 0), the ratios are the ledger's along the reference trajectories, ``valid`` is empty (no verdicts)."""
+    losses, prompt_bits, prompt_tokens, decode_bits, decode_tokens = [], 0.0, 0, 0.0, 0
+    full = policy.costs.full
+    for reference in tqdm(references, desc="development (likelihood)", unit="case", disable=not progress, leave=False):
+        replay = CaseReplay(model, reference, all_high)
+        plan = None
+        if prefill_policy is not None:
+            labels = reference.prompt_labels
+            plan = plan_prefill(labels, policy.costs, prefill_policy, policy.sink_tokens, policy.window).actions[None]
+        cache = replay.prompt_cache.with_schedule(policy, plan)
+        losses.append(likelihood_loss(replay.reference_log_probs, replay.log_probs_in(cache), 1))
+        prompt, decode, length = cache.schedule.scheduled_bits_by_stage(
+            len(reference.prompt_ids) + len(reference.tokens)
+        )
+        prompt_bits, prompt_tokens, decode_bits = prompt_bits + prompt, prompt_tokens + length, decode_bits + decode
+        decode_tokens += reference.num_decoded
+    return DevResult(
+        error_rate=sum(losses) / len(losses),
+        decode_ratio=decode_bits / (decode_tokens * full) if decode_tokens else 1.0,
+        prefill_ratio=prompt_bits / (prompt_tokens * full) if prompt_tokens else 1.0,
+        valid=(),
+    )
+
+
+class LikelihoodStore(InterventionStore):
+    """Likelihood losses of interventions kept on disk, as `VerdictStore` keeps verdicts: a stopped calibration
+    resumes without replaying what it measured (``{"case", "reference", "bucket", "action", "loss"}`` lines)."""
+
+    PREFIX = "likelihood"
+    FIELD = "loss"
+    EXPECTED = "a float in [-1, 1] (likelihood_loss)"
+
+    @classmethod
+    def valid_value(cls, value: Any) -> bool:
+        return isinstance(value, float) and -1.0 <= value <= 1.0

@@ -1,0 +1,172 @@
+"""Likelihood sensitivity (`calibration.likelihood`): the loss's closed form, the replay of a reference equals forced
+step-by-step decoding on real BFCL references, skipped interventions are exactly 0 and never replayed, a resumed
+calibration gives the identical table, and the calibrated table keeps the policy-table invariants."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from hf_structkv.attention.registry import enable
+from hf_structkv.cache.mixed_precision import StructuredMixedPrecisionCache
+from hf_structkv.calibration.bfcl_task import BfclTask
+from hf_structkv.calibration.buckets import Bucket
+from hf_structkv.calibration.interventions import BucketIntervention
+from hf_structkv.calibration.likelihood import (
+    CaseReplay,
+    LikelihoodStore,
+    ReferenceTags,
+    likelihood_loss,
+    likelihood_measure,
+)
+from hf_structkv.calibration.references import reference_trajectories
+from hf_structkv.calibration.resume import first_changed_forward
+from hf_structkv.calibration.runner import calibrate
+from hf_structkv.calibration.settings import CalibrationSettings
+from hf_structkv.calibration.task_sensitivity import intervention_runs, needs_generation
+from hf_structkv.eval.bfcl import bfcl_split
+from hf_structkv.policy.costs import Action, GroupCosts
+from hf_structkv.policy.table import PolicyTable
+
+BFCL = BfclTask()
+WINDOW, SINKS, MAX_NEW = 3, 4, 24
+SETTINGS = CalibrationSettings(
+    max_new_tokens=MAX_NEW, window=WINDOW, max_dev_candidates=2, sensitivity="likelihood", max_confirmations=2
+)
+
+
+@pytest.mark.parametrize(
+    ("reference", "intervened", "first", "want"),
+    [
+        ([-1.0, -2.0, -3.0], [-1.0, -2.0, -3.0], 0, 0.0),
+        ([-1.0, -2.0, -3.0], [-9.0, -2.5, -3.5], 1, 1 - math.exp(-1.0)),
+        ([-1.0, -2.0], [-1.0, -1.0], 1, -1.0),  # more likely: 1 - e^1 clipped at -1
+        ([-1.0, -2.0], [-1.0, -2.1], 2, 0.0),  # nothing from token 2 on
+        ([0.0], [-1000.0], 0, 1.0),
+    ],
+)
+def test_likelihood_loss_closed_form(reference, intervened, first, want):
+    got = likelihood_loss(torch.tensor(reference), torch.tensor(intervened), first)
+    assert got == pytest.approx(want, abs=1e-12)
+
+
+@pytest.fixture(scope="module")
+def cases():
+    return bfcl_split(["simple_python"], "calibration", limit=2), bfcl_split(["simple_python"], "development", limit=2)
+
+
+@pytest.fixture(scope="module")
+def references(model, tokenizer, cases, tmp_path_factory):
+    enable(model)
+    return reference_trajectories(
+        model, tokenizer, BFCL, cases[0], MAX_NEW, WINDOW, SINKS, cache_dir=tmp_path_factory.mktemp("refs")
+    )
+
+
+def _forced_log_probs(model, reference, policy, plan=None) -> torch.Tensor:
+    """Forced step-by-step decoding of the reference reply on a `StructuredMixedPrecisionCache`: ``[T]``."""
+    tags = ReferenceTags(reference)
+    cache = StructuredMixedPrecisionCache(model, policy, processor=tags, prefill_plan=plan)
+    ids = torch.tensor([list(reference.prompt_ids) + list(reference.tokens)])
+    prompt, rows = len(reference.prompt_ids), []
+    with torch.no_grad():
+        rows.append(model(input_ids=ids[:, :prompt], past_key_values=cache, use_cache=True).logits[0, -1])
+        for p in range(prompt, ids.shape[1] - 1):
+            rows.append(model(input_ids=ids[:, p : p + 1], past_key_values=cache, use_cache=True).logits[0, -1])
+    log_probs = torch.log_softmax(torch.stack(rows).float(), -1)
+    return log_probs.gather(-1, ids[0, prompt:].unsqueeze(-1)).squeeze(-1)
+
+
+def test_replay_of_a_reference_equals_forced_decoding_for_every_action(model, references):
+    reference = references[0]
+    costs = GroupCosts.from_config(model.config)
+    all_high = PolicyTable.all_high(model.config, window=WINDOW, sink_tokens=SINKS)
+    replay = CaseReplay(model, reference, all_high)
+    torch.testing.assert_close(
+        replay.reference_log_probs, _forced_log_probs(model, reference, all_high), atol=1e-4, rtol=0
+    )
+    key = next(key for tags in reference.tags if tags for key in tags)
+    for action in (Action.L, Action.R):
+        policy = BucketIntervention(costs, Bucket(key, 1), action, SINKS, WINDOW)
+        forced = _forced_log_probs(model, reference, policy)
+        torch.testing.assert_close(replay.log_probs(policy), forced, atol=1e-4, rtol=0)
+    plan = torch.full((1, len(reference.prompt_ids), 3), int(Action.L))
+    torch.testing.assert_close(
+        replay.log_probs(all_high, plan), _forced_log_probs(model, reference, all_high, plan), atol=1e-4, rtol=0
+    )
+
+
+def test_skipped_interventions_are_exactly_zero_and_not_replayed(model, cases, references, tmp_path):
+    costs = GroupCosts.from_config(model.config)
+    all_high = PolicyTable.all_high(model.config, window=WINDOW, sink_tokens=SINKS)
+    keys = sorted({key for r in references for tags in r.tags if tags for key in tags})
+    buckets = [Bucket(key, 2) for key in keys]
+    measured = []
+    inner = likelihood_measure(model, costs, "decode", all_high)
+
+    def measure(case, reference, bucket, action):
+        measured.append((reference.case_id, bucket))
+        return inner(case, reference, bucket, action)
+
+    def run(store):
+        return intervention_runs(
+            BFCL, cases[0], references, buckets, "decode", measure, SINKS, WINDOW, store=store, skipped=lambda r: 0.0
+        )
+
+    first = run(LikelihoodStore.open(tmp_path, {"k": 1}))
+    for bucket in buckets:
+        for i, reference in enumerate(references):
+            needed = needs_generation(reference, bucket, "decode", SINKS, WINDOW)
+            assert ((reference.case_id, bucket) in measured) == needed
+            if not needed:
+                assert first.values[bucket, Action.L][i] == 0.0 and first.values[bucket, Action.R][i] == 0.0
+    assert any(v != 0.0 for values in first.values.values() for v in values)  # some intervention lowers the reply
+    again = run(LikelihoodStore.open(tmp_path, {"k": 1}))
+    assert again.values == first.values and again.reused == len(measured)
+    assert len(measured) == sum(first.generated.values())  # one replay per needed (case, bucket, action)
+
+
+def test_a_decode_intervention_changes_nothing_before_its_first_changed_forward(model, references):
+    reference = references[0]
+    all_high = PolicyTable.all_high(model.config, window=WINDOW, sink_tokens=SINKS)
+    replay = CaseReplay(model, reference, all_high)
+    key = next(key for tags in reference.tags if tags for key in tags)
+    first = first_changed_forward(reference, key, WINDOW)
+    policy = BucketIntervention(GroupCosts.from_config(model.config), Bucket(key, 0), Action.R, SINKS, WINDOW)
+    torch.testing.assert_close(replay.log_probs(policy)[:first], replay.reference_log_probs[:first], atol=1e-5, rtol=0)
+
+
+def test_likelihood_calibration_resumes_to_the_identical_table(model, tokenizer, cases, tmp_path):
+    full = calibrate(model, tokenizer, *cases, SETTINGS, cache_dir=tmp_path, log=lambda _: None)
+    replays = full.report["decode"]["runtime_v_generations"]
+    assert full.report["decode"]["sensitivity"] == "likelihood" and replays > 0
+    # interrupt: keep the store's first half only, then run again
+    stores = sorted(tmp_path.glob("likelihood-*.jsonl"))
+    assert stores
+    for path in stores:
+        lines = path.read_text().splitlines(keepends=True)
+        path.write_text("".join(lines[: 1 + (len(lines) - 1) // 2]))
+    resumed = calibrate(model, tokenizer, *cases, SETTINGS, cache_dir=tmp_path, log=lambda _: None)
+    assert 0 < resumed.report["decode"]["runtime_v_reused"] < replays
+    assert resumed.table.entries == full.table.entries and resumed.table.budget == full.table.budget
+    assert resumed.table.reserve_by_state == full.table.reserve_by_state
+    assert resumed.prefill_policy.entries == full.prefill_policy.entries
+    for stage in ("decode", "prefill"):
+        assert json.dumps(resumed.report[stage]["buckets"]) == json.dumps(full.report[stage]["buckets"])
+    # the selection: by likelihood, then confirmed by verdicts
+    decode = full.report["decode"]
+    assert all("likelihood_loss" in row for row in decode["development"])
+    if decode["selected"] != "all-high fallback":
+        assert decode["confirmations"][-1]["passed"]
+        assert decode["selected"]["likelihood_loss"] <= SETTINGS.alpha_decode + 1e-12
+    else:
+        assert all(not c["passed"] for c in decode["confirmations"])
+
+
+def test_settings_refuse_an_unknown_sensitivity():
+    with pytest.raises(ValueError, match="sensitivity must be one of"):
+        dataclasses.replace(SETTINGS, sensitivity="bits")
+    with pytest.raises(ValueError, match="max_confirmations"):
+        dataclasses.replace(SETTINGS, max_confirmations=0)
