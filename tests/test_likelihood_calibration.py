@@ -72,9 +72,9 @@ def _forced_log_probs(model, reference, policy, plan=None) -> torch.Tensor:
     ids = torch.tensor([list(reference.prompt_ids) + list(reference.tokens)])
     prompt, rows = len(reference.prompt_ids), []
     with torch.no_grad():
-        rows.append(model(input_ids=ids[:, :prompt], past_key_values=cache, use_cache=True).logits[0, -1])
+        rows.append(model(input_ids=ids[:, :prompt], cache=cache, use_cache=True).logits[0, -1])
         for p in range(prompt, ids.shape[1] - 1):
-            rows.append(model(input_ids=ids[:, p : p + 1], past_key_values=cache, use_cache=True).logits[0, -1])
+            rows.append(model(input_ids=ids[:, p : p + 1], cache=cache, use_cache=True).logits[0, -1])
     log_probs = torch.log_softmax(torch.stack(rows).float(), -1)
     return log_probs.gather(-1, ids[0, prompt:].unsqueeze(-1)).squeeze(-1)
 

@@ -48,9 +48,9 @@ def _stepwise_logits(model, tokens, policy, tags, plan) -> torch.Tensor:
     cache = StructuredMixedPrecisionCache(model, policy, processor=tags, prefill_plan=plan)
     rows = []
     with torch.no_grad():
-        model(input_ids=tokens[:, :PROMPT], past_key_values=cache, use_cache=True)
+        model(input_ids=tokens[:, :PROMPT], cache=cache, use_cache=True)
         for p in range(PROMPT, tokens.shape[1]):
-            rows.append(model(input_ids=tokens[:, p : p + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+            rows.append(model(input_ids=tokens[:, p : p + 1], cache=cache, use_cache=True).logits[:, -1])
     return torch.cat(rows).float()
 
 
@@ -58,11 +58,11 @@ def _replayed_logits(model, tokens, policy, tags, plan, from_prompt=None) -> tor
     if from_prompt is None:
         cache = TeacherForcedCache(model, policy, tags, prefill_plan=plan)
         with torch.no_grad():
-            model(input_ids=tokens[:, :PROMPT], past_key_values=cache, use_cache=True)
+            model(input_ids=tokens[:, :PROMPT], cache=cache, use_cache=True)
     else:
         cache = from_prompt.with_schedule(policy, plan)
     with torch.no_grad():
-        return model(input_ids=tokens[:, PROMPT:], past_key_values=cache, use_cache=True).logits[0].float()
+        return model(input_ids=tokens[:, PROMPT:], cache=cache, use_cache=True).logits[0].float()
 
 
 def _table(model, window) -> PolicyTable:
@@ -101,7 +101,7 @@ def test_replay_equals_forced_stepwise_decoding(arch):
     window = 3
     prompt_cache = TeacherForcedCache(model, PolicyTable.all_high(model.config, window=window, sink_tokens=2), tags)
     with torch.no_grad():
-        model(input_ids=tokens[:, :PROMPT], past_key_values=prompt_cache, use_cache=True)
+        model(input_ids=tokens[:, :PROMPT], cache=prompt_cache, use_cache=True)
     baseline = _stepwise_logits(model, tokens, PolicyTable.all_high(model.config, window=window), tags, None)
     changed = 0
     for name, policy, plan in _policies(model, window):
@@ -120,11 +120,11 @@ def test_the_prompt_is_shared_not_copied():
     tags = FixedTags([(HIT,)] * 5, PROMPT)
     cache = TeacherForcedCache(model, PolicyTable.all_high(model.config, window=2), tags)
     with torch.no_grad():
-        model(input_ids=tokens[:, :PROMPT], past_key_values=cache, use_cache=True)
+        model(input_ids=tokens[:, :PROMPT], cache=cache, use_cache=True)
     fork = cache.with_schedule(_table(model, 2))
     assert fork.layers[0].keys.data_ptr() == cache.layers[0].keys.data_ptr()
     with torch.no_grad():
-        model(input_ids=tokens[:, PROMPT:], past_key_values=fork, use_cache=True)
+        model(input_ids=tokens[:, PROMPT:], cache=fork, use_cache=True)
     assert cache.get_seq_length() == PROMPT and fork.get_seq_length() == PROMPT + 4
     with pytest.raises(ValueError, match="starts from the prompt"):
         fork.with_schedule(PolicyTable.all_high(model.config, window=2))

@@ -102,7 +102,7 @@ class CaseReplay:
         self.tokens = torch.tensor([list(reference.prompt_ids) + list(reference.tokens)], device=device)
         prompt = len(reference.prompt_ids)
         with torch.no_grad():
-            logits = model(input_ids=self.tokens[:, :prompt], past_key_values=self.prompt_cache, use_cache=True).logits
+            logits = model(input_ids=self.tokens[:, :prompt], cache=self.prompt_cache, use_cache=True).logits
         self.first_log_prob = torch.log_softmax(logits[0, -1].float(), -1)[reference.tokens[0]].reshape(1)
         self._reference_log_probs: torch.Tensor | None = None
 
@@ -117,7 +117,7 @@ class CaseReplay:
         if self.tokens.shape[1] == prompt + 1:
             return self.first_log_prob
         with torch.no_grad():
-            logits = self.model(input_ids=self.tokens[:, prompt:-1], past_key_values=cache, use_cache=True).logits
+            logits = self.model(input_ids=self.tokens[:, prompt:-1], cache=cache, use_cache=True).logits
         rows = torch.log_softmax(logits[0].float(), -1)  # [T - 1, V]
         later = rows.gather(-1, self.tokens[0, prompt + 1 :].unsqueeze(-1)).squeeze(-1)
         return torch.cat([self.first_log_prob, later])

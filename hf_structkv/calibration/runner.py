@@ -257,28 +257,38 @@ def _card(report, settings, stage) -> dict[str, Any]:
 
 
 def _log_estimate(log, settings, refs, dev_refs, stages, stores) -> None:
-    """Print the number of generations ahead and their time at the reference pass's mean seconds per case: Runtime-V
-    exactly (the needed interventions whose verdicts the cache does not hold), development evaluations at most (every
-    candidate the selection may evaluate, less the cases the cache holds for none of them: not counted)."""
+    """Print the work ahead. Verdicts: the number of generations and their time at the reference pass's mean seconds
+    per case: Runtime-V exactly (the needed interventions whose verdicts the cache does not hold), development
+    evaluations at most (every candidate the selection may evaluate, less the cases the cache holds for none of them:
+    not counted). Likelihood: the number of Runtime-V and development replays (one forward each) and at most
+    ``max_confirmations`` development generations per case."""
     per_case = sum(r.seconds for r in (*refs, *dev_refs)) / (len(refs) + len(dev_refs))
     runtime_v = cached = evaluations = 0
     for stage in stages:
-        verdicts = stores[stage.name][0]
+        measured = stores[stage.name][0]
         for bucket in stage.buckets:
             for r in refs:
                 if needs_generation(r, bucket, stage.name, settings.sink_tokens, settings.window):
                     for action in ACTIONS:
-                        if verdicts is not None and verdicts.get(r, bucket, action) is not None:
+                        if measured is not None and measured.get(r, bucket, action) is not None:
                             cached += 1
                         else:
                             runtime_v += 1
         path_length = 1 + 2 * len(stage.buckets)
         candidates = min(path_length, settings.max_dev_candidates or path_length) * len(settings.thresholds)
         evaluations += candidates * len(dev_refs)
+    head = f"reference pass: {len(refs)} calibration + {len(dev_refs)} development cases, {per_case:.1f} s per case; "
+    if settings.sensitivity == "likelihood":
+        confirmations = settings.max_confirmations * len(dev_refs) * len(stages)
+        log(
+            head + f"ahead: {runtime_v} Runtime-V replays ({cached} more read from the cache), at most {evaluations} "
+            f"development replays and at most {confirmations} development generations (about "
+            f"{confirmations * per_case / 60:.0f} min) to confirm the selection"
+        )
+        return
     generations = runtime_v + evaluations
     log(
-        f"reference pass: {len(refs)} calibration + {len(dev_refs)} development cases, {per_case:.1f} s per case; "
-        f"ahead: {runtime_v} Runtime-V generations ({cached} more read from the cache) and at most {evaluations} "
-        f"development generations (fewer when the selection stops early or the cache holds them), at most about "
-        f"{generations * per_case / 60:.0f} min"
+        head + f"ahead: {runtime_v} Runtime-V generations ({cached} more read from the cache) and at most "
+        f"{evaluations} development generations (fewer when the selection stops early or the cache holds them), at "
+        f"most about {generations * per_case / 60:.0f} min"
     )
