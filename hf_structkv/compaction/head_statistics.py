@@ -147,6 +147,8 @@ class HeadProblem:
     precomputed: RowStatistics | None = None
 
     BLOCK_ELEMENTS: ClassVar[int] = 1 << 24
+    MAX_LOGIT: ClassVar[float] = 1e6
+    """Refused bound on ``scaling · max‖q‖ · max‖k‖`` (Cauchy-Schwarz bound of every logit)."""
 
     @classmethod
     def build(
@@ -166,6 +168,15 @@ class HeadProblem:
             scaling = 1.0 / math.sqrt(keys64.shape[1])
         elif not isinstance(scaling, numbers.Real) or not math.isfinite(scaling) or scaling <= 0:
             raise ValueError(f"scaling must be a positive finite number, got {scaling!r}")
+        if queries64 is not None and keys64.numel() and queries64.numel():
+            bound = scaling * float(queries64.norm(dim=1).max()) * float(keys64.norm(dim=1).max())
+            if not bound <= cls.MAX_LOGIT:
+                raise ValueError(
+                    f"keys, queries and scaling allow attention logits up to {bound:.3g} (scaling x largest query "
+                    f"norm x largest key norm), beyond {cls.MAX_LOGIT:g}, where the fit's linear algebra breaks down: "
+                    "pass the head's post-RoPE keys and queries and the model's scaling (a model's logits stay far "
+                    "below this)"
+                )
         return cls(keys64, values64, queries64, float(scaling))
 
     @property
