@@ -165,6 +165,24 @@ def test_likelihood_calibration_resumes_to_the_identical_table(model, tokenizer,
         assert all(not c["passed"] for c in decode["confirmations"])
 
 
+def test_runtime_v_shards_fill_the_store_that_a_full_run_reads_back(model, tokenizer, cases, tmp_path):
+    settings = dataclasses.replace(SETTINGS, stages=("decode",))
+    parts = [
+        calibrate(model, tokenizer, *cases, settings, cache_dir=tmp_path, log=lambda _: None, runtime_v_shard=(i, 2))
+        for i in (0, 1)
+    ]
+    assert all(part.table is None and part.report["decode"]["reused"] == 0 for part in parts)
+    full = calibrate(model, tokenizer, *cases, settings, cache_dir=tmp_path, log=lambda _: None)
+    measured = sum(part.report["decode"]["measured"] for part in parts)
+    assert measured == full.report["decode"]["runtime_v_generations"] == full.report["decode"]["runtime_v_reused"] > 0
+    fresh = calibrate(model, tokenizer, *cases, settings, cache_dir=tmp_path / "fresh", log=lambda _: None)
+    assert fresh.table.entries == full.table.entries and fresh.table.budget == full.table.budget
+    with pytest.raises(ValueError, match="runtime_v_shard must be"):
+        calibrate(model, tokenizer, *cases, settings, cache_dir=tmp_path, runtime_v_shard=(2, 2))
+    with pytest.raises(ValueError, match="pass cache_dir"):
+        calibrate(model, tokenizer, *cases, settings, runtime_v_shard=(0, 2))
+
+
 def test_settings_refuse_an_unknown_sensitivity():
     with pytest.raises(ValueError, match="sensitivity must be one of"):
         dataclasses.replace(SETTINGS, sensitivity="bits")

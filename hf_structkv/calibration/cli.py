@@ -131,8 +131,14 @@ def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
         "--shard",
         type=_shard,
         default=(0, 1),
-        help="with --references-only: I/N takes every N-th case from the I-th (0-based), so N processes sharing "
-        "one --cache-dir split the references",
+        help="with --references-only or --runtime-v-only: I/N takes every N-th case from the I-th (0-based), so N "
+        "processes sharing one --cache-dir split the work",
+    )
+    parser.add_argument(
+        "--runtime-v-only",
+        action="store_true",
+        help="measure the Runtime-V interventions of the --shard's calibration cases into --cache-dir and stop "
+        "(a later full run reads them back; --out is not written)",
     )
 
 
@@ -166,10 +172,14 @@ def run_calibrate(args: argparse.Namespace, load_model) -> int:
         sensitivity=args.sensitivity,
         max_confirmations=args.max_confirmations,
     )
-    if not args.out and not args.references_only:
+    if not args.out and not (args.references_only or args.runtime_v_only):
         raise ValueError("--out is required: the folder the calibrated policies and the report are written to")
-    if args.shard != (0, 1) and not args.references_only:
-        raise ValueError("--shard splits the reference pass only: pass it with --references-only")
+    if args.references_only and args.runtime_v_only:
+        raise ValueError("--references-only and --runtime-v-only are two passes: run them one after the other")
+    if args.shard != (0, 1) and not (args.references_only or args.runtime_v_only):
+        raise ValueError(
+            "--shard splits the reference or Runtime-V pass: pass it with --references-only or --runtime-v-only"
+        )
     calibration = bfcl_calibration_cases(
         args.categories, seed=args.seed, limit=sizes["calibration_cases"], test_reserved=args.test_reserved
     )
@@ -201,9 +211,21 @@ def run_calibrate(args: argparse.Namespace, load_model) -> int:
         "development_cases_per_category": sizes["dev_cases"],
         "model": args.model,
     }
+    shard = args.shard if args.runtime_v_only else None
     result = calibrate(
-        model, tokenizer, calibration, development, settings, cache_dir=cache_dir, progress=True, data=data
+        model,
+        tokenizer,
+        calibration,
+        development,
+        settings,
+        cache_dir=cache_dir,
+        progress=True,
+        data=data,
+        runtime_v_shard=shard,
     )
+    if shard is not None:
+        print(json.dumps(result.report))
+        return 0
     result.save_pretrained(args.out)
     if result.table is not None:
         decode = result.report["decode"]["selected"]

@@ -33,7 +33,7 @@ from .development_store import DevelopmentStore
 from .likelihood import LikelihoodStore
 from .references import generation_key, reference_trajectories, with_position_tags
 from .settings import CalibrationSettings, settings_json
-from .stages import decode_stage, prefill_stage, run_stage
+from .stages import decode_stage, prefill_stage, run_stage, stage_runtime_v
 from .task import CalibrationTask
 from .task_sensitivity import ACTIONS, needs_generation
 from .verdicts import VerdictStore
@@ -82,6 +82,7 @@ def calibrate(
     log: Callable[[str], None] = print,
     data: dict[str, Any] | None = None,
     task: CalibrationTask | None = None,
+    runtime_v_shard: tuple[int, int] | None = None,
 ) -> CalibrationResult:
     """Run Algorithm 1 on ``calibration`` (fits) and ``development`` (selection) cases.
 
@@ -93,6 +94,10 @@ def calibrate(
         log: receives progress lines (the time estimate after the reference pass).
         data: a description of the data recorded in the card (benchmark, categories, split seed).
         task: the benchmark (`CalibrationTask`); ``None``: `BfclTask`.
+        runtime_v_shard: ``(i, n)``: only fill ``cache_dir``'s Runtime-V store with the interventions on every
+            ``n``-th calibration case from the ``i``-th (the buckets are those of all cases), then return a result
+            without policies whose report counts what was measured: ``n`` processes sharing ``cache_dir`` split
+            Runtime-V, and a full run afterwards reads it back.
 
     Raises:
         ValueError: empty case lists, overlapping calibration and development cases, invalid settings, the prefill
@@ -111,6 +116,16 @@ def calibrate(
             f"the {task.name} task has no prompt span labels, which the prefill stage calibrates: pass "
             "stages=('decode',) (CLI: --decode-only)"
         )
+    if runtime_v_shard is not None:
+        shard_ok = isinstance(runtime_v_shard, tuple) and len(runtime_v_shard) == 2
+        if not (
+            shard_ok
+            and all(isinstance(v, int) for v in runtime_v_shard)
+            and 0 <= runtime_v_shard[0] < runtime_v_shard[1]
+        ):
+            raise ValueError(f"runtime_v_shard must be a tuple (i, n) with 0 <= i < n, got {runtime_v_shard!r}")
+        if cache_dir is None:
+            raise ValueError("runtime_v_shard fills the Runtime-V store of cache_dir: pass cache_dir")
     torch.manual_seed(settings.seed)
     start = time.perf_counter()
     costs = GroupCosts.from_config(model.config, settings.layer_groups)
@@ -180,6 +195,8 @@ def calibrate(
         for stage in stages
     }
     _log_estimate(log, settings, refs, dev_refs, stages, stores)
+    if runtime_v_shard is not None:
+        return _runtime_v_shard(runtime_v_shard, stages, stores, task, calibration, refs, settings, progress, start)
     selected = {}
     for stage in stages:
         selected[stage.name], report[stage.name] = run_stage(
@@ -192,6 +209,20 @@ def calibrate(
     if "prefill" in selected:
         prefill = _final_prefill(selected["prefill"], report, settings, costs, fingerprint)
     return CalibrationResult(table=table, prefill_policy=prefill, report=report)
+
+
+def _runtime_v_shard(shard, stages, stores, task, calibration, refs, settings, progress, start) -> CalibrationResult:
+    """Runtime-V of every stage on the shard's calibration cases into the stores (`calibrate`'s
+    ``runtime_v_shard``)."""
+    index, count = shard
+    report: dict[str, Any] = {"runtime_v_shard": [index, count]}
+    for stage in stages:
+        runs = stage_runtime_v(
+            stage, task, calibration[index::count], refs[index::count], settings, progress, stores[stage.name][0]
+        )
+        report[stage.name] = {"measured": sum(runs.generated.values()), "reused": runs.reused}
+    report["seconds"] = round(time.perf_counter() - start, 1)
+    return CalibrationResult(table=None, prefill_policy=None, report=report)
 
 
 # ------------------------------------------------------------------------------------------------ outputs

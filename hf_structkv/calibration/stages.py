@@ -28,7 +28,7 @@ from .task_sensitivity import (
     task_sensitivity,
 )
 
-__all__ = ["Stage", "decode_stage", "prefill_stage", "run_stage"]
+__all__ = ["Stage", "decode_stage", "prefill_stage", "run_stage", "stage_runtime_v"]
 
 
 @dataclass
@@ -183,6 +183,25 @@ def prefill_stage(
     )
 
 
+def stage_runtime_v(stage: Stage, task: CalibrationTask, cases, refs, settings, progress, store):
+    """Runtime-V of ``stage`` on ``cases`` (their ``refs``): every needed intervention measured, or read from
+    ``store`` (`intervention_runs`; cases an intervention cannot change count as the reference's verdict or a zero
+    loss)."""
+    return intervention_runs(
+        task,
+        cases,
+        refs,
+        stage.buckets,
+        stage.name,
+        stage.measure,
+        settings.sink_tokens,
+        settings.window,
+        progress,
+        store=store,
+        **({"skipped": _zero_loss} if stage.by_likelihood else {}),
+    )
+
+
 def run_stage(
     stage: Stage,
     task: CalibrationTask,
@@ -208,19 +227,7 @@ def run_stage(
     Returns:
         ``(selected candidate or None for the all-high fallback, the stage's report)``.
     """
-    runs = intervention_runs(
-        task,
-        calibration,
-        refs,
-        stage.buckets,
-        stage.name,
-        stage.measure,
-        settings.sink_tokens,
-        settings.window,
-        progress,
-        store=store,
-        **({"skipped": _zero_loss} if stage.by_likelihood else {}),
-    )
+    runs = stage_runtime_v(stage, task, calibration, refs, settings, progress, store)
     sensitivity = likelihood_sensitivity(runs) if stage.by_likelihood else task_sensitivity(runs, refs)
     distortion = attention_distortion(
         refs,
