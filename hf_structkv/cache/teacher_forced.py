@@ -10,7 +10,10 @@ give each query row the cache exactly as that step of ``generate`` saw it: row `
 while ``j >= p - window`` or its action is ``H``, dequantised when it is committed with ``L``, and not when committed
 with ``R``. Quantisation is per token row, so a committed key's served value does not depend on the other tokens, and
 the replay equals step-by-step decoding with the same cache and schedule up to floating-point summation order
-(``tests/test_teacher_forced.py``). Actions come from the same `ActionSchedule` the mixed-precision cache uses (a
+(``tests/test_teacher_forced.py``, in float64). In float32 that rounding noise (a token's K/V computed in a batch
+forward here, in a one-token forward in ``generate``) can move a committed value across an INT4 rounding boundary:
+the replay then serves that token one code step apart, a difference far above the float noise of the other tokens.
+Actions come from the same `ActionSchedule` the mixed-precision cache uses (a
 `TagSource` over the known tags; prefill plan, sinks and stop tokens included); attention is the same registered
 function and the same `mixed_precision_attention` over two partitions with per-row visibility.
 
@@ -37,6 +40,7 @@ from ..policy.retention import RetentionPolicy, check_retention_policy
 from ..quant.int4 import quantize_int4
 from ..structure.tag_source import TagSource
 from .action_schedule import ActionSchedule
+from .layer_types import SLIDING_TYPES, model_layer_types
 
 __all__ = ["TeacherForcedCache", "TeacherForcedLayer"]
 
@@ -160,12 +164,9 @@ class TeacherForcedCache(Cache):
         self.text_config = config.get_text_config()
         self.tags = tags
         self.schedule = self._schedule(policy, prefill_plan)
-        layer_types = (
-            getattr(self.text_config, "layer_types", None) or ["full_attention"] * self.text_config.num_hidden_layers
-        )
         layers = []
-        for idx, layer_type in enumerate(layer_types):
-            if layer_type in ("sliding_attention", "chunked_attention"):
+        for idx, layer_type in enumerate(model_layer_types(self.text_config)):
+            if layer_type in SLIDING_TYPES:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=self.text_config.sliding_window))
             else:
                 group = self.schedule.costs.group_of_layer(idx)
