@@ -13,8 +13,7 @@ from transformers import PretrainedConfig
 from ..persistence import check_same_model, config_fingerprint
 from .compacted import CompactedCache
 from .compacted_layers import CompactedLayer, SharedContextSlidingLayer
-
-SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+from .layer_types import SLIDING_TYPES
 
 
 def context_layers(

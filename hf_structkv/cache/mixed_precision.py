@@ -59,7 +59,8 @@ from ..structure.tag_source import TagSource
 from .action_schedule import ActionSchedule
 from .compacted import CompactedCache
 from .compacted_layers import CompactedLayer, ContextLayer
-from .composed_context import SLIDING_TYPES, context_layers
+from .composed_context import context_layers
+from .layer_types import SLIDING_TYPES, model_layer_types
 from .slot_store import SlotStore
 
 
@@ -397,7 +398,7 @@ class StructuredMixedPrecisionCache(Cache):
                 f"{processor_view!r}: build the processor with "
                 "StructuralLogitsProcessor(..., tag_view=policy.tag_view, position_bins=policy.position_bins)"
             )
-        layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers
+        layer_types = model_layer_types(text_config)
         contexts = [None] * len(layer_types) if context is None else context_layers(context, config, layer_types)
         self.policy = policy
         self.processor = processor

@@ -40,15 +40,15 @@ from .intervention_store import InterventionStore
 from .interventions import BucketIntervention, prefill_intervention_plan
 from .references import ReferenceTrajectory
 from .resume import first_changed_forward
-from .selection import DevResult
+from .selection import DevResult, pooled_ratios
 
 __all__ = [
     "CaseReplay",
+    "DevelopmentReplay",
     "LikelihoodStore",
     "ReferenceTags",
     "likelihood_loss",
     "likelihood_measure",
-    "replay_candidate",
 ]
 
 
@@ -90,9 +90,16 @@ class CaseReplay:
         model: the model (switched to hf_structkv's attention).
         reference: the case's `ReferenceTrajectory` (at least one generated token).
         all_high: the all-high policy of the calibration (its window, sinks, tag view and bins).
+        reference_log_probs: the ``[T]`` all-high log-probabilities when already known (else computed on first use).
     """
 
-    def __init__(self, model, reference: ReferenceTrajectory, all_high: PolicyTable):
+    def __init__(
+        self,
+        model,
+        reference: ReferenceTrajectory,
+        all_high: PolicyTable,
+        reference_log_probs: torch.Tensor | None = None,
+    ):
         if not reference.tokens:
             raise ValueError(f"the reference of {reference.case_id} has no generated token to replay")
         self.model, self.reference, self.all_high = model, reference, all_high
@@ -104,7 +111,7 @@ class CaseReplay:
         with torch.no_grad():
             logits = model(input_ids=self.tokens[:, :prompt], cache=self.prompt_cache, use_cache=True).logits
         self.first_log_prob = torch.log_softmax(logits[0, -1].float(), -1)[reference.tokens[0]].reshape(1)
-        self._reference_log_probs: torch.Tensor | None = None
+        self._reference_log_probs = reference_log_probs
 
     def log_probs(self, policy: RetentionPolicy, prefill_plan: torch.Tensor | None = None) -> torch.Tensor:
         """``[T]`` FP32 log-probabilities of the reference's generated tokens under ``policy`` and ``prefill_plan``
@@ -162,38 +169,43 @@ def likelihood_measure(model, costs: GroupCosts, stage: str, all_high: PolicyTab
     return measure
 
 
-def replay_candidate(
-    model,
-    references: Sequence[ReferenceTrajectory],
-    policy: RetentionPolicy,
-    all_high: PolicyTable,
-    prefill_policy: PrefillPolicy | None = None,
-    progress: bool = False,
-) -> DevResult:
-    """A complete candidate (a decode table, or the all-high decode with a ``prefill_policy``) on the development
-    references by likelihood: ``error_rate`` is the mean likelihood loss from token 1 on (the all-high reference's
-    is 0), the ratios are the ledger's along the reference trajectories, ``valid`` is empty (no verdicts)."""
-    losses, prompt_bits, prompt_tokens, decode_bits, decode_tokens = [], 0.0, 0, 0.0, 0
-    full = policy.costs.full
-    for reference in tqdm(references, desc="development (likelihood)", unit="case", disable=not progress, leave=False):
-        replay = CaseReplay(model, reference, all_high)
-        plan = None
-        if prefill_policy is not None:
-            labels = reference.prompt_labels
-            plan = plan_prefill(labels, policy.costs, prefill_policy, policy.sink_tokens, policy.window).actions[None]
-        cache = replay.prompt_cache.with_schedule(policy, plan)
-        losses.append(likelihood_loss(replay.reference_log_probs, replay.log_probs_in(cache), 1))
-        prompt, decode, length = cache.schedule.scheduled_bits_by_stage(
-            len(reference.prompt_ids) + len(reference.tokens)
-        )
-        prompt_bits, prompt_tokens, decode_bits = prompt_bits + prompt, prompt_tokens + length, decode_bits + decode
-        decode_tokens += reference.num_decoded
-    return DevResult(
-        error_rate=sum(losses) / len(losses),
-        decode_ratio=decode_bits / (decode_tokens * full) if decode_tokens else 1.0,
-        prefill_ratio=prompt_bits / (prompt_tokens * full) if prompt_tokens else 1.0,
-        valid=(),
-    )
+class DevelopmentReplay:
+    """Complete candidates (a decode table, or the all-high decode with a prefill policy) on the development references
+    by likelihood; each reference's all-high log-probabilities are computed once and reused for every candidate.
+
+    Args:
+        model: the model; references: the development `ReferenceTrajectory` objects; all_high: the calibration's
+            all-high policy.
+    """
+
+    def __init__(self, model, references: Sequence[ReferenceTrajectory], all_high: PolicyTable):
+        self.model, self.references, self.all_high = model, references, all_high
+        self._reference_log_probs: dict[str, torch.Tensor] = {}
+
+    def __call__(
+        self, policy: RetentionPolicy, prefill_policy: PrefillPolicy | None = None, progress: bool = False
+    ) -> DevResult:
+        """``policy`` (and ``prefill_policy``) on every development reference: ``error_rate`` is the mean likelihood
+        loss from token 1 on (the all-high reference's is 0), the ratios are the ledger's along the reference
+        trajectories, ``valid`` is empty (no verdicts)."""
+        losses, bits = [], [0.0, 0, 0.0, 0]  # prompt bits, prompt tokens, decode bits, decode tokens
+        for reference in tqdm(self.references, desc="development (likelihood)", disable=not progress, leave=False):
+            known = self._reference_log_probs.get(reference.case_id)
+            replay = CaseReplay(self.model, reference, self.all_high, reference_log_probs=known)
+            self._reference_log_probs[reference.case_id] = replay.reference_log_probs
+            plan = None
+            if prefill_policy is not None:
+                sinks, window = policy.sink_tokens, policy.window
+                plan = plan_prefill(reference.prompt_labels, policy.costs, prefill_policy, sinks, window).actions[None]
+            cache = replay.prompt_cache.with_schedule(policy, plan)
+            losses.append(likelihood_loss(replay.reference_log_probs, replay.log_probs_in(cache), 1))
+            prompt, decode, length = cache.schedule.scheduled_bits_by_stage(
+                len(reference.prompt_ids) + len(reference.tokens)
+            )
+            for i, value in enumerate((prompt, length, decode, reference.num_decoded)):
+                bits[i] += value
+        decode_ratio, prefill_ratio = pooled_ratios(*bits, full_bits=policy.costs.full)
+        return DevResult(sum(losses) / len(losses), decode_ratio, prefill_ratio, valid=())
 
 
 class LikelihoodStore(InterventionStore):

@@ -30,7 +30,7 @@ from ..version import __version__
 from .bfcl_task import BfclTask
 from .candidates import all_high_candidate
 from .development_store import DevelopmentStore
-from .likelihood import LikelihoodStore
+from .likelihood import DevelopmentReplay, LikelihoodStore
 from .references import generation_key, reference_trajectories, with_position_tags
 from .settings import CalibrationSettings, settings_json
 from .stages import decode_stage, prefill_stage, run_stage, stage_runtime_v
@@ -117,12 +117,8 @@ def calibrate(
             "stages=('decode',) (CLI: --decode-only)"
         )
     if runtime_v_shard is not None:
-        shard_ok = isinstance(runtime_v_shard, tuple) and len(runtime_v_shard) == 2
-        if not (
-            shard_ok
-            and all(isinstance(v, int) for v in runtime_v_shard)
-            and 0 <= runtime_v_shard[0] < runtime_v_shard[1]
-        ):
+        index, count = runtime_v_shard if isinstance(runtime_v_shard, tuple) and len(runtime_v_shard) == 2 else (0, 0)
+        if not (isinstance(index, int) and isinstance(count, int) and 0 <= index < count):
             raise ValueError(f"runtime_v_shard must be a tuple (i, n) with 0 <= i < n, got {runtime_v_shard!r}")
         if cache_dir is None:
             raise ValueError("runtime_v_shard fills the Runtime-V store of cache_dir: pass cache_dir")
@@ -155,16 +151,19 @@ def calibrate(
         model, family=task.family, window=settings.window, sink_tokens=settings.sink_tokens, **view
     )
     reference_error = sum(not r.valid for r in dev_refs) / len(dev_refs)
+    dev_replay = DevelopmentReplay(model, dev_refs, reference)  # likelihood sensitivity only; computes on use
     stages = []
     if "decode" in settings.stages:
         stages.append(
             decode_stage(
-                model, tokenizer, task, development, dev_refs, refs, reference, costs, settings, fingerprint, view
+                model, tokenizer, task, development, dev_replay, refs, reference, costs, settings, fingerprint, view
             )
         )
     if "prefill" in settings.stages:
         stages.append(
-            prefill_stage(model, tokenizer, task, development, dev_refs, refs, reference, costs, settings, fingerprint)
+            prefill_stage(
+                model, tokenizer, task, development, dev_replay, refs, reference, costs, settings, fingerprint
+            )
         )
     report: dict[str, Any] = {
         "hf_structkv_version": __version__,

@@ -20,7 +20,7 @@ from .development_store import DevCase, DevelopmentStore, candidate_digest
 from .references import stop_index
 from .task import CalibrationTask
 
-__all__ = ["DevResult", "dev_candidate_indices", "evaluate_controller", "select_cheapest"]
+__all__ = ["DevResult", "dev_candidate_indices", "evaluate_controller", "pooled_ratios", "select_cheapest"]
 
 
 def dev_candidate_indices(path_length: int, max_candidates: int | None) -> list[int]:
@@ -83,16 +83,30 @@ def evaluate_controller(
         else:
             reused += 1
         results.append(result)
-    decode_bits, decode_tokens = sum(r.decode_bits for r in results), sum(r.decode_tokens for r in results)
-    prompt_bits, prompt_tokens = sum(r.prompt_bits for r in results), sum(r.prompt_tokens for r in results)
-    full = results[-1].full_bits
+    decode_ratio, prefill_ratio = pooled_ratios(
+        sum(r.prompt_bits for r in results),
+        sum(r.prompt_tokens for r in results),
+        sum(r.decode_bits for r in results),
+        sum(r.decode_tokens for r in results),
+        full_bits=results[-1].full_bits,
+    )
     return DevResult(
         error_rate=sum(not r.valid for r in results) / len(results),
-        decode_ratio=decode_bits / (decode_tokens * full) if decode_tokens else 1.0,
-        prefill_ratio=prompt_bits / (prompt_tokens * full) if prompt_tokens else 1.0,
+        decode_ratio=decode_ratio,
+        prefill_ratio=prefill_ratio,
         valid=tuple(r.valid for r in results),
         reused=reused,
     )
+
+
+def pooled_ratios(
+    prompt_bits: float, prompt_tokens: int, decode_bits: float, decode_tokens: int, full_bits: float
+) -> tuple[float, float]:
+    """``(decode_ratio, prefill_ratio)``: scheduled payload over Full KV's (``full_bits`` per token), pooled over the
+    cases' non-stop generated tokens and prompt tokens (1.0 where there is none)."""
+    decode = decode_bits / (decode_tokens * full_bits) if decode_tokens else 1.0
+    prefill = prompt_bits / (prompt_tokens * full_bits) if prompt_tokens else 1.0
+    return decode, prefill
 
 
 def _generate_case(model, tokenizer, task: CalibrationTask, case, policy, max_new_tokens: int, prefill_policy):

@@ -16,7 +16,7 @@ from .development_store import DevelopmentStore, candidate_digest
 from .distortion import attention_distortion, capture_reference_states
 from .floors import envelope, protection_floors
 from .interventions import occurrences, prefill_positions
-from .likelihood import likelihood_measure, replay_candidate
+from .likelihood import DevelopmentReplay, likelihood_measure
 from .path import greedy_path, upgrade_priorities
 from .selection import DevResult, dev_candidate_indices, evaluate_controller, select_cheapest
 from .task import CalibrationTask
@@ -66,11 +66,21 @@ class Stage:
 
 
 def decode_stage(
-    model, tokenizer, task: CalibrationTask, development, dev_refs, refs, reference, costs, settings, fingerprint, view
+    model,
+    tokenizer,
+    task: CalibrationTask,
+    development,
+    dev_replay: DevelopmentReplay,
+    refs,
+    reference,
+    costs,
+    settings,
+    fingerprint,
+    view,
 ) -> Stage:
     """The decode stage: one bucket per (tag key on the references, layer group); candidates are ``task``'s family
     tables of ``view`` (tag view and position bins), evaluated with decode under the candidate (generated, or
-    replayed on ``dev_refs`` with likelihood sensitivity). ``reference``: the all-high table of ``view``."""
+    replayed by ``dev_replay`` with likelihood sensitivity). ``reference``: the all-high table of ``view``."""
     keys = sorted({key for r in refs for tags in r.tags if tags for key in tags})
     groups = len(costs.groups)
     buckets = [Bucket(key, c, groups) for key in keys for c in range(groups)]
@@ -99,15 +109,17 @@ def decode_stage(
         )
 
     def replay(table, progress, store):
-        return replay_candidate(model, dev_refs, table, reference, None, progress)
+        return dev_replay(table, None, progress)
 
-    if settings.sensitivity == "likelihood":
-        measure, evaluate, confirm = likelihood_measure(model, costs, "decode", reference), replay, generate_and_score
-    else:
-        generate = decode_generator(
+    measure, evaluate, confirm = _by_sensitivity(
+        settings,
+        lambda: likelihood_measure(model, costs, "decode", reference),
+        replay,
+        lambda: decode_generator(
             model, tokenizer, task, costs, settings.max_new_tokens, settings.sink_tokens, settings.window, **view
-        )
-        measure, evaluate, confirm = _verdict_measure(generate), generate_and_score, None
+        ),
+        generate_and_score,
+    )
     return Stage(
         name="decode",
         buckets=buckets,
@@ -123,7 +135,16 @@ def decode_stage(
 
 
 def prefill_stage(
-    model, tokenizer, task: CalibrationTask, development, dev_refs, refs, reference, costs, settings, fingerprint
+    model,
+    tokenizer,
+    task: CalibrationTask,
+    development,
+    dev_replay: DevelopmentReplay,
+    refs,
+    reference,
+    costs,
+    settings,
+    fingerprint,
 ) -> Stage:
     """The prefill stage (decode held at the all-high ``reference``): one bucket per (prompt label lowered on some
     reference, layer group); candidates are `PrefillPolicy` objects, evaluated as ``prefill_policy``."""
@@ -162,13 +183,15 @@ def prefill_stage(
         )
 
     def replay(policy, progress, store):
-        return replay_candidate(model, dev_refs, reference, reference, policy, progress)
+        return dev_replay(reference, policy, progress)
 
-    if settings.sensitivity == "likelihood":
-        measure, evaluate, confirm = likelihood_measure(model, costs, "prefill", reference), replay, generate_and_score
-    else:
-        generate = prefill_generator(model, tokenizer, task, reference, settings.max_new_tokens)
-        measure, evaluate, confirm = _verdict_measure(generate), generate_and_score, None
+    measure, evaluate, confirm = _by_sensitivity(
+        settings,
+        lambda: likelihood_measure(model, costs, "prefill", reference),
+        replay,
+        lambda: prefill_generator(model, tokenizer, task, reference, settings.max_new_tokens),
+        generate_and_score,
+    )
     return Stage(
         name="prefill",
         buckets=buckets,
@@ -277,14 +300,14 @@ def run_stage(
             }
         )
     rows = list(evaluated.values())
-    costs_, errors = [stage.cost(r) for _, r, _ in rows], [r.error_rate for _, r, _ in rows]
+    candidate_costs, errors = [stage.cost(r) for _, r, _ in rows], [r.error_rate for _, r, _ in rows]
     confirmations: list[dict[str, Any]] = []
     if stage.by_likelihood:
         choice = _confirmed(
-            stage, rows, costs_, errors, reference_error, settings, progress, log, dev_store, confirmations
+            stage, rows, candidate_costs, errors, reference_error, settings, progress, log, dev_store, confirmations
         )
     else:
-        choice = select_cheapest(costs_, errors, reference_error, stage.alpha)
+        choice = select_cheapest(candidate_costs, errors, reference_error, stage.alpha)
     report = {
         "sensitivity": settings.sensitivity,
         "buckets": {
@@ -329,6 +352,14 @@ def run_stage(
     else:
         report["selected"] = {**where, "accuracy": 1 - result.error_rate, "measured_ratio": stage.cost(result)}
     return candidate, report
+
+
+def _by_sensitivity(settings, likelihood, replay, generator, generate_and_score):
+    """A stage's ``(measure, evaluate, confirm)`` for ``settings.sensitivity``: likelihood (``likelihood()``'s measure,
+    candidates replayed, confirmed by generation) or verdicts (``generator()``'s runs scored, candidates generated)."""
+    if settings.sensitivity == "likelihood":
+        return likelihood(), replay, generate_and_score
+    return _verdict_measure(generator()), generate_and_score, None
 
 
 def _verdict_measure(generate):
