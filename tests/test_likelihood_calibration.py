@@ -142,6 +142,31 @@ def test_a_decode_intervention_changes_nothing_before_its_first_changed_forward(
     torch.testing.assert_close(replay.log_probs(policy)[:first], replay.reference_log_probs[:first], atol=1e-5, rtol=0)
 
 
+def test_a_replay_restarted_at_the_first_changed_forward_equals_the_whole_replay(model, references):
+    model = copy.deepcopy(model).to(torch.float64)  # as above: compare schedules, not INT4 rounding noise
+    all_high = PolicyTable.all_high(model.config, window=WINDOW, sink_tokens=SINKS)
+    costs, compared = GroupCosts.from_config(model.config), 0
+    for reference in references:
+        replay = CaseReplay(model, reference, all_high)
+        for key in sorted({key for tags in reference.tags if tags for key in tags}):
+            first = first_changed_forward(reference, key, WINDOW)
+            if first >= len(reference.tokens):
+                continue
+            for group, action in ((0, Action.R), (2, Action.L)):
+                policy = BucketIntervention(costs, Bucket(key, group), action, SINKS, WINDOW)
+                whole, restarted = replay.log_probs(policy), replay.log_probs(policy, first=first)
+                torch.testing.assert_close(restarted, whole, atol=1e-5, rtol=0)  # FP32 log-softmax
+                assert replay.loss(policy, first) == pytest.approx(
+                    likelihood_loss(replay.reference_log_probs, whole, first), abs=1e-5
+                )
+                compared += not torch.allclose(whole, replay.reference_log_probs, atol=1e-6)
+    assert compared >= 2  # some restarted replays do differ from the reference
+    with pytest.raises(ValueError, match="first must be >= 1"):
+        replay.log_probs(all_high, first=0)
+    with pytest.raises(ValueError, match="keep must be in"):
+        replay.prompt_cache.with_schedule(all_high, keep=len(reference.prompt_ids) + 1)
+
+
 def test_likelihood_calibration_resumes_to_the_identical_table(model, tokenizer, cases, tmp_path):
     full = calibrate(model, tokenizer, *cases, SETTINGS, cache_dir=tmp_path, log=lambda _: None)
     replays = full.report["decode"]["runtime_v_generations"]

@@ -129,8 +129,10 @@ def test_the_prompt_is_shared_not_copied():
     with torch.no_grad():
         model(input_ids=tokens[:, PROMPT:], cache=fork, use_cache=True)
     assert cache.get_seq_length() == PROMPT and fork.get_seq_length() == PROMPT + 4
-    with pytest.raises(ValueError, match="starts from the prompt"):
-        fork.with_schedule(PolicyTable.all_high(model.config, window=2))
+    kept = fork.with_schedule(PolicyTable.all_high(model.config, window=2), keep=PROMPT + 2)
+    assert kept.get_seq_length() == PROMPT + 2 and kept.layers[0].keys.data_ptr() == fork.layers[0].keys.data_ptr()
+    with pytest.raises(ValueError, match="keep must be in"):
+        fork.with_schedule(PolicyTable.all_high(model.config, window=2), keep=PROMPT + 5)
 
 
 def test_policies_with_attention_statistics_are_refused():
@@ -139,3 +141,15 @@ def test_policies_with_attention_statistics_are_refused():
         TeacherForcedCache(model, H2O(model, window=4), FixedTags([], PROMPT))
     with pytest.raises(TypeError, match="TagSource"):
         TeacherForcedCache(model, PolicyTable.all_high(model.config), object())
+
+
+def test_sliding_window_layers_restart_from_the_prompt_only():
+    model = enable(tiny_model("gemma3", num_hidden_layers=4))
+    tokens = torch.randint(3, 256, (1, PROMPT + 4), generator=torch.Generator().manual_seed(2))
+    tags = FixedTags([(HIT,)] * 5, PROMPT)
+    cache = TeacherForcedCache(model, PolicyTable.all_high(model.config, window=2), tags)
+    with torch.no_grad():
+        model(input_ids=tokens, cache=cache, use_cache=True)
+    assert not cache.resumes_past_prompt
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        cache.with_schedule(PolicyTable.all_high(model.config, window=2), keep=PROMPT + 2)

@@ -184,15 +184,27 @@ class TeacherForcedCache(Cache):
             )
         return ActionSchedule(policy, costs, self.tags, prefill_plan)
 
-    def with_schedule(self, policy: RetentionPolicy, prefill_plan: torch.Tensor | None = None) -> TeacherForcedCache:
-        """A new replay under ``policy`` / ``prefill_plan`` from this cache's current tokens (the prompt), sharing
-        their tensors; this cache is not changed.
+    def with_schedule(
+        self, policy: RetentionPolicy, prefill_plan: torch.Tensor | None = None, keep: int | None = None
+    ) -> TeacherForcedCache:
+        """A new replay under ``policy`` / ``prefill_plan`` from this cache's first ``keep`` tokens (default: the
+        prompt), sharing their tensors (views, never copied, never written in place); this cache is not changed.
+
+        Tokens past the prompt hold the K/V this cache's schedule produced. They are the new schedule's too when it
+        changes no forward before the one of token ``keep`` (forward ``k`` reads the token at position
+        ``P + k − 1``, so ``keep = P + k0 − 1`` for a schedule whose first changed forward is ``k0``): the caller
+        states it, as `CaseReplay` does from `first_changed_forward`.
 
         Raises:
-            ValueError: this cache has seen tokens beyond the prompt (they may have been served under its schedule).
+            ValueError: ``keep`` outside ``[P, tokens held]``, or past the prompt with sliding-window layers (they
+                hold only their last window and cannot be cut back).
         """
-        if self.get_seq_length() > self.tags.prompt_length:
-            raise ValueError("with_schedule starts from the prompt: this cache already holds generated tokens")
+        prompt, held = self.tags.prompt_length, self.get_seq_length()
+        keep = prompt if keep is None else keep
+        if held and not prompt <= keep <= held:
+            raise ValueError(f"keep must be in [{prompt}, {held}] (the prompt .. the tokens held), got {keep}")
+        if keep > prompt and not self.resumes_past_prompt:
+            raise ValueError("a cache with sliding-window layers restarts from the prompt only: keep the default")
         fresh = copy.copy(self)
         fresh.schedule = self._schedule(policy, prefill_plan)
         fresh.layers = []
@@ -200,7 +212,16 @@ class TeacherForcedCache(Cache):
             clone = copy.copy(layer)
             if isinstance(layer, TeacherForcedLayer):
                 clone.schedule, clone.window = fresh.schedule, policy.window
+                if held:
+                    clone.keys, clone.values = layer.keys[..., :keep, :], layer.values[..., :keep, :]
+            elif held > prompt:
+                raise ValueError("with_schedule starts from the prompt: this cache already holds generated tokens")
             fresh.layers.append(clone)
-        if self.get_seq_length():
-            fresh.schedule.begin(self.layers[0].keys.shape[0], self.get_seq_length())
+        if held:
+            fresh.schedule.begin(self.layers[0].keys.shape[0], prompt)
         return fresh
+
+    @property
+    def resumes_past_prompt(self) -> bool:
+        """Whether `with_schedule` can keep tokens past the prompt (no sliding-window layer)."""
+        return all(isinstance(layer, TeacherForcedLayer) for layer in self.layers)

@@ -112,33 +112,66 @@ class CaseReplay:
             logits = model(input_ids=self.tokens[:, :prompt], cache=self.prompt_cache, use_cache=True).logits
         self.first_log_prob = torch.log_softmax(logits[0, -1].float(), -1)[reference.tokens[0]].reshape(1)
         self._reference_log_probs = reference_log_probs
+        self._reference_cache: TeacherForcedCache | None = None
 
-    def log_probs(self, policy: RetentionPolicy, prefill_plan: torch.Tensor | None = None) -> torch.Tensor:
+    def log_probs(
+        self, policy: RetentionPolicy, prefill_plan: torch.Tensor | None = None, first: int = 1
+    ) -> torch.Tensor:
         """``[T]`` FP32 log-probabilities of the reference's generated tokens under ``policy`` and ``prefill_plan``
-        (teacher-forced, one forward after the shared prompt)."""
-        return self.log_probs_in(self.prompt_cache.with_schedule(policy, prefill_plan))
+        (teacher-forced, one forward).
+
+        ``first``: the schedule's first changed forward (`first_changed_forward`; the caller states it). From
+        ``first >= 2`` on, the replay restarts from the all-high reference replay's first ``P + first − 1`` tokens
+        and forwards only the rest; the entries before ``first`` are then the reference's. Without that restart
+        (sliding-window layers) it forwards every generated token after the shared prompt."""
+        if first < 1:
+            raise ValueError(f"first must be >= 1 (forward 0 is the shared prompt forward), got {first}")
+        length = len(self.reference.tokens)
+        if first == 1 or not self.prompt_cache.resumes_past_prompt:
+            return self.log_probs_in(self.prompt_cache.with_schedule(policy, prefill_plan))
+        if first >= length:
+            return self.reference_log_probs
+        reference_cache = self._reference_replay()
+        keep = len(self.reference.prompt_ids) + first - 1
+        cache = reference_cache.with_schedule(policy, prefill_plan, keep=keep)
+        return torch.cat([self.reference_log_probs[:first], self._forward(cache, keep)])
 
     def log_probs_in(self, cache: TeacherForcedCache) -> torch.Tensor:
         """``[T]`` log-probabilities of the generated tokens replayed in ``cache`` (a `with_schedule` of the prompt)."""
-        prompt = len(self.reference.prompt_ids)
-        if self.tokens.shape[1] == prompt + 1:
-            return self.first_log_prob
+        return torch.cat([self.first_log_prob, self._forward(cache, len(self.reference.prompt_ids))])
+
+    def _forward(self, cache: TeacherForcedCache, start: int) -> torch.Tensor:
+        """``[n − start − 1]`` log-probabilities of tokens ``start + 1 ..`` of the ``n`` prompt and reply tokens,
+        forwarding tokens ``start .. n − 2`` in ``cache`` (which holds the first ``start``)."""
+        if self.tokens.shape[1] <= start + 1:
+            return self.first_log_prob[:0]
         with torch.no_grad():
-            logits = self.model(input_ids=self.tokens[:, prompt:-1], cache=cache, use_cache=True).logits
-        rows = torch.log_softmax(logits[0].float(), -1)  # [T - 1, V]
-        later = rows.gather(-1, self.tokens[0, prompt + 1 :].unsqueeze(-1)).squeeze(-1)
-        return torch.cat([self.first_log_prob, later])
+            logits = self.model(input_ids=self.tokens[:, start:-1], cache=cache, use_cache=True).logits
+        rows = torch.log_softmax(logits[0].float(), -1)  # [n - start - 1, V]
+        return rows.gather(-1, self.tokens[0, start + 1 :].unsqueeze(-1)).squeeze(-1)
+
+    def _reference_replay(self) -> TeacherForcedCache:
+        """The all-high replay's cache, holding every prompt and reply token (run once; its log-probabilities become
+        `reference_log_probs`)."""
+        if self._reference_cache is None:
+            cache = self.prompt_cache.with_schedule(self.all_high)
+            log_probs = self.log_probs_in(cache)
+            if self._reference_log_probs is None:
+                self._reference_log_probs = log_probs
+            self._reference_cache = cache
+        return self._reference_cache
 
     @property
     def reference_log_probs(self) -> torch.Tensor:
         """``[T]`` log-probabilities under the all-high policy (computed once)."""
         if self._reference_log_probs is None:
-            self._reference_log_probs = self.log_probs(self.all_high)
+            self._reference_replay()
         return self._reference_log_probs
 
     def loss(self, policy: RetentionPolicy, first: int, prefill_plan: torch.Tensor | None = None) -> float:
-        """The likelihood loss of ``policy`` / ``prefill_plan`` from token ``first`` on (`likelihood_loss`)."""
-        return likelihood_loss(self.reference_log_probs, self.log_probs(policy, prefill_plan), first)
+        """The likelihood loss of ``policy`` / ``prefill_plan`` from token ``first`` on (`likelihood_loss`), replayed
+        from ``first`` on (`log_probs`)."""
+        return likelihood_loss(self.reference_log_probs, self.log_probs(policy, prefill_plan, max(first, 1)), first)
 
 
 def likelihood_measure(model, costs: GroupCosts, stage: str, all_high: PolicyTable):
