@@ -7,6 +7,7 @@ context serves two conversations without copying its tensors; crop; clear errors
 
 import pytest
 import torch
+from test_compacted_int4_cache import int4_cache
 from test_compacted_serving import keep_all, prefill, random_selection
 from test_mixed_precision_cache import ParityTagger, mixed_policy
 from transformers import DynamicCache
@@ -91,15 +92,21 @@ def test_keep_all_prefix_all_high_generates_what_dynamic_cache_generates(arch):
     assert cache.scheduled_payload() == cache.full_payload() > 0
 
 
-def _served_entries(layer, kv_head: int, row: int, dim: int):
-    """Keys, values and additive biases of every entry ``row`` of ``layer`` serves for ``kv_head``, rebuilt one by one:
-    the prefix (its biases), the high store, the dequantised low store, the recent region; and their slots (``-1`` for
-    prefix entries)."""
-    keys, values, bias = layer.context.read_prefix(None)[:3]
-    offsets = layer.context.read_prefix(None)[3]
+def _stored_prefix(layer, kv_head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys, values and biases the context's `CompactedLayer` stores for ``kv_head`` (a layer in the model's
+    dtype)."""
+    keys, values, bias, offsets = layer.context.read_prefix(None)
     rows = slice(offsets[kv_head], offsets[kv_head + 1])
-    out_k, out_v, out_b = [keys[rows].double()], [values[rows].double()], [bias[rows].double()]
-    slots = [torch.full((rows.stop - rows.start,), -1)]
+    return keys[rows], values[rows], bias[rows]
+
+
+def _served_entries(layer, kv_head: int, row: int, dim: int, prefix=None):
+    """Keys, values and additive biases of every entry ``row`` of ``layer`` serves for ``kv_head``, rebuilt one by one:
+    the prefix (``prefix`` = its ``(keys, values, biases)``, default `_stored_prefix`), the high store, the
+    dequantised low store, the recent region; and their slots (``-1`` for prefix entries)."""
+    keys, values, bias = _stored_prefix(layer, kv_head) if prefix is None else prefix
+    out_k, out_v, out_b = [keys.double()], [values.double()], [bias.double()]
+    slots = [torch.full((keys.shape[0],), -1)]
     if layer.high.num_entries():
         fields, positions = layer.high.view()
         live = positions[row] >= 0
@@ -122,6 +129,29 @@ def _served_entries(layer, kv_head: int, row: int, dim: int):
     return torch.cat(out_k), torch.cat(out_v), torch.cat(out_b), torch.cat(slots)
 
 
+def assert_dense_attention_over_the_served_entries(model, cache, mask, prefix_of=None) -> None:
+    """Every global layer of ``cache`` (after a generation over the left-padded question ``mask`` ``[2, q]``) attends
+    a random query as a float64 softmax over its served entries (`_served_entries`), one query head and row at a time;
+    ``prefix_of(layer_index, kv_head)`` gives the prefix's ``(keys, values, biases)`` (default: what is stored)."""
+    for index, layer in enumerate(cache.mixed_layers()):
+        assert layer.low.num_entries() > 0 and layer.first_recent > CONTEXT_LEN
+        seen = layer.get_seq_length()
+        padding = torch.cat([torch.ones(2, CONTEXT_LEN), mask, torch.ones(2, seen - CONTEXT_LEN - mask.shape[1])], 1)
+        query = torch.randn(2, model.config.num_attention_heads, 1, layer.keys.shape[-1])
+        parts = layer.partitions(padding.bool()[:, None, None, :], 1)
+        assert isinstance(parts[0], PrefixPartition) and parts[0].prefix.keys is layer.context.prefix_keys
+        got = mixed_precision_attention(query, parts, scaling=0.25).double()  # [B, 1, H_q, D]
+        group = query.shape[1] // layer.keys.shape[1]
+        for row in range(2):
+            for q_head in range(query.shape[1]):
+                prefix = None if prefix_of is None else prefix_of(index, q_head // group)
+                keys, values, bias, slots = _served_entries(layer, q_head // group, row, layer.keys.shape[-1], prefix)
+                visible = (slots < 0) | padding[row, slots.clamp_min(0)].bool()
+                scores = keys @ query[row, q_head, 0].double() * 0.25 + bias
+                weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), 0)
+                torch.testing.assert_close(got[row, 0, q_head], weights @ values, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_real_prefix_with_mixed_actions_equals_dense_attention_over_the_served_entries(arch):
     model = hf_structkv.enable(tiny_model(arch))
@@ -136,28 +166,72 @@ def test_real_prefix_with_mixed_actions_equals_dense_attention_over_the_served_e
     tagger = ParityTagger()
     cache = StructuredMixedPrecisionCache(model, policy, processor=tagger, prefill_plan=plan, context=catalogue)
     composed_generate(model, cache, questions, mask, new_tokens=10, tagger=tagger)
-    for layer in cache.mixed_layers():
-        assert layer.low.num_entries() > 0 and layer.first_recent > CONTEXT_LEN
-        seen = layer.get_seq_length()
-        padding = torch.cat([torch.ones(2, CONTEXT_LEN), mask, torch.ones(2, seen - CONTEXT_LEN - mask.shape[1])], 1)
-        query = torch.randn(2, model.config.num_attention_heads, 1, layer.keys.shape[-1])
-        parts = layer.partitions(padding.bool()[:, None, None, :], 1)
-        assert isinstance(parts[0], PrefixPartition) and parts[0].prefix.keys is layer.context.prefix_keys
-        got = mixed_precision_attention(query, parts, scaling=0.25).double()  # [B, 1, H_q, D]
-        group = query.shape[1] // layer.keys.shape[1]
-        for row in range(2):
-            for q_head in range(query.shape[1]):
-                keys, values, bias, slots = _served_entries(layer, q_head // group, row, layer.keys.shape[-1])
-                visible = (slots < 0) | padding[row, slots.clamp_min(0)].bool()
-                scores = keys @ query[row, q_head, 0].double() * 0.25 + bias
-                weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), 0)
-                torch.testing.assert_close(got[row, 0, q_head], weights @ values, atol=1e-5, rtol=1e-5)
+    assert_dense_attention_over_the_served_entries(model, cache, mask)
     # the plan's released / quantised prompt tokens really left the stores
     layer = cache.mixed_layers()[0]
     group = layer.group
     high_slots = set(layer.high.view()[1][0].tolist())
     for i, action in enumerate(plan[0, :, group].tolist()):
         assert ((CONTEXT_LEN + i) in high_slots) == (action == Action.H)
+
+
+def int4_context(model, seed: int) -> tuple[CompactedCache, list]:
+    """A compacted context of ``CONTEXT_LEN`` random tokens, ragged kept entries with biases: KV head 0 in the model's
+    dtype, the others INT4 (keys per channel in groups of 8); and ``expected[layer][kv_head]`` = the served
+    ``(keys, values)``, dequantised independently of the cache (`int4_cache`)."""
+    catalogue, expected = int4_cache(model, context_ids(seed), key_group=8, plain_heads=(0,), seed=seed)
+    assert all("int4" in layer.head_storage() for layer in catalogue.layers)
+    return catalogue, expected
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int4_context_with_mixed_actions_equals_dense_attention_over_the_dequantised_entries(arch):
+    model = hf_structkv.enable(tiny_model(arch))
+    catalogue, expected = int4_context(model, seed=13)
+    questions, mask = left_padded_questions(seed=14, lengths=(9, 6))
+    policy = mixed_policy(model, window=3)
+    plan = torch.randint(0, 3, (2, questions.shape[1], 3), generator=torch.Generator().manual_seed(15))
+    tagger = ParityTagger()
+    cache = StructuredMixedPrecisionCache(model, policy, processor=tagger, prefill_plan=plan, context=catalogue)
+    composed_generate(model, cache, questions, mask, new_tokens=10, tagger=tagger)
+
+    def prefix_of(index: int, kv_head: int):
+        _, _, bias, offsets = catalogue.layers[index].read_prefix(None)  # biases are stored in FP32, never quantised
+        return (*expected[index][kv_head], bias[offsets[kv_head] : offsets[kv_head + 1]])
+
+    assert_dense_attention_over_the_served_entries(model, cache, mask, prefix_of)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int4_context_generates_batch_2_left_padded(arch):
+    """All-high: the composed cache generates what the INT4 `CompactedCache` itself generates (its own attention
+    path); mixed actions: the left-padded batch generates what each row generates alone."""
+    model = hf_structkv.enable(tiny_model(arch))
+    catalogue, _ = int4_context(model, seed=16)
+    questions, mask = left_padded_questions(seed=17)
+    inputs = generation_inputs(catalogue.copy(), questions, mask)
+    with torch.no_grad():
+        compacted = model.generate(
+            **inputs, past_key_values=catalogue.copy(), max_new_tokens=12, min_new_tokens=12, do_sample=False
+        )
+    tagger = ParityTagger()
+    all_high = StructuredMixedPrecisionCache(
+        model, PolicyTable.all_high(model.config, window=2), processor=tagger, context=catalogue
+    )
+    got = composed_generate(model, all_high, questions, mask, tagger=tagger)
+    assert torch.equal(got, compacted[:, inputs["input_ids"].shape[1] :])
+
+    def mixed(rows, row_mask):
+        tagger = ParityTagger()
+        cache = StructuredMixedPrecisionCache(model, mixed_policy(model, window=3), processor=tagger, context=catalogue)
+        return composed_generate(model, cache, rows, row_mask, tagger=tagger), cache
+
+    batch, cache = mixed(questions, mask)
+    assert all(layer.low.num_entries() > 0 for layer in cache.mixed_layers())  # mixed actions really ran
+    for row in range(2):
+        alone = questions[row : row + 1, mask[row].bool()]
+        assert torch.equal(mixed(alone, torch.ones_like(alone))[0][0], batch[row]), row
+    assert catalogue.get_seq_length() == CONTEXT_LEN  # never appended to
 
 
 def test_saved_context_serves_two_conversations_without_copying_it(tmp_path):
@@ -240,3 +314,50 @@ def test_bad_contexts_are_refused_before_any_forward():
     mine = CompactedCache.from_selection(prefill(model, context_ids()), keep_all(prefill(model, context_ids())))
     with pytest.raises(ValueError, match="attention statistics"):
         StructuredMixedPrecisionCache(model, H2O(model, sink_tokens=2, window=4, heavy_ratio=0.5), context=mine)
+
+
+def test_a_context_prefix_is_served_by_the_torch_reference_when_triton_is_selected(monkeypatch):
+    """The Triton mixed kernel reads slot stores only (no ragged biased prefix): with ``HF_STRUCTKV_ATTENTION_BACKEND``
+    selecting Triton, a layer with a compacted context is served by the torch reference (same tokens as the torch
+    backend, no kernel call), while the same policy without a context does call the kernel."""
+    pytest.importorskip("triton", reason="triton is not importable: pip install hf-structkv[triton]")
+    from hf_structkv.attention.backend import BACKEND_ENV
+    from hf_structkv.attention.kernels import mixed_attention, runtime
+
+    if not runtime.interpreter_ready():
+        pytest.skip("CPU runs of the Triton kernels need TRITON_INTERPRET=1 before triton is imported (conftest)")
+    kernel, kernel_calls = mixed_attention.triton_mixed_precision_attention, []
+
+    def counted_kernel(*args, **kwargs):
+        kernel_calls.append(args[0].shape)  # the query [B, H_q, q, D]
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(mixed_attention, "triton_mixed_precision_attention", counted_kernel)
+    model = hf_structkv.enable(tiny_model("llama"))
+    context = context_ids(seed=18)
+    indices, biases = random_selection(prefill(model, context), 0.5, seed=19)
+    catalogue = CompactedCache.from_selection(prefill(model, context), indices, biases)
+    questions, mask = left_padded_questions(seed=20)
+
+    def run(backend: str, with_context: bool) -> torch.Tensor:
+        monkeypatch.setenv(BACKEND_ENV, backend)
+        tagger = ParityTagger()
+        cache = StructuredMixedPrecisionCache(
+            model, mixed_policy(model, window=2), processor=tagger, context=catalogue if with_context else None
+        )
+        if with_context:
+            return composed_generate(model, cache, questions, mask, new_tokens=6, tagger=tagger)
+        with torch.no_grad():
+            return model.generate(
+                input_ids=questions,
+                attention_mask=mask,
+                past_key_values=cache,
+                max_new_tokens=2,
+                do_sample=False,
+                logits_processor=[tagger],
+            )
+
+    composed_torch = run("torch", with_context=True)
+    assert torch.equal(run("triton", with_context=True), composed_torch) and not kernel_calls
+    run("triton", with_context=False)
+    assert len(kernel_calls) == 2 * model.config.num_hidden_layers  # the prompt forward + 1 decode step

@@ -7,6 +7,11 @@ hf_structkv``. With
 ``torch``, compacted attention runs through SDPA (`fused_compacted_attention`, the reference where SDPA has no form
 for it) and mixed-precision attention through its reference; ``reference`` runs both references
 (`compacted_attention`, `mixed_precision_attention`), which define what every path computes.
+
+A mixed-precision layer that serves a compacted context (a composed cache: ``StructuredMixedPrecisionCache(...,
+context=)``, a `PrefixPartition` among its partitions) is always served by the torch reference
+``mixed_precision_attention``, whatever this chooses: the Triton mixed kernel reads slot stores only, not a ragged
+prefix with biases (``registry.structkv_attention`` decides; tests/test_composed_cache.py checks it).
 """
 
 from __future__ import annotations
@@ -85,7 +90,8 @@ def compacted_attention_for(tensor: torch.Tensor) -> Callable[..., torch.Tensor]
 def mixed_precision_attention_for(tensor: torch.Tensor) -> Callable[..., torch.Tensor]:
     """The mixed-precision attention function for ``tensor`` (``choose_backend``): the Triton kernel wrapper
     ``kernels.mixed_attention.triton_mixed_precision_attention`` or the torch reference
-    ``mixed_precision_attention`` (for ``torch`` and ``reference``); both take the same arguments."""
+    ``mixed_precision_attention`` (for ``torch`` and ``reference``); both take the same arguments. Not asked for a
+    layer with a compacted context prefix (module docstring): the reference serves it."""
     if choose_backend(tensor) in ("torch", "reference"):
         return mixed_precision_attention
     from .kernels.mixed_attention import triton_mixed_precision_attention
