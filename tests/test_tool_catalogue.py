@@ -151,3 +151,52 @@ def test_cli_bad_input_exits_2_with_one_line_before_loading_the_model(tmp_path, 
     err = capsys.readouterr().err.strip()
     lines = err.splitlines()
     assert re.search(message, lines[-1]) and (len(lines) == 1 or lines[0].startswith("usage")), err
+
+
+def test_a_prefill_policy_plans_the_conversation_after_the_catalogue(model, tokenizer):
+    """``prefill_policy`` with a context plans the conversation tokens only (their labels, at slots after the
+    catalogue); an all-high prefill policy on a keep-all catalogue answers what the full prompt answers."""
+    from test_mixed_precision_cache import mixed_policy
+    from test_prefill_plan import tiny_prefill_policy
+
+    from hf_structkv.policy import Action, GroupCosts, PrefillPolicy
+    from hf_structkv.policy.prefill import plan_prefill
+    from hf_structkv.structure.prompt_spans import label_prompt, token_labels
+
+    context = compacted_catalogue(model, tokenizer, TOOLS)
+    policy = PolicyTable.all_high(model.config, window=2)
+    keep_high = PrefillPolicy(GroupCosts.from_config(model.config), {}, budget=1.0, provenance="illustrative")
+    full = generate_calls(model, tokenizer, QUESTIONS, TOOLS, policy, max_new_tokens=16, prefill_policy=keep_high)
+    composed = generate_calls(
+        model, tokenizer, QUESTIONS, TOOLS, policy, max_new_tokens=16, prefill_policy=keep_high, context=context
+    )
+    assert composed.texts == full.texts and composed.calls == full.calls
+    assert torch.equal(composed.sequences[:, composed.prompt_length :], full.sequences[:, full.prompt_length :])
+
+    decode_policy, prefill_policy = mixed_policy(model, window=3, sink=2), tiny_prefill_policy(model)
+    mixed = generate_calls(
+        model,
+        tokenizer,
+        QUESTIONS,
+        TOOLS,
+        decode_policy,
+        max_new_tokens=8,
+        prefill_policy=prefill_policy,
+        context=context,
+    )
+    start, width = context.original_length, mixed.prompt_length - context.original_length
+    schedule = mixed.cache.schedule
+    for row, question in enumerate(QUESTIONS):
+        conversation = conversation_text(
+            tokenizer, call_prompt(tokenizer, question, TOOLS), catalogue_text(tokenizer, TOOLS)
+        )
+        labels = token_labels(tokenizer, conversation, label_prompt(conversation, TOOLS))
+        want = torch.full((width, 3), int(Action.R))  # left padding released, the conversation's own plan after it
+        want[width - len(labels) :] = plan_prefill(labels, decode_policy.costs, prefill_policy, 2, 3).actions
+        assert {Action.R, Action.L} & set(want[width - len(labels) :].flatten().tolist())  # precision really drops
+        scheduled = torch.stack([schedule.actions(start, width, group)[row] for group in range(3)], dim=-1)
+        assert torch.equal(scheduled, want)
+        for layer in mixed.cache.mixed_layers():  # the conversation's tokens are stored as planned, after the catalogue
+            _, positions = layer.high.view() if layer.high.num_entries() else (None, torch.empty(2, 0))
+            stored = sorted(p - start for p in positions[row].tolist() if start <= p < start + width)
+            assert stored == (want[:, layer.group] == Action.H).nonzero().flatten().tolist()
