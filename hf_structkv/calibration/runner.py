@@ -33,7 +33,7 @@ from .development_store import DevelopmentStore
 from .likelihood import DevelopmentReplay, LikelihoodStore
 from .references import generation_key, reference_trajectories, with_position_tags
 from .settings import CalibrationSettings, settings_json
-from .stages import decode_stage, prefill_stage, run_stage, stage_runtime_v
+from .stages import StageInputs, decode_stage, prefill_stage, run_stage, stage_runtime_v
 from .task import CalibrationTask
 from .task_sensitivity import ACTIONS, needs_generation
 from .verdicts import VerdictStore
@@ -152,19 +152,12 @@ def calibrate(
     )
     reference_error = sum(not r.valid for r in dev_refs) / len(dev_refs)
     dev_replay = DevelopmentReplay(model, dev_refs, reference)  # likelihood sensitivity only; computes on use
+    inputs = StageInputs(model, tokenizer, task, development, dev_replay, refs, reference, costs, settings, fingerprint)
     stages = []
     if "decode" in settings.stages:
-        stages.append(
-            decode_stage(
-                model, tokenizer, task, development, dev_replay, refs, reference, costs, settings, fingerprint, view
-            )
-        )
+        stages.append(decode_stage(inputs, view))
     if "prefill" in settings.stages:
-        stages.append(
-            prefill_stage(
-                model, tokenizer, task, development, dev_replay, refs, reference, costs, settings, fingerprint
-            )
-        )
+        stages.append(prefill_stage(inputs))
     report: dict[str, Any] = {
         "hf_structkv_version": __version__,
         "settings": settings_json(settings),

@@ -4,7 +4,7 @@ that goes from Runtime-V and Runtime-D to the selected candidate (`run_stage`)."
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ from .task_sensitivity import (
     task_sensitivity,
 )
 
-__all__ = ["Stage", "decode_stage", "prefill_stage", "run_stage", "stage_runtime_v"]
+__all__ = ["Stage", "StageInputs", "decode_stage", "prefill_stage", "run_stage", "stage_runtime_v"]
 
 
 @dataclass
@@ -65,58 +65,83 @@ class Stage:
         return self.confirm is not None
 
 
-def decode_stage(
-    model,
-    tokenizer,
-    task: CalibrationTask,
-    development,
-    dev_replay: DevelopmentReplay,
-    refs,
-    reference,
-    costs,
-    settings,
-    fingerprint,
-    view,
-) -> Stage:
+@dataclass(frozen=True)
+class StageInputs:
+    """What both stages are built from.
+
+    Attributes:
+        model, tokenizer, task: the calibrated model and the task.
+        development: the development cases; dev_replay: their likelihood replay (`DevelopmentReplay`).
+        refs: the calibration cases' reference trajectories; reference: the all-high table of the calibration's view.
+        costs: the model's layer-group costs; settings: the `CalibrationSettings`; fingerprint: the model's.
+    """
+
+    model: Any
+    tokenizer: Any
+    task: CalibrationTask
+    development: Sequence[Any]
+    dev_replay: DevelopmentReplay
+    refs: Sequence[Any]
+    reference: Any
+    costs: Any
+    settings: Any
+    fingerprint: Any
+
+
+def decode_stage(inputs: StageInputs, view: dict[str, Any]) -> Stage:
     """The decode stage: one bucket per (tag key on the references, layer group); candidates are ``task``'s family
     tables of ``view`` (tag view and position bins), evaluated with decode under the candidate (generated, or
-    replayed by ``dev_replay`` with likelihood sensitivity). ``reference``: the all-high table of ``view``."""
-    keys = sorted({key for r in refs for tags in r.tags if tags for key in tags})
-    groups = len(costs.groups)
+    replayed by ``dev_replay`` with likelihood sensitivity). ``inputs.reference``: the all-high table of ``view``."""
+    keys = sorted({key for r in inputs.refs for tags in r.tags if tags for key in tags})
+    groups = len(inputs.costs.groups)
     buckets = [Bucket(key, c, groups) for key in keys for c in range(groups)]
-    counts = {b: sum(len(occurrences(r, b.key)) for r in refs) / len(refs) for b in buckets}
+    counts = {b: sum(len(occurrences(r, b.key)) for r in inputs.refs) / len(inputs.refs) for b in buckets}
 
     def build(actions, floors, priorities, tau):
         return decode_candidate(
             actions,
             floors,
             priorities,
-            refs,
-            costs,
-            settings.reserve_horizon,
-            settings.reserve_quantile,
-            sink_tokens=settings.sink_tokens,
-            window=settings.window,
-            fingerprint=fingerprint,
+            inputs.refs,
+            inputs.costs,
+            inputs.settings.reserve_horizon,
+            inputs.settings.reserve_quantile,
+            sink_tokens=inputs.settings.sink_tokens,
+            window=inputs.settings.window,
+            fingerprint=inputs.fingerprint,
             thresholds={"tau_low": tau[0], "tau_high": tau[1]},
-            family=task.family,
+            family=inputs.task.family,
             **view,
         )
 
     def generate_and_score(table, progress, store):
         return evaluate_controller(
-            model, tokenizer, task, development, table, settings.max_new_tokens, progress=progress, store=store
+            inputs.model,
+            inputs.tokenizer,
+            inputs.task,
+            inputs.development,
+            table,
+            inputs.settings.max_new_tokens,
+            progress=progress,
+            store=store,
         )
 
     def replay(table, progress, store):
-        return dev_replay(table, None, progress)
+        return inputs.dev_replay(table, None, progress)
 
     measure, evaluate, confirm = _by_sensitivity(
-        settings,
-        lambda: likelihood_measure(model, costs, "decode", reference),
+        inputs.settings,
+        lambda: likelihood_measure(inputs.model, inputs.costs, "decode", inputs.reference),
         replay,
         lambda: decode_generator(
-            model, tokenizer, task, costs, settings.max_new_tokens, settings.sink_tokens, settings.window, **view
+            inputs.model,
+            inputs.tokenizer,
+            inputs.task,
+            inputs.costs,
+            inputs.settings.max_new_tokens,
+            inputs.settings.sink_tokens,
+            inputs.settings.window,
+            **view,
         ),
         generate_and_score,
     )
@@ -130,66 +155,57 @@ def decode_stage(
         confirm=confirm,
         cost=lambda result: result.decode_ratio,
         nominal=lambda table: table.budget,
-        alpha=settings.alpha_decode,
+        alpha=inputs.settings.alpha_decode,
     )
 
 
-def prefill_stage(
-    model,
-    tokenizer,
-    task: CalibrationTask,
-    development,
-    dev_replay: DevelopmentReplay,
-    refs,
-    reference,
-    costs,
-    settings,
-    fingerprint,
-) -> Stage:
-    """The prefill stage (decode held at the all-high ``reference``): one bucket per (prompt label lowered on some
-    reference, layer group); candidates are `PrefillPolicy` objects, evaluated as ``prefill_policy``."""
+def prefill_stage(inputs: StageInputs) -> Stage:
+    """The prefill stage (decode held at the all-high ``inputs.reference``): one bucket per (prompt label lowered on
+    some reference, layer group); candidates are `PrefillPolicy` objects, evaluated as ``prefill_policy``."""
 
     def positions(r, label):
-        return prefill_positions(r, label, settings.sink_tokens, settings.window)
+        return prefill_positions(r, label, inputs.settings.sink_tokens, inputs.settings.window)
 
-    labels = [label for label in PROMPT_LABELS if any(positions(r, label) for r in refs)]
-    buckets = [Bucket(label, c) for label in labels for c in range(len(costs.groups))]
-    counts = {b: sum(len(positions(r, b.key)) for r in refs) / len(refs) for b in buckets}
+    labels = [label for label in PROMPT_LABELS if any(positions(r, label) for r in inputs.refs)]
+    buckets = [Bucket(label, c) for label in labels for c in range(len(inputs.costs.groups))]
+    counts = {b: sum(len(positions(r, b.key)) for r in inputs.refs) / len(inputs.refs) for b in buckets}
 
     def build(actions, floors, priorities, tau):
         return prefill_candidate(
             actions,
             floors,
             priorities,
-            refs,
-            costs,
-            settings.sink_tokens,
-            settings.window,
-            fingerprint=fingerprint,
+            inputs.refs,
+            inputs.costs,
+            inputs.settings.sink_tokens,
+            inputs.settings.window,
+            fingerprint=inputs.fingerprint,
             thresholds={"tau_low": tau[0], "tau_high": tau[1]},
         )
 
     def generate_and_score(policy, progress, store):
         return evaluate_controller(
-            model,
-            tokenizer,
-            task,
-            development,
-            reference,
-            settings.max_new_tokens,
+            inputs.model,
+            inputs.tokenizer,
+            inputs.task,
+            inputs.development,
+            inputs.reference,
+            inputs.settings.max_new_tokens,
             prefill_policy=policy,
             progress=progress,
             store=store,
         )
 
     def replay(policy, progress, store):
-        return dev_replay(reference, policy, progress)
+        return inputs.dev_replay(inputs.reference, policy, progress)
 
     measure, evaluate, confirm = _by_sensitivity(
-        settings,
-        lambda: likelihood_measure(model, costs, "prefill", reference),
+        inputs.settings,
+        lambda: likelihood_measure(inputs.model, inputs.costs, "prefill", inputs.reference),
         replay,
-        lambda: prefill_generator(model, tokenizer, task, reference, settings.max_new_tokens),
+        lambda: prefill_generator(
+            inputs.model, inputs.tokenizer, inputs.task, inputs.reference, inputs.settings.max_new_tokens
+        ),
         generate_and_score,
     )
     return Stage(
@@ -202,7 +218,7 @@ def prefill_stage(
         confirm=confirm,
         cost=lambda result: result.prefill_ratio,
         nominal=lambda policy: policy.budget,
-        alpha=settings.alpha_prefill,
+        alpha=inputs.settings.alpha_prefill,
     )
 
 
