@@ -15,12 +15,12 @@ import torch
 
 from ..validation import check_int
 from .attention_matching import AttentionMatchingHAK, AttentionMatchingOMP
-from .head_method import HeadMethod, evict
+from .head_method import HeadMethod
 from .head_statistics import CompactedHead, HeadProblem
-from .head_storage import check_storage
+from .head_storage import STORAGE_CHOICES, StorageLayout, check_storage
 from .kv_merger import KVMerger
 from .kv_surgeon import KVSurgeon, KVSurgeonNoCompensation
-from .quantized_refit import compact_int4, in_dtype
+from .quantized_refit import compact_int4, dtype_head
 from .query_free import KeyNorm, QFilters, RandomSelection, StreamingLLMCompaction
 from .score_eviction import H2OCompaction, KVzip, LeaveOneOut, OBCache
 
@@ -77,7 +77,8 @@ def compact_head(
             scales and offsets per channel, values per row, the method's refit redone with the quantized keys and the
             value rounding compensated (`quantized_refit`); where the same method in the values' dtype at the same
             bytes serves the calibration queries better (or a held-back quarter of them, refit without), that head
-            is stored instead, marked ``storage_fallback``.
+            is stored instead, marked ``storage_fallback``. (``"auto"``, a choice within a byte budget, is
+            `compact_head_to_bytes`'s.)
         key_group: ``"int4"`` only: kept entries per row of key scales and offsets (None: one row per head).
         **hparams: the method's hyperparameters (fields of its class, e.g. ``pool_factor=4`` or ``refit=False``).
 
@@ -86,23 +87,83 @@ def compact_head(
         ``storage="int4"`` a `QuantizedHead` (float32 served keys and values, the stored codes and scales) unless it
         fell back.
     """
+    budget = check_int("budget", budget, 1, counts="kept entries")
+    if storage == "auto":
+        raise ValueError("storage='auto' chooses within a byte budget: call compact_head_to_bytes(..., nbytes)")
+    rule, problem = _rule_and_problem(keys, values, queries, method, scaling, storage, key_group, hparams)
+    if storage == "int4":
+        head = compact_int4(problem, rule, budget, seed, values.dtype, key_group)
+    else:
+        head = dtype_head(problem, rule, budget, seed, values.dtype)
+    return _with_train_loss(head, problem)
+
+
+def compact_head_to_bytes(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor | None,
+    nbytes: int,
+    method: str = "kv_surgeon",
+    scaling: float | None = None,
+    seed: int = 0,
+    storage: str = "auto",
+    key_group: int | None = None,
+    **hparams: object,
+) -> CompactedHead:
+    """Compact one KV head to the most entries whose stored bytes (`StorageLayout`: keys, values, FP32 biases, the
+    head's row offset) fit in ``nbytes``, at least one.
+
+    Args (the others as `compact_head`'s):
+        nbytes: the head's byte budget, ``>= 1``.
+        storage: ``"bf16"`` (the values' dtype), ``"int4"`` (`compact_head`'s INT4 head and its fallback at the INT4
+            head's bytes) or ``"auto"``: the two candidates at this byte budget, the dtype head on the most entries
+            ``nbytes`` buys and the INT4 head on the most INT4 entries it buys (with ``key_group``), and the one
+            with the lower calibration loss is kept; the INT4 head must also pass the held-back-queries guard
+            against the dtype head (`compact_int4` with ``fallback_entries``), else the dtype head is kept, marked
+            ``storage_fallback``. Needs calibration queries.
+
+    Returns:
+        as `compact_head`.
+    """
+    nbytes = check_int("nbytes", nbytes, 1, counts="bytes")
+    if storage == "auto" and queries is None:
+        raise ValueError("storage='auto' chooses by the calibration loss and needs queries; got queries=None")
+    rule, problem = _rule_and_problem(keys, values, queries, method, scaling, storage, key_group, hparams)
+    dim, value_dim = keys.shape[1], values.shape[1]
+    in_dtype_entries = max(1, StorageLayout("bf16", dim, value_dim, values.element_size()).entries_for(nbytes))
+    int4_entries = max(1, StorageLayout("int4", dim, value_dim, key_group=key_group).entries_for(nbytes))
+    if storage == "bf16":
+        head = dtype_head(problem, rule, in_dtype_entries, seed, values.dtype)
+    else:
+        fallback = {"fallback_entries": in_dtype_entries} if storage == "auto" else {}
+        head = compact_int4(problem, rule, int4_entries, seed, values.dtype, key_group, **fallback)
+    return _with_train_loss(head, problem)
+
+
+def _rule_and_problem(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor | None,
+    method: str,
+    scaling: float | None,
+    storage: str,
+    key_group: int | None,
+    hparams: dict,
+) -> tuple[HeadMethod, HeadProblem]:
+    """The method's instance and the head's `HeadProblem`, every argument checked (errors name it)."""
     if method not in HEAD_METHODS:
         raise ValueError(f"method must be one of {sorted(HEAD_METHODS)}, got {method!r}")
     rule = HEAD_METHODS[method](**hparams)
-    budget = check_int("budget", budget, 1, counts="kept entries")
     if queries is None and rule.needs_queries:
         raise ValueError(f"method {method!r} needs calibration queries, got queries=None")
-    check_storage(storage)
+    check_storage(storage, STORAGE_CHOICES)
     if storage == "bf16" and key_group is not None:
-        raise ValueError(f"key_group is for storage='int4' only, got key_group={key_group!r} with storage='bf16'")
+        raise ValueError(f"key_group is for storage='int4' or 'auto' only, got key_group={key_group!r} with 'bf16'")
     check_int("key_group", key_group, 1, counts="kept entries per row of key scales", none_ok=True)
-    problem = HeadProblem.build(keys, values, queries, scaling)
-    if storage == "int4":
-        head = compact_int4(problem, rule, budget, seed, values.dtype, key_group)
-    elif budget >= problem.length:
-        head = in_dtype(evict(problem, torch.arange(problem.length, device=problem.keys.device)), values.dtype)
-    else:
-        head = in_dtype(rule.compact(problem, budget, seed), values.dtype)
+    return rule, HeadProblem.build(keys, values, queries, scaling)
+
+
+def _with_train_loss(head: CompactedHead, problem: HeadProblem) -> CompactedHead:
     return replace(head, train_loss=None if problem.queries is None else problem.relative_loss(head))
 
 

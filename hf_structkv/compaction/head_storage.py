@@ -30,10 +30,14 @@ SCALE_BYTES = 2
 """One FP16 scale."""
 
 
-def check_storage(storage: object) -> str:
-    """``storage`` if it is one of `STORAGES`, else ValueError naming the argument."""
-    if storage not in STORAGES:
-        raise ValueError(f"storage must be one of {list(STORAGES)}, got {storage!r}")
+STORAGE_CHOICES = (*STORAGES, "auto")
+"""What a head compacted within a byte budget may be asked for: a format, or ``"auto"`` (the better of both)."""
+
+
+def check_storage(storage: object, allowed: tuple[str, ...] = STORAGES) -> str:
+    """``storage`` if it is one of ``allowed``, else ValueError naming the argument."""
+    if storage not in allowed:
+        raise ValueError(f"storage must be one of {list(allowed)}, got {storage!r}")
     return storage
 
 

@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import DynamicCache
@@ -12,10 +13,9 @@ from transformers.cache_utils import DynamicLayer
 
 from ..cache.compacted import CompactedCache
 from ..cache.compacted_layers import Int4Head
-from .head_compaction import compact_head, relative_loss
+from .head_compaction import compact_head, compact_head_to_bytes, relative_loss
 from .head_statistics import CompactedHead, QuantizedHead
-from .head_storage import StorageLayout
-from .settings import CompactionSettings
+from .settings import MAX_LOSS_RATIOS, CompactionSettings
 
 __all__ = ["CacheSelection", "LayerResult", "compact_layer", "split_queries"]
 
@@ -66,16 +66,11 @@ def _int4_head(head: CompactedHead, key_group: int | None) -> Int4Head | None:
     return Int4Head(head.key_codes, head.key_scales, head.key_offsets, head.value_codes, head.value_scales)
 
 
-def entry_budget(budget: int, keys: torch.Tensor, values: torch.Tensor, storage: str, key_group: int | None) -> int:
-    """Kept entries of a head whose budget is ``budget`` entries in the cache's dtype: ``budget`` itself for
-    ``"bf16"``; for ``"int4"`` the most entries whose INT4 bytes (`StorageLayout`: codes, scales, key offsets, FP32
-    biases, the head's row offset) fit in the bytes of ``budget`` keys and values ``[T, D]`` / ``[T, D_v]`` in their
-    dtype, ``budget · (D + D_v) · element_bytes`` (at least 1)."""
-    if storage == "bf16":
-        return budget
-    dim, value_dim = keys.shape[-1], values.shape[-1]
-    nbytes = budget * (dim + value_dim) * values.element_size()
-    return max(1, StorageLayout(storage, dim, value_dim, key_group=key_group).entries_for(nbytes))
+def byte_budget(budget: int, keys: torch.Tensor, values: torch.Tensor) -> int:
+    """The bytes of a head whose budget is ``budget`` entries in the cache's dtype: those of ``budget`` keys and values
+    ``[T, D]`` / ``[T, D_v]`` in their dtype, ``budget · (D + D_v) · element_bytes`` (what ``"int4"`` and ``"auto"``
+    heads spend, `compact_head_to_bytes`)."""
+    return budget * (keys.shape[-1] + values.shape[-1]) * values.element_size()
 
 
 def split_queries(
@@ -90,42 +85,99 @@ def split_queries(
 
 @dataclass(frozen=True)
 class LayerResult:
-    """One layer compacted: ``heads`` (one `CompactedHead` per KV head, positions in the cache) and the held-out
-    relative loss of each chunk's heads, chunk by chunk (empty without held-out queries)."""
+    """One layer compacted: ``heads`` (one `CompactedHead` per KV head, positions in the cache), the held-out
+    relative loss of each chunk's heads, chunk by chunk (empty without held-out queries) and, with ``max_loss``, the
+    ratio each chunk's heads were given, chunk by chunk (1.0: kept whole; empty without ``max_loss``)."""
 
     heads: list[CompactedHead]
     heldout_losses: list[float]
+    ratios: list[float] = field(default_factory=list)
+
+
+def compact_to_budget(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor | None,
+    budget: int,
+    settings: CompactionSettings,
+    scaling: float | None,
+) -> CompactedHead:
+    """One KV head (``keys [T, D]``, ``values [T, D_v]``, fitting ``queries [N, D]`` or None) whose budget is
+    ``budget`` entries in the cache's dtype: ``compact_head`` on them for ``"bf16"``, ``compact_head_to_bytes`` on
+    their bytes (`byte_budget`) for ``"int4"`` and ``"auto"``."""
+    method = (settings.method, scaling, settings.seed)
+    if settings.storage == "bf16":
+        return compact_head(keys, values, queries, budget, *method, **settings.hparams)
+    storage = {"storage": settings.storage, "key_group": settings.key_group}
+    nbytes = byte_budget(budget, keys, values)
+    return compact_head_to_bytes(keys, values, queries, nbytes, *method, **storage, **settings.hparams)
+
+
+def fewest_bytes_within(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    fit: torch.Tensor,
+    heldout: torch.Tensor,
+    settings: CompactionSettings,
+    scaling: float | None,
+) -> tuple[CompactedHead, float, float]:
+    """``max_loss``: one KV head at the first size of `MAX_LOSS_RATIOS` (fewest bytes first, `compact_to_budget` on
+    ``max(1, floor(T / r))`` entries fitted to ``fit [N, D]``) whose relative loss on ``heldout [N_h, D]`` is at most
+    ``settings.max_loss``; kept whole (every entry in the cache's dtype, bias 0, original values, loss 0) when none
+    is. Sizes whose budget equals the previous one are not refitted.
+
+    Returns:
+        ``(head, ratio, held-out loss)``, ratio 1.0 for a head kept whole.
+    """
+    length, tried = keys.shape[0], None
+    for ratio in MAX_LOSS_RATIOS:
+        budget = max(1, math.floor(length / ratio))
+        if budget == tried:
+            continue
+        tried = budget
+        head = compact_to_budget(keys, values, fit, budget, settings, scaling)
+        loss = relative_loss(head, keys, heldout, values, scaling)
+        if loss <= settings.max_loss:
+            return head, float(ratio), loss
+    head = compact_head(keys, values, fit, length, settings.method, scaling, settings.seed, **settings.hparams)
+    return head, 1.0, relative_loss(head, keys, heldout, values, scaling)
 
 
 def _compact_chunk(
     layer: DynamicLayer,
     span: tuple[int, int],
-    budgets: list[int],
+    budgets: list[int] | None,
     queries: torch.Tensor | None,
     settings: CompactionSettings,
     scaling: float | None,
 ) -> LayerResult:
-    """The KV heads of one chunk ``span`` of ``layer``, each to its entry of ``budgets``, fitted to a seeded share of
-    the chunk's ``queries [H_kv, N, D]`` (None: query-free) and scored on the rest; positions chunk-local."""
+    """The KV heads of one chunk ``span`` of ``layer``, each to its entry of ``budgets`` (None with ``max_loss``:
+    `fewest_bytes_within`), fitted to a seeded share of the chunk's ``queries [H_kv, N, D]`` (None: query-free) and
+    scored on the rest; positions chunk-local."""
     begin, end = span
     fit = heldout = None
     if queries is not None:
         fit, heldout = split_queries(queries, settings.heldout_fraction, settings.query_cap, settings.seed)
-    heads, losses = [], []
-    for h, budget in enumerate(budgets):
+    scored = heldout is not None and heldout.shape[1] > 0
+    if settings.max_loss is not None and not scored:
+        raise ValueError(
+            f"max_loss needs held-out queries; heldout_fraction={settings.heldout_fraction} of the chunk's "
+            f"{queries.shape[1]} calibration queries holds none: raise heldout_fraction"
+        )
+    heads, losses, ratios = [], [], []
+    for h in range(layer.keys.shape[1]):
         keys, values = layer.keys[0, h, begin:end], layer.values[0, h, begin:end]
         head_queries = None if fit is None else fit[h]
-        storage = {"storage": settings.storage}
-        if settings.storage == "int4":
-            storage["key_group"] = settings.key_group
-        entries = entry_budget(budget, keys, values, settings.storage, settings.key_group)
-        head = compact_head(
-            keys, values, head_queries, entries, settings.method, scaling, settings.seed, **storage, **settings.hparams
-        )
+        if settings.max_loss is not None:
+            head, ratio, loss = fewest_bytes_within(keys, values, head_queries, heldout[h], settings, scaling)
+            ratios.append(ratio)
+        else:
+            head = compact_to_budget(keys, values, head_queries, budgets[h], settings, scaling)
+            loss = relative_loss(head, keys, heldout[h], values, scaling) if scored else None
         heads.append(head)
-        if heldout is not None and heldout.shape[1] > 0:
-            losses.append(relative_loss(head, keys, heldout[h], values, scaling))
-    return LayerResult(heads, losses)
+        if scored:
+            losses.append(loss)
+    return LayerResult(heads, losses, ratios)
 
 
 def _kept_whole(values: torch.Tensor) -> CompactedHead:
@@ -148,7 +200,7 @@ def _in_context(heads: list[CompactedHead], spans: list[tuple[int, int]], prefix
 def compact_layer(
     layer: DynamicLayer,
     spans: list[tuple[int, int]],
-    budgets: list[list[int]],
+    budgets: list[list[int]] | None,
     queries: list[torch.Tensor] | None,
     settings: CompactionSettings,
     scaling: float | None,
@@ -159,18 +211,28 @@ def compact_layer(
     Args:
         layer: the prefilled layer, keys and values ``[1, H_kv, T, D]``.
         spans: the chunks, ``(begin, end)`` in cache positions, after the prefix.
-        budgets: per chunk, the kept entries of each KV head.
+        budgets: per chunk, the kept entries of each KV head; None with ``settings.max_loss`` (each head's size is
+            chosen by `fewest_bytes_within`).
         queries: per chunk, the layer's calibration queries ``[H_kv, N_c, D]``; None for a query-free method.
         scaling: the layer's logit scale (None: ``1/sqrt(D)``).
     """
     chunks = [
-        _compact_chunk(layer, span, chunk_budgets, None if queries is None else queries[index], settings, scaling)
-        for index, (span, chunk_budgets) in enumerate(zip(spans, budgets, strict=True))
+        _compact_chunk(
+            layer,
+            span,
+            None if budgets is None else budgets[index],
+            None if queries is None else queries[index],
+            settings,
+            scaling,
+        )
+        for index, span in enumerate(spans)
     ]
+    losses = [loss for chunk in chunks for loss in chunk.heldout_losses]
+    ratios = [ratio for chunk in chunks for ratio in chunk.ratios]
     if settings.storage != "bf16":  # one chunk and no prefix (checked by compact): INT4 heads kept as they are
         heads = [replace(head, indices=head.indices + spans[0][0]) for head in chunks[0].heads]
-        return LayerResult(heads, chunks[0].heldout_losses)
+        return LayerResult(heads, losses, ratios)
     heads = []
     for h, per_chunk in enumerate(zip(*(chunk.heads for chunk in chunks))):
         heads.append(_in_context(list(per_chunk), spans, _kept_whole(layer.values[0, h, :prefix_tokens])))
-    return LayerResult(heads, [loss for chunk in chunks for loss in chunk.heldout_losses])
+    return LayerResult(heads, losses, ratios)

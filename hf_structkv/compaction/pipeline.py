@@ -36,7 +36,7 @@ from .layer_compaction import CacheSelection, compact_layer
 from .queries import DEFAULT_CAP, DEFAULT_INSTRUCTION, Conversation
 from .query_sources import ConversationRuns, QuerySource, calibration_conversations, query_source
 from .self_study import SelfStudy
-from .settings import CompactionSettings, check_budgets
+from .settings import MAX_LOSS_RATIOS, CompactionSettings, check_budgets
 
 __all__ = ["compact", "resolve_budgets"]
 
@@ -147,7 +147,7 @@ def compact(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase | None,
     context: Context,
-    ratio: float = 50.0,
+    ratio: float | None = None,
     method: str = "kv_surgeon",
     queries: str = "repeat",
     budgets="auto",
@@ -163,6 +163,7 @@ def compact(
     prefix: Context | None = None,
     storage: str = "bf16",
     key_group: int | None = 32,
+    max_loss: float | None = None,
     **hparams,
 ) -> CompactedCache:
     """Compact ``context`` for ``model`` at compression ``ratio``.
@@ -197,7 +198,7 @@ def compact(
             enters the fingerprint. Calibrated methods need it.
         context: a text or token ids ``[1, T]`` (one document), or a list of documents (texts or ``[1, T_i]``
             tensors, each tokenized on its own and concatenated in order).
-        ratio: original length / kept entries per KV head, a finite number >= 1.
+        ratio: original length / kept entries per KV head, a finite number >= 1 (None: 50, unless ``max_loss``).
         method: one of ``METHODS``.
         queries: calibration tier for calibrated methods, one of ``QUERY_TIERS``: ``"repeat"`` (one teacher-forced
             repetition per chunk) or ``"self_study"`` (the repetition and four generated conversations per chunk).
@@ -242,9 +243,24 @@ def compact(
             **byte** ratio: a head whose budget is ``t`` entries (``floor(T / ratio)`` under uniform budgets) gets
             the bytes of ``t`` keys and values in the model's dtype, ``t · (D + D_v) · element_bytes`` (``1/ratio``
             of its full keys and values), and keeps the most INT4 entries whose stored bytes (codes, scales, key
-            offsets, FP32 biases, its row offset: `StorageLayout`) fit in them. ``"int4"`` needs one chunk and no
-            ``prefix``. The metadata's ``storage`` counts the heads stored in INT4 and the fallbacks.
-        key_group: ``storage="int4"`` only: kept entries per row of key scales and offsets (None: one row per head).
+            offsets, FP32 biases, its row offset: `StorageLayout`) fit in them; ``"auto"``: the same byte budgets, and
+            each head keeps the better, on its calibration queries, of the head in the model's dtype on the most
+            entries its bytes buy and the INT4 head on the most INT4 entries they buy (the INT4 head also passing the
+            held-back-queries guard; `compact_head_to_bytes`); needs a calibrated method. ``"int4"`` and ``"auto"``
+            need one chunk and no ``prefix``. The metadata's ``storage`` counts the heads stored in INT4 and the
+            others (``fallback_heads``: kept in the model's dtype).
+        key_group: ``storage="int4"`` / ``"auto"`` only: kept entries per row of key scales and offsets (None: one
+            row per head).
+        max_loss: quality first, instead of ``ratio``: each KV head of each chunk is compacted at the sizes of
+            `MAX_LOSS_RATIOS` in turn, fewest bytes first (each as ``ratio`` would size it, in ``storage``), and keeps
+            the first whose relative loss (eq. 4) on its held-out queries is at most ``max_loss``, or every entry
+            (ratio 1, loss 0) when none is. The held-out queries are the seeded ``heldout_fraction`` share of the
+            head's own calibration queries (the repeat pass, and the self-study conversations with
+            ``queries="self_study"``), never fitted; no test question is used. Since they choose the size, the
+            metadata's held-out losses are then at most ``max_loss`` by construction, not an independent estimate.
+            The metadata's ``max_loss`` records the target, the sizes tried, the ratio each head got and the
+            resulting byte ratio of the whole cache (``full_nbytes() / nbytes()``). Needs a calibrated method and
+            ``heldout_fraction > 0``; excludes ``ratio`` and ``budgets``.
         **hparams: the method's hyper-parameters (e.g. ``sink_tokens=4`` for StreamingLLM, ``pool_factor`` for
             KV-Surgeon); refitting methods get ``refit_guard=DEFAULT_REFIT_GUARD`` unless given (``0``: the paper's
             unconditional refit). They are recorded in the metadata.
@@ -266,10 +282,14 @@ def compact(
         prefix=prefix,
         storage=storage,
         key_group=key_group,
+        max_loss=max_loss,
         hparams=hparams,
     )
     settings.check_tokenizer(tokenizer)
-    budget_source, budget_record = resolve_budgets(settings.budgets, model, settings.ratio)
+    if settings.max_loss is None:
+        budget_source, budget_record = resolve_budgets(settings.budgets, model, settings.ratio)
+    else:
+        budget_source, budget_record = None, {"source": "max_loss", "sizes_tried": list(MAX_LOSS_RATIOS)}
     layout = ContextLayout.read(tokenizer, context, settings.prefix, settings.chunk_tokens)
     vocabulary = model.get_input_embeddings().num_embeddings
     if int(layout.ids.max()) >= vocabulary:
@@ -282,8 +302,10 @@ def compact(
         )
     start = time.perf_counter()
     cache = prefill_context(model, layout.ids, settings.prefill_chunk_tokens, settings.progress)
-    chunk_budgets = [_token_budgets(budget_source, settings.ratio, end - begin, cache) for begin, end in layout.spans]
-    selection = CacheSelection.keep_everything(cache, settings.key_group if settings.storage == "int4" else None)
+    chunk_budgets = None
+    if budget_source is not None:
+        chunk_budgets = [_token_budgets(budget_source, settings.ratio, end - b, cache) for b, end in layout.spans]
+    selection = CacheSelection.keep_everything(cache, settings.key_group if settings.storage != "bf16" else None)
     scalings = attention_scalings(model)
     enable(model)
     conversations, source = None, None
@@ -292,10 +314,10 @@ def compact(
         conversations = calibration_conversations(model, tokenizer, layout.ids, layout.spans, settings, full_cache)
         runs = ConversationRuns(model, layout.ids, conversations, settings.prefill_chunk_tokens)
         source = query_source(runs, cache, partial(selection.build, cache), settings)
-    heldout_losses = {}
+    heldout_losses, head_ratios = {}, {}
     global_layers = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
     for layer_idx in tqdm(global_layers, desc=f"compact ({settings.method})", disable=not settings.progress):
-        layer_budgets = [counts[layer_idx] for counts in chunk_budgets]
+        layer_budgets = None if chunk_budgets is None else [counts[layer_idx] for counts in chunk_budgets]
         layer_queries = None if source is None else source.layer_queries(layer_idx)
         layer, scaling = cache.layers[layer_idx], scalings.get(layer_idx)
         result = compact_layer(
@@ -304,12 +326,14 @@ def compact(
         selection.set_layer(layer_idx, result.heads)
         if result.heldout_losses:
             heldout_losses[layer_idx] = result.heldout_losses
-    if not isinstance(budget_source, UniformBudgets):  # the uniform rule is in the record already
+        if result.ratios:
+            head_ratios[layer_idx] = result.ratios
+    if chunk_budgets is not None and not isinstance(budget_source, UniformBudgets):  # uniform: the rule is recorded
         budget_record["kept_per_chunk"] = [{str(k): v for k, v in counts.items()} for counts in chunk_budgets]
     metadata = {
         "fingerprint": model_fingerprint(model, tokenizer),
         "method": settings.method,
-        "hyperparameters": {"ratio": float(settings.ratio), "seed": settings.seed, **settings.hparams},
+        "hyperparameters": {**_size(settings), "seed": settings.seed, **settings.hparams},
         "calibration": _calibration_description(settings, source, conversations),
         "budgets": budget_record,
         "chunking": layout.record(settings.chunk_tokens),
@@ -320,7 +344,31 @@ def compact(
         metadata["storage"] = _storage_record(settings, selection)
     if heldout_losses:
         metadata["quality"] = _quality(heldout_losses)
-    return selection.build(cache, metadata=metadata)
+    compacted = selection.build(cache, metadata=metadata)
+    if settings.max_loss is not None:
+        compacted.metadata["max_loss"] = _max_loss_record(settings.max_loss, head_ratios, compacted)
+    return compacted
+
+
+def _size(settings: CompactionSettings) -> dict:
+    """The hyper-parameters that size the cache: ``ratio``, or ``max_loss`` (``ratio`` None)."""
+    if settings.max_loss is None:
+        return {"ratio": float(settings.ratio)}
+    return {"ratio": None, "max_loss": float(settings.max_loss)}
+
+
+def _max_loss_record(max_loss: float, head_ratios: dict[int, list[float]], cache: CompactedCache) -> dict:
+    """What ``max_loss`` chose: the target, where its held-out queries came from, the sizes tried, each global layer's
+    ratio per KV head (chunk by chunk; 1.0: kept whole) and the byte ratio of the whole cache."""
+    every_head = [ratio for ratios in head_ratios.values() for ratio in ratios]
+    return {
+        "max_loss": float(max_loss),
+        "heldout_queries": "the seeded heldout_fraction share of each chunk's calibration queries, never fitted",
+        "sizes_tried": list(MAX_LOSS_RATIOS),
+        "head_ratios": {str(layer): ratios for layer, ratios in sorted(head_ratios.items())},
+        "heads_kept_whole": sum(ratio == 1.0 for ratio in every_head),
+        "byte_ratio": cache.full_nbytes() / cache.nbytes(),
+    }
 
 
 def _calibration_description(

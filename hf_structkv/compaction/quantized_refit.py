@@ -147,27 +147,30 @@ def compact_int4(
     value_dtype: torch.dtype,
     key_group: int | None = None,
     guard_share: float = 0.25,
+    fallback_entries: int | None = None,
 ) -> CompactedHead:
     """``rule`` on ``min(budget, T)`` entries stored in INT4 (`quantize_head`), guarded against the same rule fitted
-    in ``value_dtype`` (the cache's) at the most entries the INT4 head's bytes buy (`StorageLayout`): that head is
-    served instead, marked ``storage_fallback``, when its loss on the calibration queries is lower, or when it is
-    lower on a seeded ``guard_share`` of them that the INT4 refit is redone without (the refit of many entries can fit
-    its calibration queries closely and others badly; 0: no such check).
+    in ``value_dtype`` (the cache's) on ``fallback_entries`` entries (None: the most entries the INT4 head's bytes
+    buy, `StorageLayout`): that head is served instead, marked ``storage_fallback``, when its loss on the calibration
+    queries is lower, or when it is lower on a seeded ``guard_share`` of them that the INT4 refit is redone without
+    (the refit of many entries can fit its calibration queries closely and others badly; 0: no such check).
 
     Returns:
         a `QuantizedHead`, or on fallback a `CompactedHead` with float32 bias and values in ``value_dtype``.
     """
-    selected = in_dtype(_compacted(problem, rule, budget, seed), value_dtype)
+    selected = dtype_head(problem, rule, budget, seed, value_dtype)
     quantized = quantize_head(problem, selected, rule, key_group)
     if problem.queries is None:
         return quantized
-    dim, value_dim = problem.keys.shape[1], problem.values.shape[1]
-    nbytes = StorageLayout("int4", dim, value_dim, key_group=key_group).nbytes(quantized.indices.numel())
-    element_bytes = torch.empty(0, dtype=value_dtype).element_size()
-    same_bytes = StorageLayout("bf16", dim, value_dim, element_bytes).entries_for(nbytes)
+    same_bytes = fallback_entries
+    if same_bytes is None:
+        dim, value_dim = problem.keys.shape[1], problem.values.shape[1]
+        nbytes = StorageLayout("int4", dim, value_dim, key_group=key_group).nbytes(quantized.indices.numel())
+        element_bytes = torch.empty(0, dtype=value_dtype).element_size()
+        same_bytes = StorageLayout("bf16", dim, value_dim, element_bytes).entries_for(nbytes)
     if same_bytes < 1:
         return quantized
-    plain = in_dtype(_compacted(problem, rule, same_bytes, seed), value_dtype)
+    plain = dtype_head(problem, rule, same_bytes, seed, value_dtype)
     if not problem.relative_loss(quantized) <= problem.relative_loss(plain):
         return replace(plain, storage_fallback=True)
     if guard_share > 0 and problem.queries.shape[0] >= 2:
@@ -182,7 +185,13 @@ def in_dtype(head: CompactedHead, value_dtype: torch.dtype) -> CompactedHead:
     return CompactedHead(head.indices, head.bias.float(), head.values.to(value_dtype))
 
 
-def _compacted(problem: HeadProblem, rule: HeadMethod, budget: int, seed: int) -> CompactedHead:
+def dtype_head(
+    problem: HeadProblem, rule: HeadMethod, budget: int, seed: int, value_dtype: torch.dtype
+) -> CompactedHead:
+    """``rule`` on ``min(budget, T)`` entries in ``value_dtype`` (`in_dtype`); ``budget >= T`` keeps every entry as it
+    is (bias 0, original values)."""
     if budget >= problem.length:
-        return evict(problem, torch.arange(problem.length, device=problem.keys.device))
-    return rule.compact(problem, budget, seed)
+        head = evict(problem, torch.arange(problem.length, device=problem.keys.device))
+    else:
+        head = rule.compact(problem, budget, seed)
+    return in_dtype(head, value_dtype)
