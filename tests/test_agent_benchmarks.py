@@ -1,0 +1,146 @@
+"""The helpers of issue 33's agent benchmarks, `benchmarks/tool_catalogue.py` and `benchmarks/long_trajectory.py`:
+case choice, the catalogue's size and contents, resumable logs, the synthetic trajectory, the summaries."""
+
+import json
+
+import pytest
+from test_benchmark_scripts import BENCHMARKS, load_script
+
+from hf_structkv.eval.bfcl import load_bfcl
+from hf_structkv.structured_generation import call_prompt, catalogue_text
+
+tc = load_script(BENCHMARKS / "tool_catalogue.py")
+lt = load_script(BENCHMARKS / "long_trajectory.py")
+
+
+def tokens(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def test_cases_come_in_turn_without_system_messages_or_contradicting_functions():
+    cases = tc.pick_cases(tc.CATEGORIES, 9, seed=0)
+    assert [case.category for case in cases] == list(tc.CATEGORIES) * 3
+    assert all(case.messages[0]["role"] != "system" for case in cases)
+    definitions = {}
+    for case in cases:
+        for tool in case.tools:
+            assert definitions.setdefault(tool["name"], tool) == tool
+    assert [c.id for c in tc.pick_cases(tc.CATEGORIES, 9, seed=0)] == [c.id for c in cases]  # seeded
+    with pytest.raises(ValueError, match="usable test cases"):
+        tc.pick_cases(["simple_python"], 10**6, seed=0)
+
+
+def test_the_catalogue_holds_the_cases_functions_and_the_most_others_that_fit(tokenizer):
+    cases = tc.pick_cases(tc.CATEGORIES, 3, seed=0)[:2]  # simple_python and multiple
+    tools = tc.build_catalogue(tokenizer, cases, tc.CATEGORIES, 1500, seed=0)
+    names = [tool["name"] for tool in tools]
+    assert len(names) == len(set(names))
+    assert {tool["name"] for case in cases for tool in case.tools} <= set(names)
+    assert tokens(tokenizer, catalogue_text(tokenizer, tools)) <= 1500
+    # brute force: the other tools added one by one in the pool's seeded order while they fit
+    rng = tc.catalogue_rng(0)
+    own = list({tool["name"]: tool for case in cases for tool in case.tools}.values())
+    pool, fitted = tc.other_tools(cases, tc.CATEGORIES, rng), list(own)
+    assert pool and not {t["name"] for t in pool} & {t["name"] for t in own}
+    for tool in pool:
+        if tokens(tokenizer, catalogue_text(tokenizer, [*fitted, tool])) > 1500:
+            break
+        fitted.append(tool)
+    rng.shuffle(fitted)
+    assert fitted == tools and len(fitted) > len(own)
+    assert tc.build_catalogue(tokenizer, cases, tc.CATEGORIES, 1500, seed=0) == tools
+    assert [t["name"] for t in tc.build_catalogue(tokenizer, cases, tc.CATEGORIES, 1500, seed=1)] != names
+    with pytest.raises(ValueError, match="--catalogue-tokens 100"):
+        tc.build_catalogue(tokenizer, cases, tc.CATEGORIES, 100, seed=0)
+
+
+def test_groups_are_consecutive_and_their_own_functions_fit(tokenizer):
+    cases = tc.pick_cases(tc.CATEGORIES, 9, seed=0)
+    groups = tc.group_cases(tokenizer, cases, 2000)
+    assert [case for group in groups for case in group] == cases and len(groups) > 1
+    for first, second in zip(groups, groups[1:]):
+        own = list({t["name"]: t for case in [*first, second[0]] for t in case.tools}.values())
+        assert tokens(tokenizer, catalogue_text(tokenizer, own)) > 2000  # the next case did not fit
+    for group in groups:
+        own = list({t["name"]: t for case in group for t in case.tools}.values())
+        assert len(group) == 1 or tokens(tokenizer, catalogue_text(tokenizer, own)) <= 2000
+
+
+def test_the_case_log_resumes_and_refuses_other_settings(tmp_path):
+    path = tmp_path / "run.cases.jsonl"
+    log = tc.CaseLog(path, {"seed": 0})
+    log.add_case("full_kv", {"id": "a", "valid": True})
+    log.add_catalogue("kv_surgeon@4x", 12.5)
+    again = tc.CaseLog(path, {"seed": 0})
+    assert again.cases == {("full_kv", "a"): {"row": "full_kv", "id": "a", "valid": True}}
+    assert again.catalogues["kv_surgeon@4x"]["seconds"] == 12.5
+    assert len(path.read_text().splitlines()) == 3
+    with pytest.raises(ValueError, match="other settings"):
+        tc.CaseLog(path, {"seed": 1})
+
+
+def test_rows_and_the_best_query_free_baseline():
+    rows = tc.method_rows([4.0], ["streaming_llm", "key_norm"])
+    assert [r.label for r in rows] == [
+        "full_kv",
+        "kv_surgeon@4x",
+        "kv_surgeon_int4@4x",
+        "streaming_llm@4x",
+        "key_norm@4x",
+        "kv_surgeon_int4@4x+pask@0.33",
+    ]
+    assert rows[-1].pask and rows[-1].catalogue_label == "kv_surgeon_int4@4x" and rows[-1].storage == "int4"
+    summaries = [
+        {"method": "streaming_llm", "ratio": 4.0, "accuracy": 0.5},
+        {"method": "key_norm", "ratio": 4.0, "accuracy": 0.5},
+        {"method": "key_norm", "ratio": 10.0, "accuracy": 0.4},
+        {"method": "streaming_llm", "ratio": 10.0, "accuracy": 0.2},
+        {"method": "kv_surgeon", "ratio": 10.0, "accuracy": 0.9},
+    ]
+    tc.mark_best_baselines(summaries, ["streaming_llm", "key_norm"])
+    assert [s.get("best_query_free") for s in summaries] == [True, False, True, False, None]
+
+
+def test_ground_truth_calls_take_the_first_accepted_values_and_drop_omittable_ones():
+    entry = next(e for e in load_bfcl("multiple") if e.id == "multiple_0")
+    ((name, accepted),) = entry.ground_truth[0].items()
+    calls = lt.ground_truth_calls(entry)
+    assert (
+        calls == [{"name": name, "arguments": {k: v[0] for k, v in accepted.items() if v[0] != ""}}]
+        and calls[0]["arguments"]
+    )
+    assert all(v[0] == "" for k, v in accepted.items() if k not in calls[0]["arguments"])
+
+
+def test_a_trajectory_stays_within_its_length_and_ends_with_a_question(tokenizer):
+    pool = tc.pick_cases(lt.CATEGORIES, 2, seed=0)
+    tools = list({t["name"]: t for case in pool for t in case.tools}.values())
+    chat = lt.trajectory(tokenizer, pool, tools, 1200, seed=0)
+    assert tokens(tokenizer, call_prompt(tokenizer, chat, tools)) <= 1200
+    assert chat[-1]["role"] == "user" and [m["role"] for m in chat].count("assistant") >= 2
+    for i, message in enumerate(chat):
+        if message["role"] == "assistant":
+            calls = json.loads(message["content"])
+            results = [json.loads(m["content"]) for m in chat[i + 1 : i + 1 + len(calls)]]
+            assert [r["name"] for r in results] == [c["name"] for c in calls]
+    assert lt.trajectory(tokenizer, pool, tools, 1200, seed=0) == chat
+    longer = lt.trajectory(tokenizer, pool, tools, 2400, seed=0)
+    assert len(longer) > len(chat)
+    with pytest.raises(ValueError, match="more than 50"):
+        lt.trajectory(tokenizer, pool, tools, 50, seed=0)
+
+
+def test_crossover_is_the_shortest_length_no_slower_than_dynamic():
+    def rec(variant, length, batch, ms):
+        return {"variant": variant, "length": length, "batch": batch, "decode_ms_median": ms}
+
+    records = [
+        rec("dynamic", 512, 1, 10.0),
+        rec("pask", 512, 1, 12.0),
+        rec("pask+catalogue", 512, 1, 9.0),
+        rec("dynamic", 2048, 1, 20.0),
+        rec("pask", 2048, 1, 19.0),
+        rec("pask+catalogue", 2048, 1, 21.0),
+    ]
+    assert lt.crossovers(records, [512, 2048], [1]) == {"pask@batch1": 2048, "pask+catalogue@batch1": 512}
+    assert lt.crossovers(records[:2], [512], [1, 4])["pask@batch4"] is None
