@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .compaction.head_storage import STORAGE_CHOICES
 from .compaction.settings import METHODS, QUERY_TIERS
 from .prompts import question_text
 from .validation import int_option, is_hub_id
@@ -59,6 +61,17 @@ def model_name(text: str) -> str:
             f"{text!r} does not exist; pass 'default' or a local transformers model folder"
         )
     return text
+
+
+def positive_number(text: str) -> float:
+    """``--max-loss``: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
 
 
 def question(text: str) -> str:
@@ -134,10 +147,18 @@ def read_context(args) -> str:
     return squad_document(args.squad_article, args.squad_paragraphs).text
 
 
+DEFAULT_CLI_RATIO = 8.0
+"""``--ratio`` when neither it nor ``--max-loss`` is given."""
+
+
 def compaction_kwargs(args) -> dict:
-    """The `compact` keyword arguments of the options that ``compaction_options`` adds."""
+    """The `compact` keyword arguments of the options that ``compaction_options`` adds (``--ratio`` defaults to
+    `DEFAULT_CLI_RATIO` unless ``--max-loss`` sizes the heads)."""
+    ratio = args.ratio
+    if ratio is None and getattr(args, "max_loss", None) is None:
+        ratio = DEFAULT_CLI_RATIO
     return {
-        "ratio": args.ratio,
+        "ratio": ratio,
         "method": args.method,
         "queries": args.queries,
         "budgets": args.budgets,
@@ -151,7 +172,9 @@ def compaction_kwargs(args) -> dict:
 def cmd_compact(args) -> int:
     from .compaction.dataset import compact_document
 
-    storage = {"storage": args.storage, "key_group": args.key_group}
+    if args.max_loss is not None and args.ratio is not None:
+        raise ValueError("--ratio and --max-loss exclude each other: --max-loss chooses each KV head's size")
+    storage = {"storage": args.storage, "key_group": args.key_group, "max_loss": args.max_loss}
     if args.tools:
         from .cli_calls import compact_tools
 
@@ -167,6 +190,12 @@ def cmd_compact(args) -> int:
     print(
         f"stored {cache.nbytes():,} bytes vs {cache.full_nbytes():,} full ({cache.full_nbytes() / cache.nbytes():.2f}x)"
     )
+    if args.max_loss is not None:
+        record = cache.metadata["max_loss"]
+        print(
+            f"max loss {args.max_loss:g} on each KV head's held-out calibration queries: byte ratio "
+            f"{record['byte_ratio']:.2f}x, {record['heads_kept_whole']} KV heads kept whole"
+        )
     if args.push:
         print("pushed:", cache.push_to_hub(args.push, private=args.private))
     return 0
@@ -318,7 +347,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
 
     def compaction_options(p):
-        p.add_argument("--ratio", type=float, default=8.0, help="original / kept entries per KV head")
+        p.add_argument(
+            "--ratio",
+            type=float,
+            default=None,
+            help=f"original / kept entries per KV head (default {DEFAULT_CLI_RATIO:g})",
+        )
         p.add_argument("--method", default="kv_surgeon", choices=METHODS, help="per-head compaction method")
         p.add_argument(
             "--on-policy",
@@ -367,9 +401,17 @@ def build_parser() -> argparse.ArgumentParser:
     compact_p.add_argument(
         "--storage",
         default="bf16",
-        choices=("bf16", "int4"),
+        choices=STORAGE_CHOICES,
         help="'bf16': kept keys and values in the model's dtype, --ratio counts entries; 'int4': INT4 codes with a "
-        "quantization-aware refit, --ratio counts bytes (of the keys and values in the model's dtype)",
+        "quantization-aware refit, --ratio counts bytes (of the keys and values in the model's dtype); 'auto': the "
+        "same bytes, each KV head in INT4 or the dtype, whichever fits its calibration queries better",
+    )
+    compact_p.add_argument(
+        "--max-loss",
+        type=positive_number,
+        default=None,
+        help="instead of --ratio: each KV head gets the fewest bytes whose relative loss on its held-out share of "
+        "the calibration queries is at most this (the resulting byte ratio is printed and recorded)",
     )
     compact_p.add_argument(
         "--key-group", type=int_option(1), default=32, help="--storage int4: kept entries per row of key scales"

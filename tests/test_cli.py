@@ -120,7 +120,8 @@ def test_bad_arguments_exit_2(capsys, argv, message):
 def test_parser_defaults():
     args = build_parser().parse_args(["compact", "--out", "o"])
     assert (args.model, args.dtype, args.squad_article, args.squad_paragraphs) == ("default", "float32", "Normans", 20)
-    assert (args.ratio, args.method, args.context_file) == (8.0, "kv_surgeon", None)
+    assert (compaction_kwargs(args)["ratio"], args.method, args.context_file) == (8.0, "kv_surgeon", None)
+    assert (args.ratio, args.max_loss, args.storage) == (None, None, "bf16")  # --ratio 8 unless --max-loss
     assert (args.on_policy, args.query_cap) == (False, 4096)
     assert (args.queries, args.budgets, args.chunk_tokens, args.keep_template) == ("repeat", "auto", None, False)
     assert (args.push, args.private) == (None, False)

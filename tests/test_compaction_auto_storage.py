@@ -1,6 +1,7 @@
 """Compacted heads sized by bytes (issue 31): ``storage="auto"`` keeps, per head, the candidate with the lower
 calibration loss within the byte budget (brute force over the candidates), and bad arguments are named."""
 
+import contextlib
 import math
 
 import pytest
@@ -219,3 +220,42 @@ def test_bad_size_arguments_are_refused_before_any_model_work(kwargs, match):
 
     with pytest.raises(ValueError, match=match):
         compact(object(), WordTokenizer(), "some context", **kwargs)  # the model is never touched
+
+
+# ------------------------------------------------------------------------------------------------ command line
+def test_cli_compact_max_loss_prints_and_records_the_byte_ratio(tmp_path, monkeypatch, capsys):
+    from hf_structkv import CompactedCache, cli
+    from hf_structkv.models import tiny_model
+
+    monkeypatch.setattr(cli, "load_model", lambda name, dtype: (tiny_model("llama"), WordTokenizer()))
+    context = tmp_path / "context.txt"
+    context.write_text("".join(chr(97 + (7 * i) % 26) for i in range(LENGTH)), encoding="utf-8")
+    out = tmp_path / "cache"
+    argv = ["compact", "--context-file", str(context), "--max-loss", "0.05", "--storage", "auto", "--key-group", "8"]
+    assert cli.main([*argv, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    cache = CompactedCache.load(out)
+    record = cache.metadata["max_loss"]
+    assert record["max_loss"] == 0.05 and cache.metadata["storage"]["requested"] == "auto"
+    assert f"byte ratio {record['byte_ratio']:.2f}x" in printed
+    assert f"{cache.full_nbytes() / cache.nbytes():.2f}x" in printed
+    assert "max_loss" in (out / "README.md").read_text()  # the card shows the target
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-loss", "0.1", "--ratio", "8"], "--ratio and --max-loss exclude each other"),
+        (["--max-loss", "0"], "argument --max-loss: must be a finite number > 0"),
+        (["--max-loss", "nan"], "argument --max-loss: must be a finite number > 0"),
+        (["--max-loss", "x"], "argument --max-loss: must be a finite number > 0"),
+        (["--storage", "int8"], "argument --storage: invalid choice"),
+    ],
+)
+def test_cli_refuses_bad_size_options_before_loading_a_model(argv, message, tmp_path, monkeypatch, capsys):
+    from hf_structkv import cli
+
+    monkeypatch.setattr(cli, "load_model", lambda name, dtype: pytest.fail("a model was loaded"))
+    with contextlib.suppress(SystemExit):
+        assert cli.main(["compact", *argv, "--out", str(tmp_path / "cache")]) == 2
+    assert message in capsys.readouterr().err
