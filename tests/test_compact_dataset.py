@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerFast
 import hf_structkv.compaction.dataset as dataset_module
 from hf_structkv import CompactedCache
 from hf_structkv.cache.compacted_files import CACHE_FILES
-from hf_structkv.cli import build_parser, main
+from hf_structkv.cli import build_parser, compaction_kwargs, main
 from hf_structkv.compaction import SelfStudy, compact
 from hf_structkv.compaction.dataset import (
     MANIFEST_NAME,
@@ -371,7 +371,8 @@ def test_merge_manifest_needs_every_part(tmp_path, llama, rows):
 def test_compact_dataset_options():
     args = build_parser().parse_args(["compact-dataset", "--data", "d.jsonl", "--out", "o"])
     assert (args.data, args.split, args.text_column, args.id_column) == ("d.jsonl", None, "context", None)
-    assert (args.model, args.ratio, args.method, args.queries, args.budgets) == (
+    assert args.ratio is None  # --ratio 8 unless --max-loss, applied by compaction_kwargs
+    assert (args.model, compaction_kwargs(args)["ratio"], args.method, args.queries, args.budgets) == (
         "default",
         8.0,
         "kv_surgeon",
