@@ -6,11 +6,15 @@ per-entry logit biases, `PrefixPartition`), a high-precision store (BF16, or the
 newest tokens, the current step's included). Each partition yields FP32 softmax statistics; they are merged exactly
 with `merge_partitions`. This defines correctness for the Triton mixed-precision kernel (which serves layers without
 a prefix).
+
+A prefill (many query rows over many keys) runs in blocks of query rows, each block's logits bounded by
+``max_score_elements`` (`SCORE_BLOCK_ELEMENTS` by default), so its memory grows as ``block x keys``, not as
+``queries x keys``; rows are independent, so the blocks' outputs are the unblocked output.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -89,6 +93,10 @@ class PrefixPartition:
 
 Partition = DensePartition | Int4Partition | PrefixPartition
 
+SCORE_BLOCK_ELEMENTS = 1 << 25
+"""Default largest number of FP32 logits (``B x H_q x rows x n``) one block of query rows holds per partition
+(128 MiB); each partition's logits exist one at a time, next to a few same-sized intermediates (softcap, mask, exp)."""
+
 
 def _prefix_stats(
     grouped_query: torch.Tensor, prefix: CompactedPrefix, scaling: float, softcap: float | None
@@ -125,6 +133,29 @@ def _stats(grouped_query: torch.Tensor, part: Partition, scaling: float, softcap
     return partition_stats(scores, values.unsqueeze(2))
 
 
+def _float_partition(part: Partition) -> Partition:
+    """``part`` with its keys and values in FP32 (INT4 dequantised), so that blocks of query rows share one copy."""
+    if isinstance(part, PrefixPartition):
+        return PrefixPartition(part.prefix.dense(torch.float32))
+    return DensePartition(*part.float_keys_values(), part.visible)
+
+
+def _num_entries(part: Partition) -> int:
+    """Entries a query row scores in ``part`` (for a prefix: its longest KV head)."""
+    if isinstance(part, PrefixPartition):
+        offsets = part.prefix.offsets
+        return max((stop - start for start, stop in zip(offsets, offsets[1:])), default=0)
+    return part.visible.shape[-1]
+
+
+def _row_block(query: torch.Tensor, partitions: list[Partition], max_score_elements: int) -> int:
+    """Query rows per block: the most whose logits ``[B, H_q, rows, n]`` of the largest partition fit
+    ``max_score_elements`` (at least one row)."""
+    batch, n_q_heads, q_len, _ = query.shape
+    per_row = batch * n_q_heads * max(_num_entries(part) for part in partitions)
+    return max(1, min(q_len, max_score_elements // max(per_row, 1)))
+
+
 def _grouped_query(query: torch.Tensor, partitions: list[Partition]) -> torch.Tensor:
     """``query`` ``[B, H_q, q, D]`` as FP32 ``[B, H_kv, g, q, D]`` over the partitions' KV heads."""
     if not partitions:
@@ -144,6 +175,7 @@ def mixed_precision_attention(
     partitions: list[Partition],
     scaling: float,
     softcap: float | None = None,
+    max_score_elements: int = SCORE_BLOCK_ELEMENTS,
 ) -> torch.Tensor:
     """Softmax attention over disjoint key partitions, merged with shared FP32 statistics (eq. 15).
 
@@ -153,13 +185,28 @@ def mixed_precision_attention(
         partitions: each visible key in exactly one partition; empty partitions (``n = 0``) contribute nothing; a
             `PrefixPartition` is visible to every row.
         scaling: logit scale; softcap: optional tanh soft-capping.
+        max_score_elements: the most FP32 logits one partition holds at once: query rows are served in blocks of
+            ``max(1, max_score_elements // (B * H_q * n))`` rows (``n`` the largest partition's entries).
 
     Returns:
         ``[B, q, H_q, D_v]`` in ``query.dtype``; a row that sees no key gets zeros.
     """
+    if isinstance(max_score_elements, bool) or not isinstance(max_score_elements, int) or max_score_elements < 1:
+        raise ValueError(f"max_score_elements must be a positive int, got {max_score_elements!r}")
     batch, n_q_heads, q_len, _ = query.shape
     grouped = _grouped_query(query, partitions)
-    out = merge_partitions([_stats(grouped, part, scaling, softcap) for part in partitions])  # [B, H_kv, g, q, D_v]
+    served = [_float_partition(part) for part in partitions]
+    rows = _row_block(query, served, max_score_elements)
+    blocks = []
+    for start in range(0, max(q_len, 1), rows):
+        block = slice(start, start + rows)
+        parts = [
+            part if isinstance(part, PrefixPartition) else replace(part, visible=part.visible[:, block])
+            for part in served
+        ]
+        stats = [_stats(grouped[..., block, :], part, scaling, softcap) for part in parts]
+        blocks.append(merge_partitions(stats))  # [B, H_kv, g, rows, D_v]
+    out = torch.cat(blocks, dim=-2) if len(blocks) > 1 else blocks[0]
     return out.reshape(batch, n_q_heads, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
 
 
