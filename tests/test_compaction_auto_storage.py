@@ -9,6 +9,7 @@ import torch
 
 from hf_structkv.compaction.head_compaction import HEAD_METHODS, compact_head, compact_head_to_bytes, relative_loss
 from hf_structkv.compaction.head_statistics import HeadProblem, QuantizedHead
+from hf_structkv.compaction.head_storage import StorageLayout
 from hf_structkv.compaction.quantized_refit import compact_int4, quantize_head
 
 DIM = 8
@@ -154,7 +155,10 @@ def test_compact_auto_keeps_what_compact_head_to_bytes_keeps_within_each_heads_b
     )
     record = cache.metadata["storage"]
     assert record["requested"] == "auto" and record["int4_heads"] + record["fallback_heads"] == 4
-    nbytes = (LENGTH // ratio) * (16 + 16) * 4  # uniform budgets; float32 keys and values of 16 channels
+    # uniform budgets, float32 keys and values of 16 channels: (48 // 4) * 128 = 1536 bytes per head, capped at the
+    # bytes of the whole head in INT4 (1448); the 4 * 88 left cannot keep a head whole in float32 (head_byte_budgets)
+    nbytes = min((LENGTH // ratio) * (16 + 16) * 4, StorageLayout("int4", 16, 16, key_group=KEY_GROUP).nbytes(LENGTH))
+    assert cache.metadata["budgets"]["bytes_per_chunk"] == [{"0": [nbytes] * 2, "1": [nbytes] * 2}]
     for layer, (fit, _) in splits.items():
         for h, (kind, length, bias) in enumerate(served_heads(cache, layer)):
             keys, values = full.layers[layer].keys[0, h], full.layers[layer].values[0, h]

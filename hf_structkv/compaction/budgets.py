@@ -52,7 +52,9 @@ __all__ = [
     "UniformBudgets",
     "default_head_budgets",
     "global_layers",
+    "water_fill",
     "is_real",
+    "largest_remainder",
 ]
 
 FORMAT_NAME = "hf_structkv_head_budgets"
@@ -69,7 +71,7 @@ _LAYER_KEY = re.compile(r"0|[1-9][0-9]{0,5}")  # a layer index as JSON keys spel
 
 
 # ---------------------------------------------------------------------------------------------------- allocation
-def _water_fill(weights: Sequence[float], total: float, lower: float, upper: float) -> list[float]:
+def water_fill(weights: Sequence[float], total: float, lower: float, upper: float) -> list[float]:
     """``x_h = clip(c * w_h, lower, upper)`` with the one ``c`` that makes ``Σ x_h = total``.
 
     This is the fixed point of "cap every head above ``upper`` (and lift every head below ``lower``), share what is
@@ -99,7 +101,7 @@ def _water_fill(weights: Sequence[float], total: float, lower: float, upper: flo
     return [min(upper, max(lower, level * w)) if w > 0 else lower + rest for w in weights]
 
 
-def _largest_remainder(amounts: Sequence[float], total: int, upper: int) -> list[int]:
+def largest_remainder(amounts: Sequence[float], total: int, upper: int) -> list[int]:
     """Integers ``>= floor(amount)`` summing to ``total``: the floors, plus one for the largest fractional parts
     (ties to the lower index), never above ``upper``. Their sum-of-squares distance to ``amounts`` is minimal."""
     counts = [int(math.floor(a)) for a in amounts]
@@ -229,7 +231,7 @@ class HeadBudgets(SavedArtifact):
             )
         layers = list(self.weights)
         flat = [s for layer in layers for s in self.weights[layer]]
-        counts = _largest_remainder(_water_fill(flat, total, 1.0, float(cap)), total, cap)
+        counts = largest_remainder(water_fill(flat, total, 1.0, float(cap)), total, cap)
         out, start = {}, 0
         for layer in layers:
             out[layer] = counts[start : start + len(self.weights[layer])]

@@ -94,6 +94,23 @@ class LayerResult:
     ratios: list[float] = field(default_factory=list)
 
 
+def compact_within(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor | None,
+    budget: int,
+    settings: CompactionSettings,
+    scaling: float | None,
+) -> CompactedHead:
+    """One KV head (``keys [T, D]``, ``values [T, D_v]``, fitting ``queries [N, D]`` or None) within ``budget``:
+    kept entries for ``"bf16"`` (``compact_head``), bytes for ``"int4"`` and ``"auto"`` (``compact_head_to_bytes``)."""
+    method = (settings.method, scaling, settings.seed)
+    if settings.storage == "bf16":
+        return compact_head(keys, values, queries, budget, *method, **settings.hparams)
+    storage = {"storage": settings.storage, "key_group": settings.key_group}
+    return compact_head_to_bytes(keys, values, queries, budget, *method, **storage, **settings.hparams)
+
+
 def compact_to_budget(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -102,15 +119,10 @@ def compact_to_budget(
     settings: CompactionSettings,
     scaling: float | None,
 ) -> CompactedHead:
-    """One KV head (``keys [T, D]``, ``values [T, D_v]``, fitting ``queries [N, D]`` or None) whose budget is
-    ``budget`` entries in the cache's dtype: ``compact_head`` on them for ``"bf16"``, ``compact_head_to_bytes`` on
-    their bytes (`byte_budget`) for ``"int4"`` and ``"auto"``."""
-    method = (settings.method, scaling, settings.seed)
-    if settings.storage == "bf16":
-        return compact_head(keys, values, queries, budget, *method, **settings.hparams)
-    storage = {"storage": settings.storage, "key_group": settings.key_group}
-    nbytes = byte_budget(budget, keys, values)
-    return compact_head_to_bytes(keys, values, queries, nbytes, *method, **storage, **settings.hparams)
+    """`compact_within` a budget of ``budget`` entries in the cache's dtype: the entries for ``"bf16"``, their bytes
+    (`byte_budget`) for ``"int4"`` and ``"auto"``."""
+    nbytes = budget if settings.storage == "bf16" else byte_budget(budget, keys, values)
+    return compact_within(keys, values, queries, nbytes, settings, scaling)
 
 
 def fewest_bytes_within(
@@ -151,9 +163,9 @@ def _compact_chunk(
     settings: CompactionSettings,
     scaling: float | None,
 ) -> LayerResult:
-    """The KV heads of one chunk ``span`` of ``layer``, each to its entry of ``budgets`` (None with ``max_loss``:
-    `fewest_bytes_within`), fitted to a seeded share of the chunk's ``queries [H_kv, N, D]`` (None: query-free) and
-    scored on the rest; positions chunk-local."""
+    """The KV heads of one chunk ``span`` of ``layer``, each within its entry of ``budgets`` (`compact_within`: entries
+    for ``"bf16"``, bytes otherwise; None with ``max_loss``: `fewest_bytes_within`), fitted to a seeded share of the
+    chunk's ``queries [H_kv, N, D]`` (None: query-free) and scored on the rest; positions chunk-local."""
     begin, end = span
     fit = heldout = None
     if queries is not None:
@@ -172,7 +184,7 @@ def _compact_chunk(
             head, ratio, loss = fewest_bytes_within(keys, values, head_queries, heldout[h], settings, scaling)
             ratios.append(ratio)
         else:
-            head = compact_to_budget(keys, values, head_queries, budgets[h], settings, scaling)
+            head = compact_within(keys, values, head_queries, budgets[h], settings, scaling)
             loss = relative_loss(head, keys, heldout[h], values, scaling) if scored else None
         heads.append(head)
         if scored:
@@ -211,7 +223,8 @@ def compact_layer(
     Args:
         layer: the prefilled layer, keys and values ``[1, H_kv, T, D]``.
         spans: the chunks, ``(begin, end)`` in cache positions, after the prefix.
-        budgets: per chunk, the kept entries of each KV head; None with ``settings.max_loss`` (each head's size is
+        budgets: per chunk, each KV head's budget: kept entries for ``"bf16"`` storage, bytes for ``"int4"`` and
+            ``"auto"`` (`head_byte_budgets`); None with ``settings.max_loss`` (each head's size is
             chosen by `fewest_bytes_within`).
         queries: per chunk, the layer's calibration queries ``[H_kv, N_c, D]``; None for a query-free method.
         scaling: the layer's logit scale (None: ``1/sqrt(D)``).

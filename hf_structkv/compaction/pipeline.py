@@ -30,6 +30,7 @@ from ..cache.compacted import CompactedCache
 from ..persistence import model_fingerprint
 from ..validation import is_int
 from .budgets import CAP_FRACTION, HeadBudgets, UniformBudgets, default_head_budgets
+from .byte_budgets import head_byte_budgets
 from .chunks import Context, chunk_spans, context_documents
 from .context_prefill import prefill_context
 from .layer_compaction import CacheSelection, compact_layer
@@ -102,6 +103,23 @@ def _token_budgets(source, ratio: float, length: int, cache: DynamicCache) -> di
             raise ValueError(f"budgets.token_budgets gave layer {layer_idx} counts {layer_counts!r}; need ints >= 0")
         budgets[layer_idx] = [max(1, c) for c in layer_counts]
     return budgets
+
+
+def _byte_budgets(
+    entry_budgets: dict[int, list[int]], span: tuple[int, int], cache: DynamicCache, settings: CompactionSettings
+) -> dict[int, list[int]]:
+    """`head_byte_budgets` of the chunk ``span`` of the prefilled ``cache`` (its global layers' key and value widths
+    and dtype, which must agree)."""
+    shapes = {
+        (layer.keys.shape[-1], layer.values.shape[-1], layer.values.element_size())
+        for i, layer in enumerate(cache.layers)
+        if i in entry_budgets
+    }
+    if len(shapes) != 1:
+        raise ValueError(f"storage={settings.storage!r} needs one key/value width and dtype over the global layers")
+    (key_dim, value_dim, element_bytes), length = shapes.pop(), span[1] - span[0]
+    layout = (key_dim, value_dim, element_bytes, settings.storage, settings.key_group)
+    return head_byte_budgets(entry_budgets, length, *layout)
 
 
 @dataclass(frozen=True)
@@ -198,7 +216,8 @@ def compact(
             enters the fingerprint. Calibrated methods need it.
         context: a text or token ids ``[1, T]`` (one document), or a list of documents (texts or ``[1, T_i]``
             tensors, each tokenized on its own and concatenated in order).
-        ratio: original length / kept entries per KV head, a finite number >= 1 (None: 50, unless ``max_loss``).
+        ratio: original length / kept entries per KV head, a finite number >= 1 (None: 50, unless ``max_loss``); with
+            ``storage="int4"`` or ``"auto"`` the byte ratio ``full_nbytes() / nbytes()`` (see ``storage``).
         method: one of ``METHODS``.
         queries: calibration tier for calibrated methods, one of ``QUERY_TIERS``: ``"repeat"`` (one teacher-forced
             repetition per chunk) or ``"self_study"`` (the repetition and four generated conversations per chunk).
@@ -240,15 +259,21 @@ def compact(
             ``"int4"``: each head is compacted by ``compact_head(..., storage="int4")`` (packed INT4 codes, keys with
             FP16 scales and offsets per channel, the refit redone with the quantized keys; a head that serves its
             calibration queries better in the model's dtype at the same bytes falls back to it) and ``ratio`` is a
-            **byte** ratio: a head whose budget is ``t`` entries (``floor(T / ratio)`` under uniform budgets) gets
-            the bytes of ``t`` keys and values in the model's dtype, ``t · (D + D_v) · element_bytes`` (``1/ratio``
-            of its full keys and values), and keeps the most INT4 entries whose stored bytes (codes, scales, key
-            offsets, FP32 biases, its row offset: `StorageLayout`) fit in them; ``"auto"``: the same byte budgets, and
-            each head keeps the better, on its calibration queries, of the head in the model's dtype on the most
-            entries its bytes buy and the INT4 head on the most INT4 entries they buy (the INT4 head also passing the
-            held-back-queries guard; `compact_head_to_bytes`); needs a calibrated method. ``"int4"`` and ``"auto"``
-            need one chunk and no ``prefix``. The metadata's ``storage`` counts the heads stored in INT4 and the
-            others (``fallback_heads``: kept in the model's dtype).
+            **byte** ratio against the full cache in the model's dtype, whatever that dtype (4 bytes per element
+            for FP32, 2 for BF16): the context's stored bytes (`CompactedCache.nbytes`: codes, scales, key offsets,
+            FP32 biases, row offsets, dtype rows) are at most ``full_nbytes() / ratio``. The heads' entry budgets
+            ``t_h`` (``floor(T / ratio)`` under uniform budgets) buy ``Σ t_h · (D + D_v) · element_bytes`` bytes,
+            shared in proportion to ``t_h`` with each head capped at the bytes of its whole head in INT4
+            (`head_byte_budgets`), and each head keeps the most INT4 entries whose bytes (`StorageLayout`) fit in its
+            share; the achieved ratio exceeds ``ratio`` by the rounding to whole entries and key-scale rows, or, when
+            ``ratio`` is below the ratio of the whole cache in INT4 (about 6 in FP32, 3 in BF16, for ``D = 64``),
+            every head is kept whole in INT4 and that ratio is reached; ``"auto"``: the same byte shares, and each
+            head keeps the better, on its calibration queries, of the head in the model's dtype on the most entries
+            its bytes buy and the INT4 head on the most INT4 entries they buy (the INT4 head also passing the
+            held-back-queries guard; `compact_head_to_bytes`); below the whole-INT4 ratio the bytes left keep whole
+            heads in the dtype, largest budget first; needs a calibrated method. ``"int4"`` and ``"auto"`` need one
+            chunk and no ``prefix``. The metadata's ``storage`` counts the heads stored in INT4 and the others
+            (``fallback_heads``: kept in the model's dtype) and records the achieved ``byte_ratio``.
         key_group: ``storage="int4"`` / ``"auto"`` only: kept entries per row of key scales and offsets (None: one
             row per head).
         max_loss: quality first, instead of ``ratio``: each KV head of each chunk is compacted at the sizes of
@@ -302,9 +327,12 @@ def compact(
         )
     start = time.perf_counter()
     cache = prefill_context(model, layout.ids, settings.prefill_chunk_tokens, settings.progress)
-    chunk_budgets = None
+    chunk_budgets = head_budgets = None
     if budget_source is not None:
         chunk_budgets = [_token_budgets(budget_source, settings.ratio, end - b, cache) for b, end in layout.spans]
+        head_budgets = chunk_budgets
+        if settings.storage != "bf16":  # one chunk (checked above): the entries' bytes, spent
+            head_budgets = [_byte_budgets(chunk_budgets[0], layout.spans[0], cache, settings)]
     selection = CacheSelection.keep_everything(cache, settings.key_group if settings.storage != "bf16" else None)
     scalings = attention_scalings(model)
     enable(model)
@@ -317,7 +345,7 @@ def compact(
     heldout_losses, head_ratios = {}, {}
     global_layers = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
     for layer_idx in tqdm(global_layers, desc=f"compact ({settings.method})", disable=not settings.progress):
-        layer_budgets = None if chunk_budgets is None else [counts[layer_idx] for counts in chunk_budgets]
+        layer_budgets = None if head_budgets is None else [counts[layer_idx] for counts in head_budgets]
         layer_queries = None if source is None else source.layer_queries(layer_idx)
         layer, scaling = cache.layers[layer_idx], scalings.get(layer_idx)
         result = compact_layer(
@@ -330,6 +358,8 @@ def compact(
             head_ratios[layer_idx] = result.ratios
     if chunk_budgets is not None and not isinstance(budget_source, UniformBudgets):  # uniform: the rule is recorded
         budget_record["kept_per_chunk"] = [{str(k): v for k, v in counts.items()} for counts in chunk_budgets]
+    if head_budgets is not None and settings.storage != "bf16":
+        budget_record["bytes_per_chunk"] = [{str(k): v for k, v in counts.items()} for counts in head_budgets]
     metadata = {
         "fingerprint": model_fingerprint(model, tokenizer),
         "method": settings.method,
@@ -345,6 +375,8 @@ def compact(
     if heldout_losses:
         metadata["quality"] = _quality(heldout_losses)
     compacted = selection.build(cache, metadata=metadata)
+    if settings.storage != "bf16":
+        compacted.metadata["storage"]["byte_ratio"] = compacted.full_nbytes() / compacted.nbytes()
     if settings.max_loss is not None:
         compacted.metadata["max_loss"] = _max_loss_record(settings.max_loss, head_ratios, compacted)
     return compacted
@@ -397,7 +429,7 @@ def _storage_record(settings: CompactionSettings, selection: CacheSelection) -> 
     stored = [head is not None for layer in selection.int4 if layer is not None for head in layer]
     return {
         "requested": settings.storage,
-        "ratio_counts": "bytes of the keys and values in the model's dtype",
+        "ratio_counts": "bytes of the full cache in the model's dtype (head_byte_budgets)",
         "key_group": settings.key_group,
         "int4_heads": sum(stored),
         "fallback_heads": len(stored) - sum(stored),
