@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from hf_structkv.compaction.head_compaction import HEAD_METHODS, compact_head, compact_head_to_bytes, relative_loss
+from hf_structkv.compaction import compact_head_to_bytes  # exported next to compact_head
+from hf_structkv.compaction.head_compaction import HEAD_METHODS, compact_head, relative_loss
 from hf_structkv.compaction.head_statistics import HeadProblem, QuantizedHead
 from hf_structkv.compaction.head_storage import StorageLayout
 from hf_structkv.compaction.quantized_refit import compact_int4, quantize_head

@@ -6,7 +6,7 @@ from .budgets import HeadBudgets, UniformBudgets, default_head_budgets
 from .chunks import chunk_spans, context_documents
 from .context_prefill import prefill_context
 from .dataset import compact_dataset, compact_document
-from .head_compaction import HEAD_METHODS, compact_head, register_head_method, relative_loss
+from .head_compaction import HEAD_METHODS, compact_head, compact_head_to_bytes, register_head_method, relative_loss
 from .head_method import HeadMethod
 from .head_statistics import CompactedHead
 from .pipeline import compact, resolve_budgets
@@ -35,6 +35,7 @@ __all__ = [
     "context_documents",
     "conversation_queries",
     "compact_head",
+    "compact_head_to_bytes",
     "prefill_context",
     "register_head_method",
     "relative_loss",

@@ -111,9 +111,13 @@ def compact_head_to_bytes(
     **hparams: object,
 ) -> CompactedHead:
     """Compact one KV head to the most entries whose stored bytes (`StorageLayout`: keys, values, FP32 biases, the
-    head's row offset) fit in ``nbytes``, at least one.
+    head's row offset) fit in ``nbytes``, at least one (at most ``T``).
 
-    Args (the others as `compact_head`'s):
+    Args (``method``, ``scaling``, ``seed`` and ``hparams`` as `compact_head`'s):
+        keys: ``[T, D]`` post-RoPE keys of the head.
+        values: ``[T, D_v]``, in the dtype a ``"bf16"`` head is stored in (its element size prices those entries).
+        queries: ``[N, D]`` post-RoPE calibration queries (for GQA the stacked queries of the group), or None for a
+            query-free method with ``"bf16"`` / ``"int4"``.
         nbytes: the head's byte budget, ``>= 1``.
         storage: ``"bf16"`` (the values' dtype), ``"int4"`` (`compact_head`'s INT4 head and its fallback at the INT4
             head's bytes) or ``"auto"``: the two candidates at this byte budget, the dtype head on the most entries
@@ -123,7 +127,9 @@ def compact_head_to_bytes(
             ``storage_fallback``. Needs calibration queries.
 
     Returns:
-        as `compact_head`.
+        as `compact_head`: a `CompactedHead` (``indices [t]``, float32 ``bias [t]``, ``values [t, D_v]`` in
+        ``values.dtype``) or a `QuantizedHead` (float32 served ``keys [t, D]`` and ``values [t, D_v]`` and the stored
+        codes and scales); ``head.nbytes(D)`` is at most ``nbytes`` unless one entry alone costs more.
     """
     nbytes = check_int("nbytes", nbytes, 1, counts="bytes")
     if storage == "auto" and queries is None:
