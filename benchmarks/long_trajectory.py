@@ -27,9 +27,12 @@ stored INT4 entry and gathers the stores at each step, which is what makes PASK'
 at short histories; a layer with a compacted catalogue is served by the torch reference on every device (the Triton
 mixed kernel has no prefix partition, attention/backend.py).
 
-Each prompt is prefilled in one forward, as ``generate`` does: the mixed-precision cache's torch reference holds the
-FP32 scores of the whole prompt (``4 B H_q P^2`` bytes in a layer: 8K tokens at batch 4 take about 15 GB), so 32K
-tokens need more memory than this machine's or a GPU.
+Each prompt is prefilled in one forward, as ``generate`` does; the mixed-precision cache's torch reference serves the
+prompt's query rows in blocks whose FP32 logits stay within ``SCORE_BLOCK_ELEMENTS`` per partition
+(`mixed_precision_attention`), so its attention memory grows as ``block x P``, not ``P^2``; what still grows as
+``B P^2`` is transformers' boolean attention mask of a padded batch (``B P^2`` bytes: 4 GiB at 32K and batch 4). A
+prompt may also be prefilled in chunks (``StructuredMixedPrecisionCache(..., prompt_length=P)`` with ``generate``'s
+``prefill_chunk_size``; equal to one forward), which this benchmark does not use.
 
 The run of issue 33 (embedded model, float32 on CPU, 1 thread):
 

@@ -47,6 +47,10 @@ class ActionSchedule:
             controllers plan the prompt: no ``prefill_plan``), else ``None``.
         context_length: positions ``0 .. context_length - 1`` hold a compacted context (served as it is, never
             scheduled nor charged); the prompt and ``prefill_plan`` start after it.
+        prompt_length: optional, the prompt's length declared up front (the context's positions included, i.e.
+            ``input_ids.shape[1]`` of `generation_inputs`), which lets the prompt arrive in several forwards (chunked
+            prefill, `may_commit`); the processor's ``prompt_length`` must then agree. ``None``: the processor's, known
+            from its first call (without a processor: the context plus ``prefill_plan``).
     """
 
     def __init__(
@@ -57,6 +61,7 @@ class ActionSchedule:
         prefill_plan: torch.Tensor | None = None,
         statistics: AttentionMass | None = None,
         context_length: int = 0,
+        prompt_length: int | None = None,
     ):
         if statistics is not None and prefill_plan is not None:
             raise ValueError(
@@ -73,12 +78,15 @@ class ActionSchedule:
                 )
             if prefill_plan.numel() and not bool(((prefill_plan >= 0) & (prefill_plan <= 2)).all()):
                 raise ValueError("prefill_plan holds values outside Action (R=0, L=1, H=2)")
+        if prompt_length is not None:
+            _check_prompt_length(prompt_length, context_length, prefill_plan, statistics)
         self.policy = policy
         self.costs = costs
         self.processor = processor
         self.prefill_plan = None if prefill_plan is None else prefill_plan.to(torch.int64).cpu()
         self.statistics = statistics
         self.context_length = context_length
+        self.declared_prompt_length = prompt_length
         self.controllers: list[RetentionController] = []
         self.first_length = 0
         self.decided: list[list[tuple[Action, ...] | None]] = []
@@ -115,9 +123,40 @@ class ActionSchedule:
         self.prefill_plan = torch.stack(plans).to(torch.int64)
 
     def _prompt_length(self) -> int | None:
+        declared = self.declared_prompt_length
         if self.processor is None:
+            if declared is not None:
+                return declared
             return self.context_length + (0 if self.prefill_plan is None else self.prefill_plan.shape[1])
-        return self.processor.prompt_length
+        seen = self.processor.prompt_length
+        if seen is not None and declared is not None and seen != declared:
+            raise ValueError(
+                f"the cache was declared a prompt of {declared} tokens (prompt_length=), the processor saw {seen}: "
+                "declare input_ids.shape[1] of the generate call (with a context: of generation_inputs)"
+            )
+        return declared if seen is None else seen
+
+    def may_commit(self, seen: int) -> bool:
+        """Whether a forward arriving at a layer that holds ``seen`` tokens commits the tokens leaving its recent
+        window: only once the whole prompt is cached, so that a prompt prefilled in several forwards is attended at
+        full precision as in one forward (its tokens then leave the window at the first generated token's forward).
+
+        Raises:
+            RuntimeError: with a processor that has not seen the prompt yet and no declared ``prompt_length``, a
+                forward after the first (the processor is missing from ``generate``, or the prompt is prefilled in
+                several forwards without its length declared).
+        """
+        prompt_length = self._prompt_length()
+        if prompt_length is not None:
+            return seen >= prompt_length
+        if seen >= self.first_length:
+            raise RuntimeError(
+                "a second forward reached the cache before its structural processor saw the prompt: pass the cache's "
+                "processor in logits_processor of the same generate call; to prefill the prompt in several forwards "
+                "(generate's prefill_chunk_size, or model(ids[:, :k]) then model(ids[:, k:])), declare its length: "
+                "StructuredMixedPrecisionCache(..., prompt_length=input_ids.shape[1])"
+            )
+        return False
 
     def _decide_generated(self, row: int, index: int) -> tuple[Action, ...]:
         """Actions of generated token ``index`` of ``row``, stepping the controller up to it in order."""
@@ -207,6 +246,29 @@ class ActionSchedule:
         """Prompt and decode payload together (`scheduled_bits_by_stage`)."""
         prompt, decode, _ = self.scheduled_bits_by_stage(num_tokens)
         return prompt + decode
+
+
+def _check_prompt_length(
+    prompt_length: object, context_length: int, prefill_plan: torch.Tensor | None, statistics: AttentionMass | None
+) -> None:
+    """ValueError unless a declared ``prompt_length`` is an int past the context that covers the prefill plan, for a
+    policy without attention statistics."""
+    if isinstance(prompt_length, bool) or not isinstance(prompt_length, int) or prompt_length <= context_length:
+        raise ValueError(
+            f"prompt_length must be an int greater than the context's {context_length} tokens (input_ids.shape[1] "
+            f"of the generate call), got {prompt_length!r}"
+        )
+    if statistics is not None:
+        raise ValueError(
+            "a policy that decides from attention statistics (H2O / SnapKV / MiKV / CriticalKV baselines) reads the "
+            "prompt's one forward: prefill the prompt in one forward and do not declare prompt_length"
+        )
+    planned = 0 if prefill_plan is None else prefill_plan.shape[1]
+    if context_length + planned > prompt_length:
+        raise ValueError(
+            f"prefill_plan covers {planned} tokens after the context's {context_length}, more than the declared "
+            f"prompt_length {prompt_length}"
+        )
 
 
 def _untagged(what: str) -> RuntimeError:

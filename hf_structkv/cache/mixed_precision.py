@@ -123,7 +123,8 @@ class MixedPrecisionLayer(CacheLayerMixin):
         self.schedule.begin(key_states.shape[0], self.first_recent + key_states.shape[-2])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs: dict | None = None, **_):
-        """Commit the actions of tokens that left the recent window, then append ``[B, H_kv, q, D]`` states.
+        """Commit the actions of tokens that left the recent window (once the whole prompt is cached:
+        `ActionSchedule.may_commit`), then append ``[B, H_kv, q, D]`` states.
 
         Puts this layer into ``kwargs["mixed_precision_layer"]`` for the registered attention function.
 
@@ -137,7 +138,8 @@ class MixedPrecisionLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.commit()
+        if self.schedule.may_commit(self.get_seq_length()):  # a prompt in several forwards stays whole until cached
+            self.commit()
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         kwargs[MIXED_KWARG] = self
@@ -349,6 +351,12 @@ class StructuredMixedPrecisionCache(Cache):
             its prefix is served, shared and never copied, before the PASK-managed tokens, which continue at its
             original length (module docstring). Feed ``generate`` with `generation_inputs` (placeholders for the
             context). Not with attention-statistics policies.
+        prompt_length: optional, the prompt's length (``input_ids.shape[1]`` of the ``generate`` call, a context's
+            placeholders included), needed to prefill the prompt in several forwards (``generate(...,
+            prefill_chunk_size=k)``, or ``model(ids[:, :k], cache=c)`` then ``model(ids[:, k:], cache=c)``): no token
+            is committed until the whole prompt is cached, so the chunks attend the prompt at full precision, as one
+            forward does. Without it, a second forward before the processor's first call is refused. Not with
+            attention-statistics policies.
 
     A policy whose `RetentionPolicy.attention_statistics` returns an `AttentionMass` (the attention-based baselines)
     has it filled by the layers during attention (torch reference only), and its controllers plan the prompt at the
@@ -357,8 +365,9 @@ class StructuredMixedPrecisionCache(Cache):
     Raises:
         TypeError: ``model`` is not a model or config, ``policy`` not a `RetentionPolicy`, ``processor`` not a
             `TagSource`.
-        ValueError: the policy was built for other layer dimensions, the processor emits another tag view, or the
-            context was compacted for another model or is combined with an attention-statistics policy.
+        ValueError: the policy was built for other layer dimensions, the processor emits another tag view, the
+            context was compacted for another model or is combined with an attention-statistics policy, or
+            ``prompt_length`` is not an int past the context covering ``prefill_plan``.
     """
 
     def __init__(
@@ -368,6 +377,7 @@ class StructuredMixedPrecisionCache(Cache):
         processor: TagSource | None = None,
         prefill_plan: torch.Tensor | None = None,
         context: CompactedCache | None = None,
+        prompt_length: int | None = None,
     ):
         from ..attention.registry import enable
 
@@ -410,7 +420,9 @@ class StructuredMixedPrecisionCache(Cache):
                 "serve a compacted context (its prefix has no slots to score): use a PolicyTable, or no context"
             )
         context_length = 0 if context is None else context.original_length
-        self.schedule = ActionSchedule(policy, self.costs, processor, prefill_plan, self.statistics, context_length)
+        self.schedule = ActionSchedule(
+            policy, self.costs, processor, prefill_plan, self.statistics, context_length, prompt_length
+        )
         layers = []
         for idx, (layer_type, layer_context) in enumerate(zip(layer_types, contexts, strict=True)):
             if layer_type in SLIDING_TYPES:
