@@ -1,5 +1,5 @@
 """Shared test setup: offline Hugging Face, at most two CPU threads, the default model, the embedded tokenizer and a
-tiny model over it, a mocked Hub."""
+tiny model over it, a mocked Hub, a spy on kernel entry points."""
 
 import os
 from pathlib import Path
@@ -43,6 +43,25 @@ def model(tokenizer):
     from hf_structkv.models import tiny_model
 
     return tiny_model("qwen2", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, num_hidden_layers=3)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """A factory of call spies: ``kernel_calls(module, name)`` replaces ``module.name`` (an attention entry point
+    taking the query first, e.g. a Triton kernel's) for the test by a wrapper that calls it and records its query's
+    shape ``[B, H_q, q, D]``, and returns the list it records into."""
+
+    def spy(module, name: str) -> list[torch.Size]:
+        function, calls = getattr(module, name), []
+
+        def counted(*args, **kwargs):
+            calls.append(args[0].shape)
+            return function(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+        return calls
+
+    return spy
 
 
 @pytest.fixture

@@ -316,7 +316,7 @@ def test_bad_contexts_are_refused_before_any_forward():
         StructuredMixedPrecisionCache(model, H2O(model, sink_tokens=2, window=4, heavy_ratio=0.5), context=mine)
 
 
-def test_a_context_prefix_is_served_by_the_torch_reference_when_triton_is_selected(monkeypatch):
+def test_a_context_prefix_is_served_by_the_torch_reference_when_triton_is_selected(monkeypatch, kernel_calls):
     """The Triton mixed kernel reads slot stores only (no ragged biased prefix): with ``HF_STRUCTKV_ATTENTION_BACKEND``
     selecting Triton, a layer with a compacted context is served by the torch reference (same tokens as the torch
     backend, no kernel call), while the same policy without a context does call the kernel."""
@@ -326,13 +326,7 @@ def test_a_context_prefix_is_served_by_the_torch_reference_when_triton_is_select
 
     if not runtime.interpreter_ready():
         pytest.skip("CPU runs of the Triton kernels need TRITON_INTERPRET=1 before triton is imported (conftest)")
-    kernel, kernel_calls = mixed_attention.triton_mixed_precision_attention, []
-
-    def counted_kernel(*args, **kwargs):
-        kernel_calls.append(args[0].shape)  # the query [B, H_q, q, D]
-        return kernel(*args, **kwargs)
-
-    monkeypatch.setattr(mixed_attention, "triton_mixed_precision_attention", counted_kernel)
+    calls = kernel_calls(mixed_attention, "triton_mixed_precision_attention")  # each call's query shape
     model = hf_structkv.enable(tiny_model("llama"))
     context = context_ids(seed=18)
     indices, biases = random_selection(prefill(model, context), 0.5, seed=19)
@@ -358,6 +352,6 @@ def test_a_context_prefix_is_served_by_the_torch_reference_when_triton_is_select
             )
 
     composed_torch = run("torch", with_context=True)
-    assert torch.equal(run("triton", with_context=True), composed_torch) and not kernel_calls
+    assert torch.equal(run("triton", with_context=True), composed_torch) and not calls
     run("triton", with_context=False)
-    assert len(kernel_calls) == 2 * model.config.num_hidden_layers  # the prompt forward + 1 decode step
+    assert len(calls) == 2 * model.config.num_hidden_layers  # the prompt forward + 1 decode step

@@ -155,22 +155,16 @@ def test_generation_with_the_fused_torch_path_equals_the_reference(monkeypatch):
 
 
 @requires_triton
-def test_generation_with_triton_equals_torch(monkeypatch):
+def test_generation_with_triton_equals_torch(monkeypatch, kernel_calls):
     from hf_structkv.attention.kernels import biased_attention
 
-    kernel, kernel_calls = biased_attention.triton_compacted_attention, []
-
-    def counted_kernel(*args, **kwargs):
-        kernel_calls.append(args[0].shape)  # the query [B, H_q, q, D]
-        return kernel(*args, **kwargs)
-
-    monkeypatch.setattr(biased_attention, "triton_compacted_attention", counted_kernel)
+    calls = kernel_calls(biased_attention, "triton_compacted_attention")  # each call's query shape
     model = hf_structkv.enable(tiny_model("llama"))
     cache, ids = compacted_llama_cache(model), question_after_context()
     torch_tokens, torch_logits = generate(monkeypatch, model, cache, ids, "torch")
-    assert not kernel_calls
+    assert not calls
     triton_tokens, triton_logits = generate(monkeypatch, model, cache, ids, "triton")
-    assert len(kernel_calls) == 4 * model.config.num_hidden_layers  # prefill of the question + 3 decode steps
-    assert kernel_calls[0][2] == QUESTION_LEN and kernel_calls[-1][2] == 1
+    assert len(calls) == 4 * model.config.num_hidden_layers  # prefill of the question + 3 decode steps
+    assert calls[0][2] == QUESTION_LEN and calls[-1][2] == 1
     assert torch.equal(triton_tokens, torch_tokens)
     torch.testing.assert_close(triton_logits, torch_logits, atol=1e-4, rtol=0)
