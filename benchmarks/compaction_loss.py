@@ -31,6 +31,14 @@ kept entries, FP32 biases and row offsets counted); INT4 variants are named ``<m
     python benchmarks/compaction_loss.py --storage bf16 int4 --key-groups none 32 --methods kv_surgeon \
         --ratios 10 20 50 --self-study-ratios --threads 1 --out benchmarks/results/compaction_loss_int4.json
 
+``--storage nf4`` adds bitsandbytes' blockwise NF4 at the same bytes (`nf4_heads.py`: codes and one FP32 absmax per
+``--nf4-blocksize`` elements; keys flattened per ``--nf4-keys`` layout, ``tokens`` and/or ``channels``), fitted as
+our INT4 is but without its per-head fallback to BF16; variants ``<method>+nf4/<layout>``, beside our INT4 heads
+without that fallback, ``<method>+int4/g<n>/unguarded`` (one per ``--key-groups``), the like-for-like comparison:
+
+    python benchmarks/compaction_loss.py --storage bf16 int4 nf4 --nf4-keys tokens channels --methods kv_surgeon \
+        --ratios 10 20 50 --self-study-ratios --threads 1 --out benchmarks/results/compaction_loss_nf4.json
+
 ``--tiny`` runs the same code on a random tiny model with random text (a smoke test, numbers meaningless).
 """
 
@@ -69,6 +77,7 @@ from hf_structkv.models import load_default_model, tiny_byte_tokenizer, tiny_mod
 from hf_structkv.prompts import document_chat_prompt, question_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helpers, also when imported by path
+from nf4_heads import BLOCKSIZES, KEY_LAYOUTS, NF4Layout, compact_head_int4_unguarded, compact_head_nf4  # noqa: E402
 from results_json import write_json  # noqa: E402
 
 TIERS = ("repeat", "self_study")
@@ -101,18 +110,37 @@ class Workload:
 
 @dataclass(frozen=True)
 class Variant:
-    """One compacted cache to measure: a method stored in one format (``key_group`` for INT4 keys)."""
+    """One compacted cache to measure: a method stored in one format (``key_group`` for INT4 keys, ``guarded``: with
+    INT4's per-head fallback to BF16; ``nf4_keys`` and ``nf4_blocksize`` for NF4)."""
 
     method: str
     storage: str = "bf16"
     key_group: int | None = None
+    guarded: bool = True
+    nf4_keys: str | None = None
+    nf4_blocksize: int = 64
 
     @property
     def label(self) -> str:
         """The method's name for BF16, ``"<method>+int4"`` (``"+int4/g<n>"`` with key groups of ``n``) for INT4."""
         if self.storage == "bf16":
             return self.method
-        return f"{self.method}+{self.storage}" + ("" if self.key_group is None else f"/g{self.key_group}")
+        if self.storage == "nf4":
+            return f"{self.method}+nf4/{self.nf4_keys}" + (
+                "" if self.nf4_blocksize == 64 else f"/b{self.nf4_blocksize}"
+            )
+        group = "" if self.key_group is None else f"/g{self.key_group}"
+        return f"{self.method}+{self.storage}{group}" + ("" if self.guarded else "/unguarded")
+
+    def compact(self, keys, values, queries, budget: int, scaling: float | None, seed: int) -> CompactedHead:
+        """The head of ``budget`` kept entries in this variant's format (`compact_head`, or `nf4_heads`)."""
+        method = self.method
+        if self.storage == "nf4":
+            layout = (self.nf4_keys, self.nf4_blocksize)
+            return compact_head_nf4(keys, values, queries, budget, method, scaling, seed, *layout)
+        if not self.guarded:
+            return compact_head_int4_unguarded(keys, values, queries, budget, method, scaling, seed, self.key_group)
+        return compact_head(keys, values, queries, budget, method, scaling, seed, self.storage, self.key_group)
 
     def budget(self, length: int, ratio: float, dims: tuple[int, int] | None) -> tuple[int, int | None]:
         """``(kept entries, byte budget)``: ``floor(T / ratio)`` entries (``dims`` None: ratios of entries), or the
@@ -121,7 +149,10 @@ class Variant:
             return max(1, math.floor(length / ratio)), None
         element = torch.empty(0, dtype=STORAGE_DTYPE).element_size()
         nbytes = math.floor(length * sum(dims) * element / ratio)
-        layout = StorageLayout(self.storage, *dims, element_bytes=element, key_group=self.key_group)
+        if self.storage == "nf4":
+            layout = NF4Layout(*dims, self.nf4_blocksize)
+        else:
+            layout = StorageLayout(self.storage, *dims, element_bytes=element, key_group=self.key_group)
         return max(1, layout.entries_for(nbytes)), nbytes
 
 
@@ -236,9 +267,7 @@ def evaluate_heads(
             for variant in variants:
                 budget, nbytes = variant.budget(length, ratio, dims)
                 start = time.perf_counter()
-                compacted = compact_head(
-                    keys, values, fit, budget, variant.method, scaling, seed, variant.storage, variant.key_group
-                )
+                compacted = variant.compact(keys, values, fit, budget, scaling, seed)
                 seconds = time.perf_counter() - start
                 record = {"tier": tier, "ratio": ratio, "method": variant.label, "layer": layer, "kv_head": head}
                 record |= {"budget": budget, "seconds": seconds, "train_loss": compacted.train_loss}
@@ -483,7 +512,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--storage",
         nargs="+",
         default=None,
-        choices=STORAGES,
+        choices=(*STORAGES, "nf4"),
         help="ratios of bytes (keys and values cast to BF16), each method stored in each format; default: ratios of "
         "entries in the model's dtype",
     )
@@ -492,6 +521,16 @@ def main(argv: list[str] | None = None) -> dict:
         nargs="+",
         default=["32"],
         help="with --storage int4: kept entries per row of key scales, one variant each ('none': one row per head)",
+    )
+    parser.add_argument(
+        "--nf4-keys",
+        nargs="+",
+        default=["tokens"],
+        choices=KEY_LAYOUTS,
+        help="with --storage nf4: how kept keys [t, D] are flattened into NF4 blocks, one variant each",
+    )
+    parser.add_argument(
+        "--nf4-blocksize", type=int, default=64, choices=BLOCKSIZES, help="with --storage nf4: elements per absmax"
     )
     parser.add_argument("--tiny", action="store_true", help="random tiny model and random text (smoke test)")
     parser.add_argument("--out", default="benchmarks/results/compaction_loss.json")
@@ -510,7 +549,15 @@ def main(argv: list[str] | None = None) -> dict:
         for method in args.methods
         for storage in args.storage or ["bf16"]
         for group in (key_groups if storage == "int4" else [None])
+        if storage != "nf4"
     ]
+    if "nf4" in (args.storage or []):
+        variants += [Variant(method, "int4", group, guarded=False) for method in args.methods for group in key_groups]
+        variants += [
+            Variant(method, "nf4", nf4_keys=layout, nf4_blocksize=args.nf4_blocksize)
+            for method in args.methods
+            for layout in args.nf4_keys
+        ]
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
 
