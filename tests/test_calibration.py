@@ -32,7 +32,7 @@ from hf_structkv.calibration import (
     upgrade_priorities,
 )
 from hf_structkv.calibration.buckets import parse_bucket
-from hf_structkv.calibration.distortion import attention_distortion, capture_reference_states
+from hf_structkv.calibration.distortion import DistortionStore, attention_distortion, capture_reference_states
 from hf_structkv.calibration.interventions import prefill_intervention_plan, prefill_positions
 from hf_structkv.calibration.references import (
     ReferenceTrajectory,
@@ -593,6 +593,55 @@ def test_distortion_equals_brute_force_on_random_states():
                 )
                 assert got[bucket][action] == pytest.approx(want, rel=1e-4, abs=1e-7)
         assert any(got[bucket][R] > 0 for bucket in buckets)
+
+
+def test_distortion_store_resumes_without_capturing_the_stored_references(tmp_path):
+    """A second run reads every reference's distortions from the store (no capture, the same values); a reference
+    whose lines were lost is captured again, alone."""
+    costs = GroupCosts.from_dims([2] * 3, [8] * 3)
+    a, b = "schema_bearing|required|critical|no_lookahead", "pure_scaffold|scaffold_separator|boundary|no_lookahead"
+    generator = torch.Generator().manual_seed(1)
+    references, states = [], {}
+    for case, tags in enumerate(([(a,), (b,), (a, b), (a,), (), (b,), (a,), None], [(b,), (a,), (a,), (b,), None])):
+        reference = dataclasses.replace(_toy_reference(tags, [("protected_content",)] * 4), case_id=f"toy_{case}")
+        total = 4 + len(tags)
+        states[reference.case_id] = {
+            layer: (
+                torch.randn(4, len(tags) - 1, 8, generator=generator),
+                torch.randn(2, total, 8, generator=generator),
+                torch.randn(2, total, 8, generator=generator),
+                8**-0.5,
+            )
+            for layer in range(3)
+        }
+        references.append(reference)
+    buckets = [Bucket(key, c) for key in (a, b) for c in range(3)]
+    captured = []
+
+    def states_of(reference):
+        captured.append(reference.case_id)
+        return states[reference.case_id]
+
+    plain = attention_distortion(references, buckets, "decode", costs, 1, 1, states_of)
+    key = {"model": "toy", "stage": "decode"}
+    first = attention_distortion(
+        references, buckets, "decode", costs, 1, 1, states_of, DistortionStore.open(tmp_path, key)
+    )
+    assert first == plain and captured == ["toy_0", "toy_1", "toy_0", "toy_1"]
+    captured.clear()
+    again = attention_distortion(
+        references, buckets, "decode", costs, 1, 1, states_of, DistortionStore.open(tmp_path, key)
+    )
+    assert again == plain and captured == []
+    path = DistortionStore.open(tmp_path, key).path
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(line for line in lines if '"toy_1"' not in line) + "\n")
+    resumed = attention_distortion(
+        references, buckets, "decode", costs, 1, 1, states_of, DistortionStore.open(tmp_path, key)
+    )
+    assert resumed == plain and captured == ["toy_1"]
+    with pytest.raises(TypeError, match="error must be a finite float >= 0"):
+        DistortionStore.open(tmp_path, key).put(references[0], buckets[0], R, -1.0)
 
 
 def test_reference_states_reproduce_the_model_attention(model, references):

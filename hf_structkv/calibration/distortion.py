@@ -19,7 +19,9 @@ with no lowered entry contribute zero, so the sum runs over the affected positio
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -29,10 +31,11 @@ from ..attention.recording import capture_queries
 from ..policy.costs import Action, GroupCosts
 from ..quant.int4 import dequantize_int4, quantize_int4
 from .buckets import Bucket
+from .intervention_store import InterventionStore
 from .interventions import occurrences, prefill_positions
 from .references import ReferenceTrajectory
 
-__all__ = ["ReferenceStates", "attention_distortion", "capture_reference_states", "lowered_entries"]
+__all__ = ["DistortionStore", "ReferenceStates", "attention_distortion", "capture_reference_states", "lowered_entries"]
 
 ReferenceStates = dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]
 """``{layer: (queries [H_q, T − 1, D], keys [H_kv, N, D], values [H_kv, N, D_v], scaling)}`` (FP32)."""
@@ -102,6 +105,21 @@ def _round_trip(x: torch.Tensor) -> torch.Tensor:
     return dequantize_int4(codes, scales, x.shape[-1])
 
 
+class DistortionStore(InterventionStore):
+    """Runtime-D kept on disk: one reference's distortion ``Σ_j Σ_{ℓ∈c} max_h ‖o_ref − o_a‖²`` of one intervention
+    ``(bucket, action)`` per line (``{"case", "reference", "bucket", "action", "error"}``), so a stopped or repeated
+    calibration never captures a reference's attention states twice (one forward over the trajectory and one
+    attention recomputation per bucket and layer: minutes per hundred references on a CPU)."""
+
+    PREFIX = "distortion"
+    FIELD = "error"
+    EXPECTED = "a finite float >= 0 (a reference's summed squared output error)"
+
+    @classmethod
+    def valid_value(cls, value: Any) -> bool:
+        return isinstance(value, float) and math.isfinite(value) and value >= 0.0
+
+
 def attention_distortion(
     references: Sequence[ReferenceTrajectory],
     buckets: Sequence[Bucket],
@@ -110,34 +128,55 @@ def attention_distortion(
     sink_tokens: int,
     window: int,
     states_of,
+    store: DistortionStore | None = None,
 ) -> dict[Bucket, dict[Action, float]]:
     """``{bucket: {Action.R: D(q, R), Action.L: D(q, L)}}`` (eq. 7) over ``references``.
 
     Args:
         states_of: ``reference -> ReferenceStates`` (e.g. ``lambda r: capture_reference_states(model, r)``), called
-            once per reference.
+            once per reference whose distortions ``store`` does not hold.
+        store: where each reference's distortions are read from, or written to as soon as they are computed.
     """
     totals: dict[Bucket, dict[Action, float]] = {b: {Action.R: 0.0, Action.L: 0.0} for b in buckets}
     for reference in references:
-        states: Mapping = states_of(reference)
-        if not states:
-            continue
-        prompt = len(reference.prompt_ids)
-        n, total = len(reference.tokens) - 1, prompt + len(reference.tokens)
-        visible = torch.arange(total)[None, :] <= (prompt + torch.arange(n))[:, None]  # [n, N] causal
         lowered = {b: lowered_entries(reference, b, stage, sink_tokens, window) for b in buckets}
-        for layer, (queries, keys, values, scaling) in states.items():
-            group = costs.group_of_layer(layer)
-            active = [b for b in buckets if b.group == group and bool(lowered[b].any())]
-            if not active:
-                continue
-            reference_out = _outputs(queries, keys, values, scaling, visible)
-            low_keys, low_values = _round_trip(keys), _round_trip(values)
-            for bucket in active:
-                rows = lowered[bucket].any(dim=1)  # the affected queries S(q) of this case
-                args = (queries[:, rows], keys, values, scaling, visible[rows], lowered[bucket][rows])
-                for action, replacement in ((Action.R, (None, None)), (Action.L, (low_keys, low_values))):
-                    out = _outputs(*args, *replacement)
-                    error = (reference_out[:, rows] - out).square().sum(-1).amax(0).sum()
-                    totals[bucket][action] += float(error)
+        reached = [(b, a) for b in buckets if bool(lowered[b].any()) for a in (Action.R, Action.L)]
+        stored = None if store is None else {(b, a): store.get(reference, b, a) for b, a in reached}
+        if stored is not None and None not in stored.values():
+            errors = {b: {a: stored[b, a] for a in (Action.R, Action.L)} for b, _ in reached}
+        else:
+            errors = _reference_errors(reference, lowered, costs, states_of) or {}
+            for bucket, action in reached if store is not None else ():
+                store.put(reference, bucket, action, errors[bucket][action])
+        for bucket, by_action in errors.items():
+            for action, error in by_action.items():
+                totals[bucket][action] += error
     return {b: {a: v / len(references) for a, v in d.items()} for b, d in totals.items()}
+
+
+def _reference_errors(
+    reference: ReferenceTrajectory, lowered: Mapping[Bucket, torch.Tensor], costs: GroupCosts, states_of
+) -> dict[Bucket, dict[Action, float]] | None:
+    """One reference's ``Σ_j Σ_{ℓ∈c} max_h ‖o_ref − o_a‖²`` per bucket and action (``lowered``: each bucket's
+    `lowered_entries` on it); ``None`` when it has no reference queries."""
+    states: Mapping = states_of(reference)
+    if not states:
+        return None
+    prompt = len(reference.prompt_ids)
+    n, total = len(reference.tokens) - 1, prompt + len(reference.tokens)
+    visible = torch.arange(total)[None, :] <= (prompt + torch.arange(n))[:, None]  # [n, N] causal
+    errors = {b: {Action.R: 0.0, Action.L: 0.0} for b, entries in lowered.items() if bool(entries.any())}
+    for layer, (queries, keys, values, scaling) in states.items():
+        group = costs.group_of_layer(layer)
+        active = [b for b in errors if b.group == group]
+        if not active:
+            continue
+        reference_out = _outputs(queries, keys, values, scaling, visible)
+        low_keys, low_values = _round_trip(keys), _round_trip(values)
+        for bucket in active:
+            rows = lowered[bucket].any(dim=1)  # the affected queries S(q) of this case
+            args = (queries[:, rows], keys, values, scaling, visible[rows], lowered[bucket][rows])
+            for action, replacement in ((Action.R, (None, None)), (Action.L, (low_keys, low_values))):
+                out = _outputs(*args, *replacement)
+                errors[bucket][action] += float((reference_out[:, rows] - out).square().sum(-1).amax(0).sum())
+    return errors

@@ -30,6 +30,7 @@ from ..version import __version__
 from .bfcl_task import BfclTask
 from .candidates import all_high_candidate
 from .development_store import DevelopmentStore
+from .distortion import DistortionStore
 from .likelihood import DevelopmentReplay, LikelihoodStore
 from .references import generation_key, reference_trajectories, with_position_tags
 from .settings import CalibrationSettings, settings_json
@@ -176,13 +177,14 @@ def calibrate(
         "position_bins": view["position_bins"],
     }
     stores = {
-        stage.name: (None, None)
+        stage.name: (None, None, None)
         if cache_dir is None
         else (
             (LikelihoodStore if stage.by_likelihood else VerdictStore).open(
                 cache_dir, {**store_key, "stage": stage.name}
             ),
             DevelopmentStore.open(cache_dir, {**store_key, "stage": stage.name}),
+            DistortionStore.open(cache_dir, {**store_key, "stage": stage.name}),
         )
         for stage in stages
     }

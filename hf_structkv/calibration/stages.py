@@ -13,7 +13,7 @@ from ..structure.prompt_spans import PROMPT_LABELS
 from .buckets import Bucket, bucket_order
 from .candidates import decode_candidate, prefill_candidate
 from .development_store import DevelopmentStore, candidate_digest
-from .distortion import attention_distortion, capture_reference_states
+from .distortion import DistortionStore, attention_distortion, capture_reference_states
 from .floors import envelope, protection_floors
 from .interventions import occurrences, prefill_positions
 from .likelihood import DevelopmentReplay, likelihood_measure
@@ -254,9 +254,11 @@ def run_stage(
     log,
     store,
     dev_store,
+    distortion_store: DistortionStore | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """Runtime-V (measurements read from / written to ``store`` when given), Runtime-D, priorities, one greedy path
-    per τ, development selection of one stage (generated development cases read from / written to ``dev_store``).
+    """Runtime-V (measurements read from / written to ``store`` when given), Runtime-D (per reference, read from /
+    written to ``distortion_store``), priorities, one greedy path per τ, development selection of one stage (generated
+    development cases read from / written to ``dev_store``).
 
     With likelihood sensitivity the candidates are selected by their development likelihood loss (the all-high
     reference's is 0) and the cheapest passing ones, in cost order, are confirmed by the task's verdicts on the
@@ -276,6 +278,7 @@ def run_stage(
         settings.sink_tokens,
         settings.window,
         lambda r: capture_reference_states(model, r),
+        distortion_store,
     )
     priorities = upgrade_priorities(distortion, stage.mean_counts, costs)
     selection_error = 0.0 if stage.by_likelihood else reference_error  # a likelihood loss is relative already
