@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, DynamicCache
 import hf_structkv
 from hf_structkv import CompactedCache
 from hf_structkv.cache.mixed_precision import StructuredMixedPrecisionCache
-from hf_structkv.models import tiny_model
+from hf_structkv.models import tiny_byte_tokenizer, tiny_model
 from hf_structkv.policy.table import PolicyTable
 
 bnb = pytest.importorskip("bitsandbytes", reason="scripts/setup.sh installs bitsandbytes==0.50.2")
@@ -33,11 +33,11 @@ CASES = [(arch, quant) for arch in ARCHS for quant in QUANTIZATIONS]
 
 @pytest.fixture(scope="module")
 def saved_tiny_models(tmp_path_factory) -> dict[str, str]:
-    """The float32 tiny models saved once, to be reloaded through `BitsAndBytesConfig`."""
+    """The float32 tiny models (byte-tokenizer vocabulary) saved once, to be reloaded through `BitsAndBytesConfig`."""
     folders = {}
     for arch in ARCHS:
         folders[arch] = str(tmp_path_factory.mktemp(arch))
-        tiny_model(arch).save_pretrained(folders[arch])
+        tiny_model(arch, vocab_size=300).save_pretrained(folders[arch])  # tiny_byte_tokenizer's 259 ids
     return folders
 
 
@@ -49,6 +49,16 @@ def quantized_model(folders: dict[str, str], arch: str, quant: str):
     ).eval()
     assert isinstance(model.model.layers[0].self_attn.k_proj, linear_class)  # really quantized
     return model
+
+
+def prefilled(model, context: torch.Tensor) -> DynamicCache:
+    """A `DynamicCache` holding ``context``. References continue from it: an 8-bit model's outputs for a token depend
+    on the other tokens of its forward pass (LLM.int8 computes the activation columns holding an outlier in any row
+    in FP16), so the reference runs the same forward passes (context, then question) as the compacted cache."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(context, cache=cache)
+    return cache
 
 
 def greedy(model, ids, mask, cache, n=10):
@@ -77,11 +87,9 @@ def test_keep_everything_compacted_cache_generates_like_dynamic_cache(
     g = torch.Generator().manual_seed(0)
     context, question = torch.randint(3, 256, (1, 30), generator=g), torch.randint(3, 256, (1, 6), generator=g)
     full = torch.cat([context, question], 1)
-    expected = greedy(model, full, torch.ones_like(full), DynamicCache(config=model.config))
+    expected = greedy(model, full, torch.ones_like(full), prefilled(model, context))
 
-    prefix = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(context, cache=prefix)
+    prefix = prefilled(model, context)
     compacted = CompactedCache.from_selection(prefix, keep_all(prefix))
     hf_structkv.enable(model)
     got = greedy(model, full, torch.ones_like(full), compacted)
@@ -101,3 +109,18 @@ def test_all_high_mixed_precision_cache_generates_like_dynamic_cache(saved_tiny_
     got = greedy(model, ids, mask, cache, n=12)
     assert torch.equal(got, expected), (got, expected)
     assert cache.scheduled_payload() == cache.full_payload()
+
+
+@pytest.mark.parametrize("quant", ["int8", "nf4"])
+def test_compact_at_ratio_one_on_a_quantized_model_generates_like_dynamic_cache(saved_tiny_models, quant):
+    """`compact` (queries captured from the quantized model) at ratio 1 keeps every entry as it is."""
+    model = quantized_model(saved_tiny_models, "llama", quant)
+    g = torch.Generator().manual_seed(2)
+    context, question = torch.randint(3, 256, (1, 24), generator=g), torch.randint(3, 256, (1, 5), generator=g)
+    full = torch.cat([context, question], 1)
+    expected = greedy(model, full, torch.ones_like(full), prefilled(model, context))
+
+    tokenizer = tiny_byte_tokenizer()
+    compacted = hf_structkv.compact(model, tokenizer, context, ratio=1, budgets="uniform", progress=False)
+    got = greedy(model, full, torch.ones_like(full), compacted)
+    assert torch.equal(got, expected), (got, expected)
