@@ -52,6 +52,7 @@ import string
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -69,6 +70,7 @@ from hf_structkv.compaction import (
     relative_loss,
 )
 from hf_structkv.compaction.head_storage import STORAGES, StorageLayout
+from hf_structkv.compaction.quantized_refit import quantize_head
 from hf_structkv.compaction.queries import cap_queries, repeat_pass_queries
 from hf_structkv.compaction.self_study import self_study_queries
 from hf_structkv.eval.squad import squad_document, squad_titles
@@ -77,7 +79,7 @@ from hf_structkv.models import load_default_model, tiny_byte_tokenizer, tiny_mod
 from hf_structkv.prompts import document_chat_prompt, question_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helpers, also when imported by path
-from nf4_heads import BLOCKSIZES, KEY_LAYOUTS, NF4Layout, compact_head_int4_unguarded, compact_head_nf4  # noqa: E402
+from nf4_heads import BLOCKSIZES, KEY_LAYOUTS, NF4Layout, NF4Storage, compact_quantized  # noqa: E402
 from results_json import write_json  # noqa: E402
 
 TIERS = ("repeat", "self_study")
@@ -134,13 +136,13 @@ class Variant:
 
     def compact(self, keys, values, queries, budget: int, scaling: float | None, seed: int) -> CompactedHead:
         """The head of ``budget`` kept entries in this variant's format (`compact_head`, or `nf4_heads`)."""
-        method = self.method
         if self.storage == "nf4":
-            layout = (self.nf4_keys, self.nf4_blocksize)
-            return compact_head_nf4(keys, values, queries, budget, method, scaling, seed, *layout)
-        if not self.guarded:
-            return compact_head_int4_unguarded(keys, values, queries, budget, method, scaling, seed, self.key_group)
-        return compact_head(keys, values, queries, budget, method, scaling, seed, self.storage, self.key_group)
+            store = NF4Storage(self.nf4_keys, self.nf4_blocksize)
+        elif not self.guarded:
+            store = partial(quantize_head, key_group=self.key_group)
+        else:
+            return compact_head(keys, values, queries, budget, self.method, scaling, seed, self.storage, self.key_group)
+        return compact_quantized(keys, values, queries, budget, store, self.method, scaling, seed)
 
     def budget(self, length: int, ratio: float, dims: tuple[int, int] | None) -> tuple[int, int | None]:
         """``(kept entries, byte budget)``: ``floor(T / ratio)`` entries (``dims`` None: ratios of entries), or the

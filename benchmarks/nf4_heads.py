@@ -12,12 +12,13 @@ The fit is our INT4 head's (`quantize_head`), with NF4 in place of INT4: KV-Surg
 refit with the served (dequantised) keys against the full cache's exact statistics (`refit_with_served_keys`), then
 the refit values rounded to NF4. Our INT4 head (`compact_head(storage="int4")`) is also guarded: it falls back per head
 to BF16 at the same bytes when that serves the calibration queries better. NF4 is not guarded, so the like-for-like
-comparison is against `compact_head_int4_unguarded` (our INT4 head before that guard).
+comparison is against our INT4 head before that guard (`compact_quantized` with ``store=quantize_head``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -27,7 +28,7 @@ from hf_structkv.compaction import HEAD_METHODS
 from hf_structkv.compaction.head_method import CalibratedMethod, HeadMethod
 from hf_structkv.compaction.head_statistics import FLOAT, CompactedHead, HeadProblem
 from hf_structkv.compaction.head_storage import BIAS_BYTES, OFFSET_BYTES
-from hf_structkv.compaction.quantized_refit import dtype_head, quantize_head, refit_with_served_keys
+from hf_structkv.compaction.quantized_refit import dtype_head, refit_with_served_keys
 
 KEY_LAYOUTS = ("tokens", "channels")
 """How a head's kept keys ``[t, D_k]`` are flattened into NF4 blocks: row-major, or transposed."""
@@ -135,74 +136,69 @@ def _stored_keys(keys: torch.Tensor, layout: str) -> torch.Tensor:
     return keys.T if layout == "channels" else keys
 
 
-def compact_head_nf4(
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    queries: torch.Tensor | None,
-    budget: int,
-    method: str = "kv_surgeon",
-    scaling: float | None = None,
-    seed: int = 0,
-    key_layout: str = "tokens",
-    blocksize: int = 64,
-) -> NF4Head:
-    """``method`` on ``min(budget, T)`` of the entries of ``keys [T, D_k]`` / ``values [T, D_v]``, stored in NF4: a
-    calibrated method refit on ``queries [N, D_k]`` with the served keys, its values then rounded to NF4.
+@dataclass(frozen=True)
+class NF4Storage:
+    """Stores a selected head in NF4 (a ``store`` of `compact_quantized`): its kept keys flattened per ``key_layout``
+    (one of `KEY_LAYOUTS`) in blocks of ``blocksize`` elements, a calibrated method refit with the served keys, the
+    values then rounded to NF4 in blocks of ``blocksize``.
 
     Raises:
-        ValueError: ``method``, ``key_layout`` or ``blocksize`` is not one of the allowed values.
+        ValueError: ``key_layout`` or ``blocksize`` is not one of the allowed values.
     """
-    if key_layout not in KEY_LAYOUTS:
-        raise ValueError(f"key_layout must be one of {list(KEY_LAYOUTS)}, got {key_layout!r}")
-    if blocksize not in BLOCKSIZES:
-        raise ValueError(f"blocksize must be one of bitsandbytes' sizes {list(BLOCKSIZES)}, got {blocksize}")
-    rule, problem = _rule_and_problem(method, keys, values, queries, scaling)
-    selected = dtype_head(problem, rule, budget, seed, values.dtype)
-    stored = _stored_keys(problem.keys[selected.indices], key_layout)
-    key_codes, key_absmax = quantize_nf4(stored, blocksize)
-    served = _stored_keys(dequantize_nf4(key_codes, key_absmax, tuple(stored.shape), blocksize), key_layout)
-    bias, refit = selected.bias.float(), selected.values.to(FLOAT)
-    if isinstance(rule, CalibratedMethod) and rule.refit and problem.queries is not None:
-        bias, refit, _ = refit_with_served_keys(
-            problem, selected.indices, served.to(FLOAT), rule.bias_bound, rule.value_shrinkage
+
+    key_layout: str = "tokens"
+    blocksize: int = 64
+
+    def __post_init__(self) -> None:
+        if self.key_layout not in KEY_LAYOUTS:
+            raise ValueError(f"key_layout must be one of {list(KEY_LAYOUTS)}, got {self.key_layout!r}")
+        if self.blocksize not in BLOCKSIZES:
+            raise ValueError(f"blocksize must be one of bitsandbytes' sizes {list(BLOCKSIZES)}, got {self.blocksize}")
+
+    def __call__(self, problem: HeadProblem, selected: CompactedHead, rule: HeadMethod) -> NF4Head:
+        layout, blocksize = self.key_layout, self.blocksize
+        stored = _stored_keys(problem.keys[selected.indices], layout)
+        key_codes, key_absmax = quantize_nf4(stored, blocksize)
+        served = _stored_keys(dequantize_nf4(key_codes, key_absmax, tuple(stored.shape), blocksize), layout)
+        bias, refit = selected.bias.float(), selected.values.to(FLOAT)
+        if isinstance(rule, CalibratedMethod) and rule.refit and problem.queries is not None:
+            bias, refit, _ = refit_with_served_keys(
+                problem, selected.indices, served.to(FLOAT), rule.bias_bound, rule.value_shrinkage
+            )
+        value_codes, value_absmax = quantize_nf4(refit, blocksize)
+        return NF4Head(
+            selected.indices,
+            bias.float(),
+            dequantize_nf4(value_codes, value_absmax, tuple(refit.shape), blocksize),
+            keys=served.contiguous(),
+            key_codes=key_codes,
+            key_absmax=key_absmax,
+            value_codes=value_codes,
+            value_absmax=value_absmax,
+            key_layout=layout,
+            blocksize=blocksize,
         )
-    value_codes, value_absmax = quantize_nf4(refit, blocksize)
-    head = NF4Head(
-        selected.indices,
-        bias.float(),
-        dequantize_nf4(value_codes, value_absmax, tuple(refit.shape), blocksize),
-        keys=served.contiguous(),
-        key_codes=key_codes,
-        key_absmax=key_absmax,
-        value_codes=value_codes,
-        value_absmax=value_absmax,
-        key_layout=key_layout,
-        blocksize=blocksize,
-    )
-    return _with_train_loss(head, problem)
 
 
-def compact_head_int4_unguarded(
+def compact_quantized(
     keys: torch.Tensor,
     values: torch.Tensor,
     queries: torch.Tensor | None,
     budget: int,
+    store: Callable[[HeadProblem, CompactedHead, HeadMethod], CompactedHead],
     method: str = "kv_surgeon",
     scaling: float | None = None,
     seed: int = 0,
-    key_group: int | None = None,
 ) -> CompactedHead:
-    """`compact_head(..., storage="int4")`'s INT4 head (`quantize_head`) without its per-head fallback to BF16."""
-    rule, problem = _rule_and_problem(method, keys, values, queries, scaling)
-    head = quantize_head(problem, dtype_head(problem, rule, budget, seed, values.dtype), rule, key_group)
-    return _with_train_loss(head, problem)
+    """``method``'s selection of ``min(budget, T)`` entries of ``keys [T, D_k]`` / ``values [T, D_v]`` (fitted to
+    ``queries [N, D_k]``), stored by ``store(problem, selected, rule)``: an `NF4Storage`, or ``quantize_head`` (our
+    INT4 head as `compact_head(..., storage="int4")` builds it, without its per-head fallback to BF16).
 
-
-def _rule_and_problem(method: str, keys, values, queries, scaling) -> tuple[HeadMethod, HeadProblem]:
+    Raises:
+        ValueError: ``method`` is not one of `HEAD_METHODS`.
+    """
     if method not in HEAD_METHODS:
         raise ValueError(f"method must be one of {sorted(HEAD_METHODS)}, got {method!r}")
-    return HEAD_METHODS[method](), HeadProblem.build(keys, values, queries, scaling)
-
-
-def _with_train_loss(head: CompactedHead, problem: HeadProblem) -> CompactedHead:
+    rule, problem = HEAD_METHODS[method](), HeadProblem.build(keys, values, queries, scaling)
+    head = store(problem, dtype_head(problem, rule, budget, seed, values.dtype), rule)
     return head if problem.queries is None else replace(head, train_loss=problem.relative_loss(head))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_benchmark_scripts import BENCHMARKS, load_script
 
-from hf_structkv.compaction import relative_loss
+from hf_structkv.compaction import compact_head, relative_loss
 
 pytest.importorskip("bitsandbytes", reason="scripts/setup.sh installs bitsandbytes==0.50.2")
 nf4 = load_script(BENCHMARKS / "nf4_heads.py")
@@ -61,7 +61,7 @@ def head_problem(seed: int = 0, length: int = 80, dim: int = 64):
 @pytest.mark.parametrize("key_layout", nf4.KEY_LAYOUTS)
 def test_nf4_head_serves_its_dequantised_stored_tensors(key_layout):
     keys, values, queries = head_problem()
-    head = nf4.compact_head_nf4(keys, values, queries, 32, key_layout=key_layout)
+    head = nf4.compact_quantized(keys, values, queries, 32, nf4.NF4Storage(key_layout))
     stored_keys = (head.keys.T if key_layout == "channels" else head.keys).shape
     served_keys = nf4.dequantize_nf4(head.key_codes, head.key_absmax, stored_keys, 64)
     assert torch.equal(served_keys.T if key_layout == "channels" else served_keys, head.keys)
@@ -74,18 +74,18 @@ def test_nf4_head_serves_its_dequantised_stored_tensors(key_layout):
     assert head.nbytes() == nf4.NF4Layout(64, 64).nbytes(32)
     assert head.train_loss == pytest.approx(relative_loss(head, keys, queries, values))
     with pytest.raises(ValueError, match="key_layout"):
-        nf4.compact_head_nf4(keys, values, queries, 32, key_layout="rows")
+        nf4.NF4Storage(key_layout="rows")
     with pytest.raises(ValueError, match="blocksize"):
-        nf4.compact_head_nf4(keys, values, queries, 32, blocksize=48)
+        nf4.NF4Storage(blocksize=48)
+    with pytest.raises(ValueError, match="method"):
+        nf4.compact_quantized(keys, values, queries, 32, nf4.NF4Storage(), method="kv_sugeon")
 
 
 def test_refit_with_nf4_keys_beats_rounding_the_dtype_fit():
     """The refit against the served NF4 keys serves the calibration queries better than the same selection fitted
     with the exact keys and only then rounded to NF4 (quantizing after the fit)."""
     keys, values, queries = head_problem(seed=1)
-    head = nf4.compact_head_nf4(keys, values, queries, 32, key_layout="tokens")
-    from hf_structkv.compaction import compact_head
-
+    head = nf4.compact_quantized(keys, values, queries, 32, nf4.NF4Storage("tokens"))
     exact = compact_head(keys, values, queries, 32, "kv_surgeon")
     codes, absmax = nf4.quantize_nf4(keys[exact.indices], 64)
     rounded_keys = nf4.dequantize_nf4(codes, absmax, (32, 64), 64)
