@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, DynamicCache
 
 import hf_structkv
 from hf_structkv import CompactedCache
+from hf_structkv.attention.mixed_reference import head_output_projections
 from hf_structkv.cache.mixed_precision import StructuredMixedPrecisionCache
 from hf_structkv.models import tiny_byte_tokenizer, tiny_model
 from hf_structkv.policy.table import PolicyTable
@@ -124,3 +125,20 @@ def test_compact_at_ratio_one_on_a_quantized_model_generates_like_dynamic_cache(
     compacted = hf_structkv.compact(model, tokenizer, context, ratio=1, budgets="uniform", progress=False)
     got = greedy(model, full, torch.ones_like(full), compacted)
     assert torch.equal(got, expected), (got, expected)
+
+
+@pytest.mark.parametrize("quant", list(QUANTIZATIONS))
+def test_head_output_projections_of_a_quantized_o_proj_compute_what_it_computes(saved_tiny_models, quant):
+    """CriticalKV's per-head output projections (value-weighted statistics) of a bitsandbytes ``o_proj``, whose
+    weight holds codes: summed over heads they give ``o_proj(x)`` up to the layer's own rounding of ``x``."""
+    model = quantized_model(saved_tiny_models, "llama", quant)
+    attention = model.model.layers[0].self_attn
+    n_q_heads, head_dim = model.config.num_attention_heads, model.config.head_dim
+    projections = head_output_projections(attention, n_q_heads, head_dim)  # [H_q, D_v, d_model]
+    x = torch.randn(7, n_q_heads * head_dim, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = attention.o_proj(x).float()
+    got = torch.einsum("nhd,hdm->nm", x.view(7, n_q_heads, head_dim), projections)
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()  # the int8 codes read as weights: ~300x off
+    with pytest.raises(ValueError, match="o_proj"):
+        head_output_projections(attention, n_q_heads, head_dim + 1)

@@ -283,11 +283,20 @@ def head_output_projections(module: torch.nn.Module, num_query_heads: int, value
     """Each query head's slice of the attention output projection, FP32 ``[H_q, D_v, d_model]``: head ``h``'s output
     ``o_h [D_v]`` enters the residual stream as ``o_h @ result[h]`` (``o_proj.weight[:, h*D_v:(h+1)*D_v].T``).
 
+    A quantized ``o_proj`` (its ``weight`` holds codes, not the matrix: bitsandbytes' 8-bit and 4-bit layers) is read
+    as it computes: ``o_proj(I) − o_proj(0)`` (the identity's rows, its bias removed).
+
     Raises:
         ValueError: ``module`` has no ``o_proj`` linear layer of ``H_q * D_v`` inputs.
     """
-    weight = getattr(getattr(module, "o_proj", None), "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != num_query_heads * value_dim:
+    projection, inputs = getattr(module, "o_proj", None), num_query_heads * value_dim
+    weight = getattr(projection, "weight", None)
+    quantized = isinstance(weight, torch.Tensor) and not weight.is_floating_point()
+    if quantized and isinstance(projection, torch.nn.Module) and getattr(projection, "in_features", None) == inputs:
+        with torch.no_grad():
+            identity = torch.eye(inputs, device=weight.device)
+            weight = (projection(identity) - projection(torch.zeros_like(identity[:1]))).float().T  # [d_model, inputs]
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != inputs:
         raise ValueError(
             f"value-weighted attention statistics (CriticalKV) need the attention module's output projection o_proj "
             f"with {num_query_heads} x {value_dim} inputs; {type(module).__name__} has none"
