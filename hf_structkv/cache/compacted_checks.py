@@ -256,9 +256,10 @@ def _check_compacted_layer(
     int4_heads = [kind == "int4" for kind in desc.get("head_storage", ["bf16"] * len(lengths))]
     dim, rows = fingerprint["head_dim"], expected[-1]
     plain_rows = sum(n for n, is_int4 in zip(lengths, int4_heads) if not is_int4)
-    _check_tensor(prefix + "keys", tensors[prefix + "keys"], (plain_rows, dim), dtype)
-    _check_tensor(prefix + "values", tensors[prefix + "values"], (plain_rows, None), dtype)
-    _check_tensor(prefix + "bias", tensors[prefix + "bias"], (rows,), torch.float32)
+    sizes = f"layers[{i}].head_lengths" + (", head_storage and key_group" if "head_storage" in desc else "")
+    _check_tensor(prefix + "keys", tensors[prefix + "keys"], (plain_rows, dim), dtype, sizes)
+    _check_tensor(prefix + "values", tensors[prefix + "values"], (plain_rows, None), dtype, sizes)
+    _check_tensor(prefix + "bias", tensors[prefix + "bias"], (rows,), torch.float32, sizes)
     if "head_storage" in desc:
         value_dim = tensors[prefix + "values"].shape[-1]
         int4_rows = rows - plain_rows
@@ -270,7 +271,7 @@ def _check_compacted_layer(
             ("value_codes", (int4_rows, (value_dim + 1) // 2), torch.uint8),
             ("value_scales", (int4_rows, 1), torch.float16),
         ):
-            _check_tensor(prefix + suffix, tensors[prefix + suffix], shape, kind)
+            _check_tensor(prefix + suffix, tensors[prefix + suffix], shape, kind, sizes)
 
 
 def _check_sliding_layer(
@@ -292,10 +293,13 @@ def _check_sliding_layer(
     _check_tensor(prefix + "window_values", tensors[prefix + "window_values"], (1, heads, window, None), dtype)
 
 
-def _check_tensor(name: str, tensor: torch.Tensor, shape: tuple[int | None, ...], dtype: torch.dtype) -> None:
-    """``tensor`` has ``dtype`` and ``shape`` (``None`` matches any size)."""
+def _check_tensor(
+    name: str, tensor: torch.Tensor, shape: tuple[int | None, ...], dtype: torch.dtype, sizes: str = ""
+) -> None:
+    """``tensor`` has ``dtype`` and ``shape`` (``None`` matches any size); ``sizes``: the fields of ``config.json``
+    the shape comes from, named by the refusal."""
     if tensor.dtype != dtype:
         raise ValueError(f"tensor {name} has dtype {tensor.dtype}, expected {dtype}")
     if tensor.dim() != len(shape) or any(want is not None and got != want for got, want in zip(tensor.shape, shape)):
-        wanted = tuple("*" if n is None else n for n in shape)
-        raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {wanted} from {CONFIG_NAME}")
+        wanted, source = tuple("*" if n is None else n for n in shape), f"{sizes} in " if sizes else ""
+        raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {wanted} from {source}{CONFIG_NAME}")

@@ -2,10 +2,10 @@
 from an edited file is right.
 
 `Artifacts.build(folder)` saves, with tiny models, one `CompactedCache`, `PolicyTable`, `PrefillPolicy` and
-`HeadBudgets` (plus the shipped illustrative policies, whose entries vary); `Artifacts.copy(kind, into)` copies one
-into a fresh folder to edit. A judge (`judge_cache`, `judge_json_artifact`) loads the edited folder: a refusal
-propagates (the caller classifies it), and a load returns ``None`` when it is right or a complaint saying how it is
-silently wrong.
+`HeadBudgets` (plus the shipped illustrative policies, whose entries vary), and a format 2 `CompactedCache` with INT4
+heads (`INT4_CACHE`, beside `KINDS`); `Artifacts.copy(kind, into)` copies one into a fresh folder to edit. A judge
+(`judge_cache`, `judge_json_artifact`) loads the edited folder: a refusal propagates (the caller classifies it), and a
+load returns ``None`` when it is right or a complaint saying how it is silently wrong.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from test_hub import TOKENIZER, compacted_cache, tiny_llama
+from test_compacted_int4_cache import int4_cache
+from test_hub import TOKENIZER, compacted_cache, context_ids, tiny_llama
 
 import hf_structkv
 from hf_structkv import CompactedCache
@@ -36,6 +37,10 @@ KINDS = {
     "budgets": (HeadBudgets, "head_budgets.json"),
 }
 """Artifact kind -> (its class, the JSON file an edit targets)."""
+INT4_CACHE = "cache_int4"
+"""The folder of the saved cache with INT4 heads (each compacted layer: KV head 0 in the model's dtype, KV head 1 in
+INT4, key scales per group of `INT4_KEY_GROUP` kept entries)."""
+INT4_KEY_GROUP = 8
 SERVED_IDS = torch.tensor([[5, 6, 7]])
 
 
@@ -46,17 +51,20 @@ class Artifacts:
     root: Path
     model: Any = field(repr=False)
     cache: CompactedCache = field(repr=False)
+    int4_cache: CompactedCache = field(repr=False)
 
     @classmethod
     def build(cls, root: Path) -> Artifacts:
         model = tiny_llama()
         cache = compacted_cache(model, TOKENIZER)
         cache.save_pretrained(root / "cache")
+        int4_cache(model, context_ids(), key_group=INT4_KEY_GROUP)[0].save_pretrained(root / INT4_CACHE)
+        int4 = CompactedCache.load(root / INT4_CACHE)  # as saved: metadata as the file holds it
         illustrative_policy().save_pretrained(root / "table")
         illustrative_prefill_policy().save_pretrained(root / "prefill")
         HeadBudgets.uniform(model).save_pretrained(root / "budgets")
         hf_structkv.enable(model)
-        return cls(root, model, cache)
+        return cls(root, model, cache, int4)
 
     def copy(self, kind: str, into: Path) -> Path:
         """A fresh copy of the saved ``kind`` at ``into`` (replacing what was there)."""
@@ -153,13 +161,14 @@ def same_json(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def judge_cache(arts: Artifacts, folder: Path, *, same_tensors: bool = True) -> str | None:
+def judge_cache(arts: Artifacts, folder: Path, *, same_tensors: bool = True, original: str = "cache") -> str | None:
     """Load the edited cache ``folder`` with and without the model and serve it; ``None`` when it is right.
 
     Right means: what loaded holds the config's metadata, serves finite logits, round-trips through a save, and
     (``same_tensors``: the edit left the tensors alone) holds the original tensors and context length and serves the
-    original's logits exactly.
+    original's logits exactly (the original: ``arts.cache``, or ``arts.int4_cache`` for ``original=INT4_CACHE``).
     """
+    source = arts.int4_cache if original == INT4_CACHE else arts.cache
     CompactedCache.load(folder, model=arts.model)
     loaded = CompactedCache.load(folder)
     logits = arts.served(loaded)  # a structural difference from the serving model is refused here
@@ -169,9 +178,9 @@ def judge_cache(arts: Artifacts, folder: Path, *, same_tensors: bool = True) -> 
     if any(not same_json(config[key], value) for key, value in loaded.metadata.items()):
         return "the loaded metadata differs from config.json"
     if same_tensors:
-        if loaded.original_length != arts.cache.original_length or not _same_tensors(loaded, arts.cache):
+        if loaded.original_length != source.original_length or not _same_tensors(loaded, source):
             return f"loaded a different context (original_length {loaded.original_length})"
-        if not torch.equal(logits, arts.served(arts.cache)):
+        if not torch.equal(logits, arts.served(source)):
             return "served logits differ from the original cache's"
     again = folder.with_name(folder.name + "-resaved")
     shutil.rmtree(again, ignore_errors=True)

@@ -1,7 +1,8 @@
 """The fixed catalogue of hostile edits of the saved formats: every JSON file's fields (seeded samples of values,
 types, nesting and sizes, and removals), whole-file replacements (empty, not JSON, too deep, too large, a folder,
 an endless device), the safetensors header (dtypes, shapes, offsets, names, the length prefix) and raw bytes of
-``cache.safetensors`` (truncated, extended, flipped, unservable values), and the 0.1 files."""
+``cache.safetensors`` (truncated, extended, flipped, unservable values), the 0.1 files, and the INT4 fields of
+format 2 (`int4_cases`: ``head_storage``, ``key_group`` and the five INT4 tensors)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from hostile_artifacts import (
     DATA_V0_1,
+    INT4_CACHE,
+    INT4_KEY_GROUP,
     KINDS,
     Artifacts,
     edited,
@@ -48,6 +52,7 @@ def format_cases(arts: Artifacts, work: Path, seed: int = 0) -> list[Case]:
     cases += _byte_edits(arts, work, rng)
     cases += _value_edits(arts, work)
     cases += _old_files(arts, work)
+    cases += int4_cases(arts, work)
     return cases
 
 
@@ -278,3 +283,90 @@ def _old_files(arts: Artifacts, work: Path) -> list[Case]:
         label = f"0.1 cache with layers.0.keys[0, 0] = {value}"
         cases.append(Case("formats", "0.1 files", label, run, ("layers.0.keys",)))
     return cases
+
+
+INT4_TENSORS = ("key_codes", "key_scales", "key_offsets", "value_codes", "value_scales")
+HEAD_STORAGE_EDITS = (
+    None,
+    "int4",
+    [],
+    ["int4"],
+    ["bf16", "int4", "int4"],
+    ["bf16", "int8"],
+    ["bf16", None],
+    [0, 1],
+    ["int4", "int4"],
+    ["bf16", "bf16"],
+    ["int4", "bf16"],
+)
+"""``layers[0].head_storage`` (saved ``["bf16", "int4"]``): wrong types and lengths, an unknown storage, and valid
+lists the tensors do not match (a head's storage flipped)."""
+KEY_GROUP_EDITS = (0, -1, 2.5, "8", True, [8], 10**30, None, 1, 4, 16)
+"""``layers[0].key_group`` (saved 8): invalid values, and valid ones the key scales' rows do not match (12 INT4
+entries: 2 rows of scales in groups of 8, 1 with null or 16, 12 with 1, 3 with 4)."""
+
+
+def int4_cases(arts: Artifacts, work: Path) -> list[Case]:
+    """Hostile edits of the INT4 fields of a format 2 cache (`INT4_CACHE`): ``layers[0].head_storage`` and
+    ``key_group`` set (`HEAD_STORAGE_EDITS`, `KEY_GROUP_EDITS`) or removed, each with the config's content hash left
+    as saved (it covers the tensors only); and each INT4 tensor of layer 0 removed, cast to another dtype, cut by a row
+    or given a NaN or infinite number (hash recomputed). Each must be refused naming the field or tensor."""
+    config = json.loads((arts.root / INT4_CACHE / "config.json").read_text())
+    assert (
+        config["layers"][0]["head_storage"] == ["bf16", "int4"] and config["layers"][0]["key_group"] == INT4_KEY_GROUP
+    )
+    edits: list[tuple[str, Callable[[Path], None], tuple[str, ...]]] = []
+    for field, values in (("head_storage", HEAD_STORAGE_EDITS), ("key_group", KEY_GROUP_EDITS)):
+        path = ("layers", 0, field)
+        for value in values:
+            edits.append((f"set layers.0.{field} = {value!r:.40}", _config_edit(config, path, value), (field,)))
+        edits.append((f"remove layers.0.{field}", _config_edit(config, path, None, delete=True), (field,)))
+    for suffix in INT4_TENSORS:
+        name = f"layers.0.{suffix}"
+        words = (name,)
+        edits.append((f"{name} removed", _tensor_edit(lambda t, name=name: t.pop(name)), words))
+        other = torch.float32 if suffix.endswith(("scales", "offsets")) else torch.int8
+        edits.append((f"{name} as {other}", _tensor_edit(_cast(name, other)), words))
+        edits.append((f"{name} without its last row", _tensor_edit(_cut(name)), words))
+        if suffix.endswith(("scales", "offsets")):
+            for value in (float("nan"), float("inf"), -float("inf")):
+                edits.append((f"{name}[0] = {value}", _tensor_edit(_number(name, value)), words))
+    cases = []
+    for n, (label, make, words) in enumerate(edits):
+
+        def run(n=n, make=make):
+            folder = arts.copy(INT4_CACHE, work / f"int4-{n}")
+            make(folder)
+            return judge_cache(arts, folder, original=INT4_CACHE)
+
+        cases.append(Case("formats", "INT4 fields (format 2 cache)", label, run, words))
+    return cases
+
+
+def _config_edit(config: dict, path: tuple, value: Any, delete: bool = False) -> Callable[[Path], None]:
+    mutated = edited(config, path, value, delete=delete)
+    return lambda folder: write_json(folder / "config.json", mutated)
+
+
+def _tensor_edit(edit: Callable[[dict], Any]) -> Callable[[Path], None]:
+    """Apply ``edit`` to the folder's tensors, save them and record their new hash."""
+
+    def make(folder: Path) -> None:
+        tensors = load_file(folder / "cache.safetensors")
+        edit(tensors)
+        save_file(tensors, folder / "cache.safetensors", metadata={"format": "pt"})
+        rehash(folder)
+
+    return make
+
+
+def _cast(name: str, dtype: torch.dtype) -> Callable[[dict], None]:
+    return lambda tensors: tensors.__setitem__(name, tensors[name].to(dtype))
+
+
+def _cut(name: str) -> Callable[[dict], None]:
+    return lambda tensors: tensors.__setitem__(name, tensors[name][:-1].clone())
+
+
+def _number(name: str, value: float) -> Callable[[dict], None]:
+    return lambda tensors: tensors[name].view(-1).__setitem__(0, value)

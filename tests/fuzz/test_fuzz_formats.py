@@ -21,7 +21,14 @@ from hostile_artifacts import (
     write_json,
     write_safetensors,
 )
-from hostile_formats import TENSOR_NAMES, format_cases
+from hostile_formats import (
+    HEAD_STORAGE_EDITS,
+    INT4_TENSORS,
+    KEY_GROUP_EDITS,
+    TENSOR_NAMES,
+    format_cases,
+    int4_cases,
+)
 from hostile_outcomes import FUZZ, GOOD_OUTCOMES, Case, assert_good, run_case
 from hypothesis import given
 from hypothesis import strategies as st
@@ -159,6 +166,21 @@ def test_the_catalogue_of_format_edits_has_no_bad_outcome(arts, tmp_path):
     ]
     assert not bad, "\n".join(bad)
     assert len(results) > 800 and sum(r.outcome == "refused" for r in results) > 600
+
+
+def test_the_int4_fields_of_a_format_2_cache_are_refused_naming_them(arts, tmp_path):
+    """``head_storage``, ``key_group`` and the five INT4 tensors edited: every edit refused with a ValueError naming
+    the field or tensor, a valid storage list or key group the tensors do not match included."""
+    cases = int4_cases(arts, tmp_path)
+    results = [run_case(case) for case in cases]
+    wrong = [f"{r.case.name}: {r.outcome}: {r.detail}" for r in results if r.outcome != "refused"]
+    assert not wrong, "\n".join(wrong)
+    assert all(r.detail.startswith("ValueError") for r in results)
+    assert {suffix for suffix in INT4_TENSORS if any(f"layers.0.{suffix}" in c.name for c in cases)} == set(
+        INT4_TENSORS
+    )
+    assert sum("head_storage" in c.name for c in cases) == len(HEAD_STORAGE_EDITS) + 1
+    assert sum("key_group" in c.name for c in cases) == len(KEY_GROUP_EDITS) + 1
 
 
 # ---------------------------------------------------------------------------------------------------- regressions
