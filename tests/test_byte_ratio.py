@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from test_compaction_auto_storage import WordTokenizer  # one id per character
 
 from hf_structkv.compaction import compact
 from hf_structkv.compaction.byte_budgets import head_byte_budgets
@@ -23,18 +24,6 @@ LENGTH = 192
 DIM = 16  # tiny models: head_dim 16, 2 KV heads, 2 layers
 HEADS = 4
 KEY_GROUP = 32
-
-
-class CharTokenizer:
-    """One id per character: enough for the repeat prompt on tiny models."""
-
-    all_special_tokens = []
-
-    def __call__(self, text, return_tensors=None, add_special_tokens=False):
-        return type("Encoding", (), {"input_ids": torch.tensor([[3 + ord(ch) % 250 for ch in text]])})()
-
-    def get_vocab(self):
-        return {chr(i): 3 + i % 250 for i in range(256)}
 
 
 class SkewedBudgets:
@@ -59,7 +48,7 @@ def compacted(tiny, ratio, storage, budgets="uniform"):
     model, ids, _ = tiny
     return compact(
         model,
-        CharTokenizer(),
+        WordTokenizer(),
         ids,
         ratio=ratio,
         storage=storage,

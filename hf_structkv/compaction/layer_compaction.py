@@ -111,20 +111,6 @@ def compact_within(
     return compact_head_to_bytes(keys, values, queries, budget, *method, **storage, **settings.hparams)
 
 
-def compact_to_budget(
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    queries: torch.Tensor | None,
-    budget: int,
-    settings: CompactionSettings,
-    scaling: float | None,
-) -> CompactedHead:
-    """`compact_within` a budget of ``budget`` entries in the cache's dtype: the entries for ``"bf16"``, their bytes
-    (`byte_budget`) for ``"int4"`` and ``"auto"``."""
-    nbytes = budget if settings.storage == "bf16" else byte_budget(budget, keys, values)
-    return compact_within(keys, values, queries, nbytes, settings, scaling)
-
-
 def fewest_bytes_within(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -133,10 +119,10 @@ def fewest_bytes_within(
     settings: CompactionSettings,
     scaling: float | None,
 ) -> tuple[CompactedHead, float, float]:
-    """``max_loss``: one KV head at the first size of `MAX_LOSS_RATIOS` (fewest bytes first, `compact_to_budget` on
-    ``max(1, floor(T / r))`` entries fitted to ``fit [N, D]``) whose relative loss on ``heldout [N_h, D]`` is at most
-    ``settings.max_loss``; kept whole (every entry in the cache's dtype, bias 0, original values, loss 0) when none
-    is. Sizes whose budget equals the previous one are not refitted.
+    """``max_loss``: one KV head at the first size of `MAX_LOSS_RATIOS` (fewest bytes first, `compact_within` ``max(1,
+    floor(T / r))`` entries in the cache's dtype, or their bytes (`byte_budget`), fitted to ``fit [N, D]``) whose
+    relative loss on ``heldout [N_h, D]`` is at most ``settings.max_loss``; kept whole (every entry in the cache's
+    dtype, bias 0, original values, loss 0) when none is. Sizes whose budget equals the previous one are not refitted.
 
     Returns:
         ``(head, ratio, held-out loss)``, ratio 1.0 for a head kept whole.
@@ -147,7 +133,8 @@ def fewest_bytes_within(
         if budget == tried:
             continue
         tried = budget
-        head = compact_to_budget(keys, values, fit, budget, settings, scaling)
+        size = budget if settings.storage == "bf16" else byte_budget(budget, keys, values)
+        head = compact_within(keys, values, fit, size, settings, scaling)
         loss = relative_loss(head, keys, heldout, values, scaling)
         if loss <= settings.max_loss:
             return head, float(ratio), loss
