@@ -11,7 +11,7 @@ context, made ``ratio=4`` store 9.6x fewer bytes. Here:
 
 - the total is shared among the heads in proportion to their entry budgets, each head capped at the bytes of its
   whole head in INT4 (`water_fill`: a capped head's excess goes to the others in proportion);
-- when every head is capped and bytes are left (``ratio`` below the whole cache's INT4 ratio, about 6 in FP32 and 3 in
+- when every head is capped and bytes are left (``ratio`` below the whole cache's INT4 ratio, 6.6 in FP32 and 3.3 in
   BF16), ``"auto"`` keeps whole heads in the dtype, heaviest budget first, while the rest pays for one; ``"int4"``
   stores every head whole in INT4 and reaches only that ratio.
 
