@@ -17,6 +17,8 @@ from hf_structkv.calibration.buckets import Bucket
 from hf_structkv.calibration.interventions import BucketIntervention
 from hf_structkv.calibration.likelihood import (
     CaseReplay,
+    DevelopmentReplay,
+    DevelopmentReplayStore,
     LikelihoodStore,
     ReferenceTags,
     likelihood_loss,
@@ -29,7 +31,9 @@ from hf_structkv.calibration.settings import CalibrationSettings
 from hf_structkv.calibration.task_sensitivity import intervention_runs, needs_generation
 from hf_structkv.eval.bfcl import bfcl_split
 from hf_structkv.policy.costs import Action, GroupCosts
-from hf_structkv.policy.table import PolicyTable
+from hf_structkv.policy.prefill import PrefillPolicy
+from hf_structkv.policy.table import PolicyEntry, PolicyTable
+from hf_structkv.structure.prompt_spans import PROMPT_LABELS
 
 BFCL = BfclTask()
 WINDOW, SINKS, MAX_NEW = 3, 4, 24
@@ -173,7 +177,7 @@ def test_likelihood_calibration_resumes_to_the_identical_table(model, tokenizer,
     assert full.report["decode"]["sensitivity"] == "likelihood" and replays > 0
     # interrupt: keep the store's first half only, then run again
     stores = sorted(tmp_path.glob("likelihood-*.jsonl"))
-    assert stores
+    assert stores and list(tmp_path.glob("development-replay-*.jsonl")) and list(tmp_path.glob("distortion-*.jsonl"))
     for path in stores:
         lines = path.read_text().splitlines(keepends=True)
         path.write_text("".join(lines[: 1 + (len(lines) - 1) // 2]))
@@ -210,6 +214,28 @@ def test_runtime_v_shards_fill_the_store_that_a_full_run_reads_back(model, token
         calibrate(model, tokenizer, *cases, settings, cache_dir=tmp_path, runtime_v_shard=(2, 2))
     with pytest.raises(ValueError, match="pass cache_dir"):
         calibrate(model, tokenizer, *cases, settings, runtime_v_shard=(0, 2))
+
+
+def test_development_replays_are_stored_and_read_back(model, references, tmp_path):
+    """A candidate's development replays land in the store as they are computed; a new run reads them back (the same
+    result, every case reused) and replays only what another candidate needs."""
+    costs = GroupCosts.from_config(model.config)
+    all_high = PolicyTable.all_high(model.config, window=WINDOW, sink_tokens=SINKS)
+    low = PolicyEntry((Action.L,) * 3, (Action.L,) * 3, ((0.0, 0.0),) * 3)
+    prefill = PrefillPolicy(
+        costs=costs, entries=dict.fromkeys(PROMPT_LABELS, low), budget=0.5, provenance="illustrative"
+    )
+    plain = DevelopmentReplay(model, references, all_high)(all_high, prefill)
+    key = {"test": "development replays"}
+    first = DevelopmentReplay(model, references, all_high, DevelopmentReplayStore.open(tmp_path, key))(
+        all_high, prefill
+    )
+    assert first == plain and plain.reused == 0 and plain.error_rate != 0 and plain.prefill_ratio < 1
+    store = DevelopmentReplayStore.open(tmp_path, key)
+    assert len(store) == len(references)
+    again = DevelopmentReplay(model, references, all_high, store)
+    assert again(all_high, prefill) == dataclasses.replace(plain, reused=len(references))
+    assert again(all_high).reused == 0 and len(store) == 2 * len(references)
 
 
 def test_settings_refuse_an_unknown_sensitivity():

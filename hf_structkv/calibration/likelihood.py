@@ -35,9 +35,12 @@ from ..policy.prefill import PrefillPolicy, plan_prefill
 from ..policy.retention import RetentionPolicy
 from ..policy.table import PolicyTable
 from ..structure.tags import StructuralTag
+from ..validation import is_int
 from .buckets import Bucket
+from .development_store import candidate_digest
 from .intervention_store import InterventionStore
 from .interventions import BucketIntervention, prefill_intervention_plan
+from .jsonl_store import JsonLinesStore
 from .references import ReferenceTrajectory
 from .resume import first_changed_forward
 from .selection import DevResult, pooled_ratios
@@ -45,6 +48,7 @@ from .selection import DevResult, pooled_ratios
 __all__ = [
     "CaseReplay",
     "DevelopmentReplay",
+    "DevelopmentReplayStore",
     "LikelihoodStore",
     "ReferenceTags",
     "likelihood_loss",
@@ -202,6 +206,27 @@ def likelihood_measure(model, costs: GroupCosts, stage: str, all_high: PolicyTab
     return measure
 
 
+class DevelopmentReplayStore(JsonLinesStore):
+    """Development replays kept on disk, as `DevelopmentStore` keeps generated development cases: one line per
+    ``(case, candidate)`` (`candidate_digest`) with the case's likelihood loss and its ledger along the reference
+    (``{"case", "candidate", "loss", "prompt_bits", "prompt_tokens", "decode_bits", "decode_tokens"}``), so a
+    stopped or repeated calibration never replays a candidate on a case twice."""
+
+    ID_FIELDS = ("case", "candidate")
+    PREFIX = "development-replay"
+
+    @staticmethod
+    def accepts(fields: dict[str, Any]) -> bool:
+        loss = fields.get("loss")
+        numbers = [fields.get(n) for n in ("prompt_bits", "decode_bits")]
+        return (
+            isinstance(loss, float)
+            and -1.0 <= loss <= 1.0
+            and all(isinstance(n, (int, float)) and not isinstance(n, bool) and math.isfinite(n) for n in numbers)
+            and all(is_int(fields.get(n)) for n in ("prompt_tokens", "decode_tokens"))
+        )
+
+
 class DevelopmentReplay:
     """Complete candidates (a decode table, or the all-high decode with a prefill policy) on the development references
     by likelihood; each reference's all-high log-probabilities are computed once and reused for every candidate.
@@ -209,10 +234,17 @@ class DevelopmentReplay:
     Args:
         model: the model; references: the development `ReferenceTrajectory` objects; all_high: the calibration's
             all-high policy.
+        store: where each case's replay under a candidate is read from, or written to as soon as it is computed.
     """
 
-    def __init__(self, model, references: Sequence[ReferenceTrajectory], all_high: PolicyTable):
-        self.model, self.references, self.all_high = model, references, all_high
+    def __init__(
+        self,
+        model,
+        references: Sequence[ReferenceTrajectory],
+        all_high: PolicyTable,
+        store: DevelopmentReplayStore | None = None,
+    ):
+        self.model, self.references, self.all_high, self.store = model, references, all_high, store
         self._reference_log_probs: dict[str, torch.Tensor] = {}
 
     def __call__(
@@ -220,25 +252,46 @@ class DevelopmentReplay:
     ) -> DevResult:
         """``policy`` (and ``prefill_policy``) on every development reference: ``error_rate`` is the mean likelihood
         loss from token 1 on (the all-high reference's is 0), the ratios are the ledger's along the reference
-        trajectories, ``valid`` is empty (no verdicts)."""
-        losses, bits = [], [0.0, 0, 0.0, 0]  # prompt bits, prompt tokens, decode bits, decode tokens
+        trajectories, ``valid`` is empty (no verdicts), ``reused`` counts the cases read from the store."""
+        candidate = candidate_digest(policy, prefill_policy)
+        losses, bits, reused = [], [0.0, 0, 0.0, 0], 0  # prompt bits, prompt tokens, decode bits, decode tokens
         for reference in tqdm(self.references, desc="development (likelihood)", disable=not progress, leave=False):
-            known = self._reference_log_probs.get(reference.case_id)
-            replay = CaseReplay(self.model, reference, self.all_high, reference_log_probs=known)
-            self._reference_log_probs[reference.case_id] = replay.reference_log_probs
-            plan = None
-            if prefill_policy is not None:
-                sinks, window = policy.sink_tokens, policy.window
-                plan = plan_prefill(reference.prompt_labels, policy.costs, prefill_policy, sinks, window).actions[None]
-            cache = replay.prompt_cache.with_schedule(policy, plan)
-            losses.append(likelihood_loss(replay.reference_log_probs, replay.log_probs_in(cache), 1))
-            prompt, decode, length = cache.schedule.scheduled_bits_by_stage(
-                len(reference.prompt_ids) + len(reference.tokens)
-            )
-            for i, value in enumerate((prompt, length, decode, reference.num_decoded)):
-                bits[i] += value
+            record = None if self.store is None else self.store.get_record((reference.case_id, candidate))
+            reused += record is not None
+            if record is None:
+                record = self._replay(reference, policy, prefill_policy)
+                if self.store is not None:
+                    self.store.put_record((reference.case_id, candidate), record)
+            losses.append(record["loss"])
+            fields = ("prompt_bits", "prompt_tokens", "decode_bits", "decode_tokens")
+            for i, name in enumerate(fields):
+                bits[i] += record[name]
         decode_ratio, prefill_ratio = pooled_ratios(*bits, full_bits=policy.costs.full)
-        return DevResult(sum(losses) / len(losses), decode_ratio, prefill_ratio, valid=())
+        return DevResult(sum(losses) / len(losses), decode_ratio, prefill_ratio, valid=(), reused=reused)
+
+    def _replay(
+        self, reference: ReferenceTrajectory, policy: RetentionPolicy, prefill_policy: PrefillPolicy | None
+    ) -> dict[str, Any]:
+        """One development case's likelihood loss and ledger under the candidate (a `DevelopmentReplayStore` line)."""
+        known = self._reference_log_probs.get(reference.case_id)
+        replay = CaseReplay(self.model, reference, self.all_high, reference_log_probs=known)
+        self._reference_log_probs[reference.case_id] = replay.reference_log_probs
+        plan = None
+        if prefill_policy is not None:
+            sinks, window = policy.sink_tokens, policy.window
+            plan = plan_prefill(reference.prompt_labels, policy.costs, prefill_policy, sinks, window).actions[None]
+        cache = replay.prompt_cache.with_schedule(policy, plan)
+        loss = likelihood_loss(replay.reference_log_probs, replay.log_probs_in(cache), 1)
+        prompt, decode, length = cache.schedule.scheduled_bits_by_stage(
+            len(reference.prompt_ids) + len(reference.tokens)
+        )
+        return {
+            "loss": float(loss),
+            "prompt_bits": float(prompt),
+            "prompt_tokens": int(length),
+            "decode_bits": float(decode),
+            "decode_tokens": int(reference.num_decoded),
+        }
 
 
 class LikelihoodStore(InterventionStore):

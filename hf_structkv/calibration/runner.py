@@ -31,7 +31,7 @@ from .bfcl_task import BfclTask
 from .candidates import all_high_candidate
 from .development_store import DevelopmentStore
 from .distortion import DistortionStore
-from .likelihood import DevelopmentReplay, LikelihoodStore
+from .likelihood import DevelopmentReplay, DevelopmentReplayStore, LikelihoodStore
 from .references import generation_key, reference_trajectories, with_position_tags
 from .settings import CalibrationSettings, settings_json
 from .stages import StageInputs, decode_stage, prefill_stage, run_stage, stage_runtime_v
@@ -152,13 +152,6 @@ def calibrate(
         model, family=task.family, window=settings.window, sink_tokens=settings.sink_tokens, **view
     )
     reference_error = sum(not r.valid for r in dev_refs) / len(dev_refs)
-    dev_replay = DevelopmentReplay(model, dev_refs, reference)  # likelihood sensitivity only; computes on use
-    inputs = StageInputs(model, tokenizer, task, development, dev_replay, refs, reference, costs, settings, fingerprint)
-    stages = []
-    if "decode" in settings.stages:
-        stages.append(decode_stage(inputs, view))
-    if "prefill" in settings.stages:
-        stages.append(prefill_stage(inputs))
     report: dict[str, Any] = {
         "hf_structkv_version": __version__,
         "settings": settings_json(settings),
@@ -176,6 +169,14 @@ def calibrate(
         "layer_groups": settings.layer_groups,
         "position_bins": view["position_bins"],
     }
+    replay_store = None if cache_dir is None else DevelopmentReplayStore.open(cache_dir, store_key)
+    dev_replay = DevelopmentReplay(model, dev_refs, reference, replay_store)  # likelihood sensitivity only; on use
+    inputs = StageInputs(model, tokenizer, task, development, dev_replay, refs, reference, costs, settings, fingerprint)
+    stages = []
+    if "decode" in settings.stages:
+        stages.append(decode_stage(inputs, view))
+    if "prefill" in settings.stages:
+        stages.append(prefill_stage(inputs))
     stores = {
         stage.name: (None, None, None)
         if cache_dir is None
