@@ -561,6 +561,20 @@ def _brute_force_distortion(reference, states, key, stage, action, sink, window,
     return total
 
 
+def _random_states(generator, tokens: int, total: int) -> dict:
+    """`ReferenceStates` of 3 layers: 4 query heads over ``tokens - 1`` queries, 2 KV heads over ``total`` positions,
+    head dim 8."""
+    return {
+        layer: (
+            torch.randn(4, tokens - 1, 8, generator=generator),
+            torch.randn(2, total, 8, generator=generator),
+            torch.randn(2, total, 8, generator=generator),
+            8**-0.5,
+        )
+        for layer in range(3)
+    }
+
+
 def test_distortion_equals_brute_force_on_random_states():
     costs = GroupCosts.from_dims([2] * 3, [8] * 3)
     a, b = "schema_bearing|required|critical|no_lookahead", "pure_scaffold|scaffold_separator|boundary|no_lookahead"
@@ -573,15 +587,7 @@ def test_distortion_equals_brute_force_on_random_states():
     reference = _toy_reference(tags, labels)
     generator = torch.Generator().manual_seed(0)
     total = len(labels) + len(tags)
-    states = {
-        layer: (
-            torch.randn(4, len(tags) - 1, 8, generator=generator),
-            torch.randn(2, total, 8, generator=generator),
-            torch.randn(2, total, 8, generator=generator),
-            8**-0.5,
-        )
-        for layer in range(3)
-    }
+    states = _random_states(generator, len(tags), total)
     sink, window = 2, 2
     for stage, keys in (("decode", (a, b)), ("prefill", ("function_name", "schema_scaffold", "protected_content"))):
         buckets = [Bucket(key, c) for key in keys for c in range(3)]
@@ -605,15 +611,7 @@ def test_distortion_store_resumes_without_capturing_the_stored_references(tmp_pa
     for case, tags in enumerate(([(a,), (b,), (a, b), (a,), (), (b,), (a,), None], [(b,), (a,), (a,), (b,), None])):
         reference = dataclasses.replace(_toy_reference(tags, [("protected_content",)] * 4), case_id=f"toy_{case}")
         total = 4 + len(tags)
-        states[reference.case_id] = {
-            layer: (
-                torch.randn(4, len(tags) - 1, 8, generator=generator),
-                torch.randn(2, total, 8, generator=generator),
-                torch.randn(2, total, 8, generator=generator),
-                8**-0.5,
-            )
-            for layer in range(3)
-        }
+        states[reference.case_id] = _random_states(generator, len(tags), total)
         references.append(reference)
     buckets = [Bucket(key, c) for key in (a, b) for c in range(3)]
     captured = []
