@@ -292,7 +292,10 @@ def generate_calls(
             model, tokenizer, batch, processor, policy, max_new_tokens, prefill_plan=prefill_plan, **generate_kwargs
         )
     else:
-        cache = StructuredMixedPrecisionCache(model, policy, processor, prefill_plan, context=context)
+        prompt_length = context.get_seq_length() + batch["input_ids"].shape[1]  # placeholders + conversation
+        cache = StructuredMixedPrecisionCache(
+            model, policy, processor, prefill_plan, context=context, prompt_length=prompt_length
+        )
         batch = generation_inputs(cache, batch["input_ids"], batch["attention_mask"])
         output = generate_structured(
             model, tokenizer, batch, processor, policy, max_new_tokens, cache=cache, **generate_kwargs
@@ -336,7 +339,9 @@ def generate_structured(
         if owned in generate_kwargs:
             raise ValueError(f"this call builds {owned} itself; call model.generate directly to pass your own")
     if cache is None:
-        cache = StructuredMixedPrecisionCache(model, policy, processor=processor, prefill_plan=prefill_plan)
+        cache = StructuredMixedPrecisionCache(
+            model, policy, processor=processor, prefill_plan=prefill_plan, prompt_length=batch["input_ids"].shape[1]
+        )
     elif prefill_plan is not None or cache.policy is not policy or cache.processor is not processor:
         raise ValueError("a cache to continue must be built with this policy and processor (and no prefill_plan)")
     generate_kwargs.setdefault("do_sample", False)

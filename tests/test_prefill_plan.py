@@ -288,6 +288,18 @@ def test_generate_calls_applies_the_prefill_plan_to_the_cache(model, tokenizer):
         model, tokenizer, QUESTIONS[0], TOOLS, decode_policy, max_new_tokens=12, prefill_plan=plan.actions[None]
     )
     assert torch.equal(explicit.sequences, result.sequences)
+    chunked = generate_calls(  # the cache declares the prompt, so generate may prefill it in chunks
+        model,
+        tokenizer,
+        QUESTIONS[0],
+        TOOLS,
+        decode_policy,
+        max_new_tokens=12,
+        prefill_policy=prefill_policy,
+        prefill_chunk_size=5,
+    )
+    assert torch.equal(chunked.sequences, result.sequences)
+    assert chunked.cache.scheduled_payload() == result.cache.scheduled_payload()
     with pytest.raises(ValueError, match="not both"):
         generate_calls(
             model, tokenizer, "q", TOOLS, decode_policy, prefill_plan=plan.actions[None], prefill_policy=prefill_policy

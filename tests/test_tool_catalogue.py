@@ -78,6 +78,10 @@ def test_generate_calls_on_a_compacted_catalogue_answers_as_the_full_prompt(mode
     assert composed.bytes_report()["budget_ratio"] == 1.0
     layer = composed.cache.mixed_layers()[0]
     assert layer.context is context.layers[0] and layer.context_length == context.original_length
+    chunked = generate_calls(
+        model, tokenizer, QUESTIONS, TOOLS, policy, max_new_tokens=16, context=context, prefill_chunk_size=4
+    )
+    assert torch.equal(chunked.sequences, composed.sequences)
 
 
 def test_a_context_of_other_tools_or_text_is_refused_before_generating(model, tokenizer):
