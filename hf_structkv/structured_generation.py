@@ -339,8 +339,10 @@ def generate_structured(
         if owned in generate_kwargs:
             raise ValueError(f"this call builds {owned} itself; call model.generate directly to pass your own")
     if cache is None:
+        # declared so generate may prefill in chunks; attention-statistics policies read one prompt forward instead
+        declared = None if policy.attention_statistics() is not None else batch["input_ids"].shape[1]
         cache = StructuredMixedPrecisionCache(
-            model, policy, processor=processor, prefill_plan=prefill_plan, prompt_length=batch["input_ids"].shape[1]
+            model, policy, processor=processor, prefill_plan=prefill_plan, prompt_length=declared
         )
     elif prefill_plan is not None or cache.policy is not policy or cache.processor is not processor:
         raise ValueError("a cache to continue must be built with this policy and processor (and no prefill_plan)")
