@@ -8,7 +8,8 @@ import torch
 from transformers import DynamicCache, LogitsProcessor
 
 from hf_structkv.attention.mixed_reference import mixed_precision_attention
-from hf_structkv.cache.mixed_precision import MixedPrecisionLayer, StructuredMixedPrecisionCache
+from hf_structkv.cache.mixed_precision import StructuredMixedPrecisionCache
+from hf_structkv.cache.mixed_precision_layer import MixedPrecisionLayer
 from hf_structkv.models import tiny_model
 from hf_structkv.policy.costs import Action, GroupCosts
 from hf_structkv.policy.table import PolicyEntry, PolicyTable

@@ -1,327 +1,29 @@
 """`StructuredMixedPrecisionCache`: PASK's cache — each token's K/V kept high precision, packed INT4, or released per
 layer group, decided by a frozen `PolicyTable` from the token's structural tag (PASK §3.5, B.2–B.7).
 
-Layout of a global-attention layer (`MixedPrecisionLayer`), for a batch of ``B`` sequences with ``H_kv`` KV heads:
-
-* recent region ``keys`` / ``values`` ``[B, H_kv, r, D]``: the newest tokens (slots ``first_recent .. seen - 1``,
-  the current step's included), in the model's dtype;
-* high store: ``keys``, ``values`` ``[B, H_kv, n_H, D]`` in the model's dtype, with a slot map ``[B, n_H]``;
-* low store: ``key_codes`` / ``value_codes`` uint8 ``[B, H_kv, n_L, ceil(D/2)]`` and ``key_scales`` /
-  ``value_scales`` fp16 ``[B, H_kv, n_L, 1]`` (`quantize_int4`), with a slot map ``[B, n_L]``.
-
-Released tokens are stored nowhere. A token stays in the recent region until it is more than ``window`` tokens old;
-its scheduled action is applied at the beginning of the next ``update`` (the commit point: a ``crop`` between a
-speculative forward and the next one never has to restore destroyed precision). Every visible key is in exactly
-one place; attention merges the three partitions with shared FP32 statistics (`mixed_precision_attention`).
-The attention mask keeps transformers' layout (one column per slot, ``get_mask_sizes = (seen + q, 0)``); each
-partition reads the columns of its slots, so padding and absolute positions survive gaps.
-
-**A compacted context before the suffix** (``context=``, e.g. a tool catalogue read once and compacted offline): each
-global layer then holds a reference to the context's `CompactedLayer` and serves its prefix as a fourth partition
-(`PrefixPartition`: ragged per KV head, per-entry biases, visible to every row), read only through
-``CompactedLayer.served_prefix`` at each forward (BF16 or INT4 heads alike); nothing of it is copied, so every
-conversation built on one context shares its tensors. The prefix occupies logical slots ``0 .. T - 1``
-(``T = original_length``): the layer starts with ``first_recent = T``, so the suffix's slots, the slot maps, the
-schedule's positions, the mask columns (the placeholders of `generation_inputs` are columns of ones) and ``crop`` all
-keep the plain layer's arithmetic, and nothing below ``T`` can be cropped. Why a reference and not a third layer
-type: the compacted layer stays what a `CompactedCache` serves (it knows nothing of policies), the mixed layer adds one
-partition and one offset, and the attention function stays one function merging partitions in FP32 statistics.
-Sliding-window layers serve the context's window as a `CompactedCache` does (`SharedContextSlidingLayer`, see
-`composed_context`).
+Its global-attention layers are `MixedPrecisionLayer` objects (`mixed_precision_layer`: the layout of the high, low
+and recent stores, the commit point, the partitions merged in FP32 statistics, a compacted context's prefix served by
+reference); its sliding-window layers keep transformers' own sliding layer, or serve a context's window
+(`SharedContextSlidingLayer`, `composed_context`). The cache holds what the layers share: the policy, the
+`ActionSchedule` (controllers, ledger, prefill plan), the processor and the optional context.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from ..attention.attention_mass import AttentionMass
-from ..attention.kwargs import MIXED_KWARG
-from ..attention.masks import slot_visibility
-from ..attention.mixed_reference import (
-    DensePartition,
-    Int4Partition,
-    Partition,
-    PrefixPartition,
-    attention_probabilities,
-    head_output_projections,
-    mixed_precision_attention,
-    projected_value_norms,
-    summed_mass,
-)
-from ..policy.costs import Action, GroupCosts
+from ..policy.costs import GroupCosts
 from ..policy.retention import RetentionPolicy, check_retention_policy
-from ..quant.int4 import quantize_int4
 from ..structure.tag_source import TagSource
 from .action_schedule import ActionSchedule
 from .compacted import CompactedCache
-from .compacted_layers import CompactedLayer, ContextLayer
+from .compacted_layers import ContextLayer
 from .composed_context import context_layers
 from .layer_types import SLIDING_TYPES, model_layer_types
-from .slot_store import SlotStore
-
-
-def _gather_visibility(visible: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``visible`` ``[B, q, seen]`` read at ``positions`` ``[B, n]`` (``-1`` = empty slot -> invisible)."""
-    index = positions.long().clamp_min(0).unsqueeze(1).expand(-1, visible.shape[1], -1)
-    return visible.gather(-1, index) & (positions >= 0).unsqueeze(1)
-
-
-def _slot_mass(masses: list[torch.Tensor], positions: list[torch.Tensor], seen: int) -> torch.Tensor:
-    """Per-partition masses (each ``[B, n_part]``) scattered to their slots ``positions`` (each ``[B, n_part]``,
-    ``-1`` for an empty slot), ``[B, seen]``."""
-    slot_mass = torch.zeros(masses[0].shape[0], seen, device=masses[0].device)
-    for mass, slots in zip(masses, positions, strict=True):
-        slot_mass.scatter_add_(1, slots.long().clamp_min(0), mass * (slots >= 0))
-    return slot_mass
-
-
-class MixedPrecisionLayer(CacheLayerMixin):
-    """A global-attention layer of a `StructuredMixedPrecisionCache` (layout in the module docstring).
-
-    Args:
-        group: the layer group (0 lower, 1 middle, 2 upper) whose actions this layer applies.
-        schedule: the cache's shared `ActionSchedule`.
-        window: tokens kept in the recent region at full precision before their action applies (>= 1).
-        statistics: the cache's `AttentionMass` when its policy asks for attention statistics, else ``None``.
-        context: a compacted context's layer whose prefix precedes this layer's slots (module docstring), or
-            ``None``.
-    """
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = True
-
-    def __init__(
-        self,
-        group: int,
-        schedule: ActionSchedule,
-        window: int,
-        statistics: AttentionMass | None = None,
-        context: CompactedLayer | None = None,
-    ):
-        super().__init__()
-        self.group = group
-        self.schedule = schedule
-        self.window = window
-        self.statistics = statistics
-        self.context = context
-        self.context_length = 0 if context is None else context.original_length
-        self.first_recent = self.context_length
-        self.high = SlotStore()
-        self.low = SlotStore()
-
-    # ------------------------------------------------------------------ transformers' layer API
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states[..., :0, :]
-        self.values = value_states[..., :0, :]
-        self.is_initialized = True
-        self.schedule.begin(key_states.shape[0], self.first_recent + key_states.shape[-2])
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs: dict | None = None, **_):
-        """Commit the actions of tokens that left the recent window (once the whole prompt is cached:
-        `ActionSchedule.may_commit`), then append ``[B, H_kv, q, D]`` states.
-
-        Puts this layer into ``kwargs["mixed_precision_layer"]`` for the registered attention function.
-
-        Returns:
-            The recent region ``[B, H_kv, r, D]`` (the stores reach attention through the kwargs).
-        """
-        if kwargs is None:
-            raise RuntimeError(
-                "this model's attention calls cache.update(...) without its attention kwargs; "
-                "StructuredMixedPrecisionCache supports models whose attention passes `kwargs=kwargs` to the cache"
-            )
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if self.schedule.may_commit(self.get_seq_length()):  # a prompt in several forwards stays whole until cached
-            self.commit()
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        kwargs[MIXED_KWARG] = self
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return self.first_recent + (0 if self.keys is None else self.keys.shape[-2])
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    # ------------------------------------------------------------------ storage
-    def commit(self) -> None:
-        """Apply the scheduled action of every recent token older than ``window``: keep (high store), quantise
-        (low store) or release. Never undone."""
-        leaving = self.keys.shape[-2] - self.window
-        if leaving <= 0:
-            return
-        actions = self.schedule.actions(self.first_recent, leaving, self.group).to(self.keys.device)  # [B, k]
-        positions = torch.arange(self.first_recent, self.first_recent + leaving, device=self.keys.device)
-        old_keys, old_values = self.keys[..., :leaving, :], self.values[..., :leaving, :]
-        self.high.append({"keys": old_keys, "values": old_values}, positions, actions == Action.H)
-        if bool((actions == Action.L).any()):
-            key_codes, key_scales = quantize_int4(old_keys)
-            value_codes, value_scales = quantize_int4(old_values)
-            fields = {
-                "key_codes": key_codes,
-                "key_scales": key_scales,
-                "value_codes": value_codes,
-                "value_scales": value_scales,
-            }
-            self.low.append(fields, positions, actions == Action.L)
-        self.keys, self.values = self.keys[..., leaving:, :], self.values[..., leaving:, :]
-        self.first_recent += leaving
-
-    def partitions(
-        self, attention_mask: torch.Tensor | None, q_len: int, module: torch.nn.Module | None = None
-    ) -> list[Partition]:
-        """The compacted prefix (with a context), the high store, the low store and the recent region, each store
-        with its bool visibility ``[B, q, n]``.
-
-        Args:
-            attention_mask: the mask over every slot (prefix slots included), ``None`` = causal.
-            module: the attention module being served: ``served_prefix`` checks its model.
-        """
-        batch, seen = self.keys.shape[0], self.get_seq_length()
-        visible = slot_visibility(attention_mask, batch, q_len, seen, self.keys.device)
-        parts: list[Partition] = []
-        if self.context is not None:
-            parts.append(PrefixPartition(self.context.served_prefix(module)))
-        if self.high.num_entries():
-            fields, positions = self.high.view()
-            parts.append(DensePartition(fields["keys"], fields["values"], _gather_visibility(visible, positions)))
-        if self.low.num_entries():
-            fields, positions = self.low.view()
-            parts.append(
-                Int4Partition(
-                    fields["key_codes"],
-                    fields["key_scales"],
-                    fields["value_codes"],
-                    fields["value_scales"],
-                    self.keys.shape[-1],
-                    self.values.shape[-1],
-                    _gather_visibility(visible, positions),
-                )
-            )
-        parts.append(DensePartition(self.keys, self.values, visible[..., self.first_recent :]))
-        return parts
-
-    def record_attention(
-        self,
-        query: torch.Tensor,
-        partitions: list[Partition],
-        scaling: float,
-        softcap: float | None = None,
-        module: torch.nn.Module | None = None,
-    ) -> None:
-        """Add this forward's attention mass per slot to the cache's `AttentionMass` (a no-op without statistics).
-
-        Args:
-            query: ``[B, H_q, q, D]``; partitions: what `partitions` returned for this forward.
-            module: the attention module (its ``o_proj``), needed when the statistics are value-weighted.
-
-        Raises:
-            ValueError: statistics are requested while attention runs on the Triton backend.
-        """
-        stats = self.statistics
-        if stats is None:
-            return
-        seen, q_len = self.get_seq_length(), query.shape[-2]
-        recent = partitions[-1]
-        if seen == q_len:  # first forward: the recent region holds every slot
-            stats.set_prompt(recent.visible[:, -1])
-        rows = stats.counted_rows(seen - q_len, q_len)
-        if rows is None:
-            return
-        from ..attention.backend import BACKEND_ENV, mixed_precision_attention_for
-
-        if mixed_precision_attention_for(query) is not mixed_precision_attention:
-            raise ValueError(
-                "attention statistics (H2O / SnapKV / MiKV / CriticalKV baselines) are computed by the torch reference "
-                f"only: set {BACKEND_ENV}=torch, or use a policy without attention statistics"
-            )
-        counted = [replace(part, visible=part.visible[:, rows]) for part in partitions]
-        positions = [self.high.view()[1]] if self.high.num_entries() else []
-        positions += [self.low.view()[1]] if self.low.num_entries() else []
-        positions.append(torch.arange(self.first_recent, seen, device=query.device).expand(query.shape[0], -1))
-        probabilities = attention_probabilities(query[:, :, rows], counted, scaling, softcap)
-        weighted = None
-        if stats.value_weighted:
-            projections = head_output_projections(module, query.shape[1], recent.values.shape[-1]).to(query.device)
-            norms = [projected_value_norms(part, projections) for part in partitions]
-            weighted = _slot_mass(summed_mass(probabilities, norms), positions, seen)
-        mass = _slot_mass(summed_mass(probabilities), positions, seen)
-        stats.add(self.group, mass, weighted)
-
-    def crop(self, max_length: int) -> None:
-        """Keep the first ``max_length`` slots (a negative value removes that many from the end). Tokens already
-        quantised or released stay so: only accounting and not-yet-committed tokens are restored.
-
-        Raises:
-            ValueError: the crop would cut into the compacted context.
-        """
-        seen = self.get_seq_length()
-        length = seen + max_length if max_length < 0 else min(max_length, seen)
-        if length < self.context_length:
-            raise ValueError(
-                f"cannot crop to {length} tokens: the compacted context of {self.context_length} tokens cannot be cut"
-            )
-        self.high.crop(length)
-        self.low.crop(length)
-        if length >= self.first_recent:
-            keep = length - self.first_recent
-            self.keys, self.values = self.keys[..., :keep, :], self.values[..., :keep, :]
-        else:
-            self.keys, self.values = self.keys[..., :0, :], self.values[..., :0, :]
-            self.first_recent = length
-
-    def select_rows(self, indices: torch.Tensor) -> None:
-        """Batch row ``i`` becomes old row ``indices[i]``."""
-        if not self.is_initialized:
-            return
-        indices = indices.to(self.keys.device)
-        self.keys, self.values = self.keys.index_select(0, indices), self.values.index_select(0, indices)
-        self.high.select_rows(indices)
-        self.low.select_rows(indices)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.select_rows(beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            self.select_rows(torch.arange(self.keys.shape[0], device=self.keys.device).repeat_interleave(repeats))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.select_rows(torch.arange(self.keys.shape[0], device=self.keys.device)[indices])
-
-    def reset(self) -> None:
-        self.__init__(self.group, self.schedule, self.window, self.statistics, self.context)
-
-    def context_nbytes(self) -> int:
-        """Bytes of the compacted context's stored tensors (shared with every cache built on it; 0 without one)."""
-        tensors = [] if self.context is None else self.context.context_tensors()
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    def nbytes(self) -> int:
-        """Allocated bytes: the compacted context, recent region, both stores with their scales and slot maps
-        (padding included)."""
-        recent = 0 if self.keys is None else sum(t.numel() * t.element_size() for t in (self.keys, self.values))
-        return self.context_nbytes() + recent + self.high.nbytes() + self.low.nbytes()
-
-    def full_nbytes(self) -> int:
-        """Bytes of the same slots in a ``DynamicLayer`` of the model's dtype (a compacted context counted once, at
-        its original length, as `CompactedLayer.full_nbytes` does)."""
-        if self.keys is None:
-            return 0
-        batch, heads, _, head_dim = self.keys.shape
-        per_slot = heads * (head_dim + self.values.shape[-1]) * self.keys.element_size()
-        return (batch * (self.get_seq_length() - self.context_length) + self.context_length) * per_slot
+from .mixed_precision_layer import MixedPrecisionLayer
 
 
 class StructuredMixedPrecisionCache(Cache):
@@ -349,8 +51,8 @@ class StructuredMixedPrecisionCache(Cache):
             layer groups (see `ActionSchedule`); with a ``context``, for the ``P`` tokens after it.
         context: optional `CompactedCache` of a context read before every prompt (e.g. a compacted tool catalogue):
             its prefix is served, shared and never copied, before the PASK-managed tokens, which continue at its
-            original length (module docstring). Feed ``generate`` with `generation_inputs` (placeholders for the
-            context). Not with attention-statistics policies.
+            original length (`mixed_precision_layer`'s docstring). Feed ``generate`` with `generation_inputs`
+            (placeholders for the context). Not with attention-statistics policies.
         prompt_length: optional, the prompt's length (``input_ids.shape[1]`` of the ``generate`` call, a context's
             placeholders included), needed to prefill the prompt in several forwards (``generate(...,
             prefill_chunk_size=k)``, or ``model(ids[:, :k], cache=c)`` then ``model(ids[:, k:], cache=c)``): no token

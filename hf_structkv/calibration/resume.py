@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.mixed_precision import MixedPrecisionLayer, StructuredMixedPrecisionCache
+from ..cache.mixed_precision import StructuredMixedPrecisionCache
+from ..cache.mixed_precision_layer import MixedPrecisionLayer
 from ..policy.retention import RetentionPolicy
 from ..policy.table import PolicyTable
 from ..structured_generation import generate_structured

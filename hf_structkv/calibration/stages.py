@@ -302,7 +302,7 @@ def run_stage(
                     f"{stage.nominal(candidate):.3f}, {measured} {value:.3f}"
                     + ("" if stage.by_likelihood else f" (all-high {1 - reference_error:.3f})")
                     + f", measured {stage.cost(result):.3f}"
-                    + (f" ({result.reused} of {len(result.valid)} cases from the cache)" if result.reused else "")
+                    + (f" ({result.reused} cases from the cache)" if result.reused else "")
                 )
             result = evaluated[identity][1]
             evaluated_here.append(index)
