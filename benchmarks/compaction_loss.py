@@ -24,11 +24,13 @@ subsample the heads, ``--query-cap`` / ``--heldout-cap`` cap the queries, ``--me
 model holds; this CPU runs the embedded model in FP32, whose cache would be twice the bytes), the byte budget of a head
 is ``floor(T (D_k + D_v) 2 / ratio)``, and each method keeps as many entries as its storage format fits in it
 (`StorageLayout`: BF16 keys and values, or INT4 codes with per-channel key scales and offsets per ``--key-groups``
-kept entries, FP32 biases and row offsets counted); INT4 variants are named ``<method>+int4/g<n>``. Their targets
+kept entries, FP32 biases and row offsets counted); INT4 variants are named ``<method>+int4/g<n>``; ``auto``
+(``<method>+auto/g<n>``) is `compact_head_to_bytes(storage="auto")`: the INT4 head or the dtype head of the same
+bytes, whichever serves the calibration queries better (and passes the split guard). Their targets
 (median INT4 loss <= 0.75x BF16's at 20x and 50x, <= 1x at 10x, no head above 1.5x) are printed and stored under
 ``int4_targets``:
 
-    python benchmarks/compaction_loss.py --storage bf16 int4 --key-groups none 32 --methods kv_surgeon \
+    python benchmarks/compaction_loss.py --storage bf16 int4 auto --key-groups none 32 --methods kv_surgeon \
         --ratios 10 20 50 --self-study-ratios --threads 1 --out benchmarks/results/compaction_loss_int4.json
 
 ``--storage nf4`` adds bitsandbytes' blockwise NF4 at the same bytes (`nf4_heads.py`: codes and one FP32 absmax per
@@ -66,6 +68,7 @@ from hf_structkv.compaction import (
     CompactedHead,
     SelfStudy,
     compact_head,
+    compact_head_to_bytes,
     prefill_context,
     relative_loss,
 )
@@ -134,8 +137,15 @@ class Variant:
         group = "" if self.key_group is None else f"/g{self.key_group}"
         return f"{self.method}+{self.storage}{group}" + ("" if self.guarded else "/unguarded")
 
-    def compact(self, keys, values, queries, budget: int, scaling: float | None, seed: int) -> CompactedHead:
-        """The head of ``budget`` kept entries in this variant's format (`compact_head`, or `nf4_heads`)."""
+    def compact(
+        self, keys, values, queries, budget: int, nbytes: int | None, scaling: float | None, seed: int
+    ) -> CompactedHead:
+        """The head of ``budget`` kept entries in this variant's format (`compact_head`, or `nf4_heads`); ``"auto"``
+        chooses within ``nbytes`` (`compact_head_to_bytes`)."""
+        if self.storage == "auto":
+            return compact_head_to_bytes(
+                keys, values, queries, nbytes, self.method, scaling, seed, self.storage, self.key_group
+            )
         if self.storage == "nf4":
             store = NF4Storage(self.nf4_keys, self.nf4_blocksize)
         elif not self.guarded:
@@ -154,7 +164,8 @@ class Variant:
         if self.storage == "nf4":
             layout = NF4Layout(*dims, self.nf4_blocksize)
         else:
-            layout = StorageLayout(self.storage, *dims, element_bytes=element, key_group=self.key_group)
+            storage = "int4" if self.storage == "auto" else self.storage  # auto: the most INT4 entries
+            layout = StorageLayout(storage, *dims, element_bytes=element, key_group=self.key_group)
         return max(1, layout.entries_for(nbytes)), nbytes
 
 
@@ -269,7 +280,7 @@ def evaluate_heads(
             for variant in variants:
                 budget, nbytes = variant.budget(length, ratio, dims)
                 start = time.perf_counter()
-                compacted = variant.compact(keys, values, fit, budget, scaling, seed)
+                compacted = variant.compact(keys, values, fit, budget, nbytes, scaling, seed)
                 seconds = time.perf_counter() - start
                 record = {"tier": tier, "ratio": ratio, "method": variant.label, "layer": layer, "kv_head": head}
                 record |= {"budget": budget, "seconds": seconds, "train_loss": compacted.train_loss}
@@ -514,7 +525,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--storage",
         nargs="+",
         default=None,
-        choices=(*STORAGES, "nf4"),
+        choices=(*STORAGES, "auto", "nf4"),
         help="ratios of bytes (keys and values cast to BF16), each method stored in each format; default: ratios of "
         "entries in the model's dtype",
     )
@@ -550,7 +561,7 @@ def main(argv: list[str] | None = None) -> dict:
         Variant(method, storage, group)
         for method in args.methods
         for storage in args.storage or ["bf16"]
-        for group in (key_groups if storage == "int4" else [None])
+        for group in (key_groups if storage in ("int4", "auto") else [None])
         if storage != "nf4"
     ]
     if "nf4" in (args.storage or []):

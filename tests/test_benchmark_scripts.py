@@ -630,17 +630,25 @@ def test_compaction_loss_reductions_match_hand_counts():
 def test_compaction_loss_storage_run_compares_formats_at_equal_bytes(tmp_path):
     benchmark = load_script(LOSS_SCRIPT)
     argv = ["--tiny", "--min-tokens", "200", "--questions", "3", "--query-cap", "256", "--self-study-ratios"]
-    argv += ["--storage", "bf16", "int4", "--key-groups", "none", "4", "--methods", "kv_surgeon", "loo"]
+    argv += ["--storage", "bf16", "int4", "auto", "--key-groups", "none", "4", "--methods", "kv_surgeon", "loo"]
     argv += ["--ratios", "5", "10", "--threads", str(torch.get_num_threads()), "--out", str(tmp_path / "int4.json")]
     payload = benchmark.main(argv)
 
-    labels = ["kv_surgeon", "kv_surgeon+int4", "kv_surgeon+int4/g4", "loo", "loo+int4", "loo+int4/g4"]
+    stored = ["+int4", "+int4/g4", "+auto", "+auto/g4"]
+    labels = sorted(method + suffix for method in ("kv_surgeon", "loo") for suffix in ["", *stored])
     assert sorted(payload["summary"]["repeat"]["10"]) == labels
     records = payload["records"]
     assert len(records) == len(payload["heads"]) * 2 * len(labels)
+    by_key = {(r["ratio"], r["method"], r["layer"], r["kv_head"]): r for r in records}
     for record in records:
         # each variant keeps the most entries its format fits in the byte budget, and stays within it
         assert record["bytes"] <= record["byte_budget"]
+        if record["storage"] == "auto":
+            # auto keeps INT4 or the dtype head of the same bytes, whichever fits the calibration queries better
+            dtype_head = by_key[(record["ratio"], record["method"].split("+")[0], record["layer"], record["kv_head"])]
+            assert record["train_loss"] <= dtype_head["train_loss"] + 1e-9
+            assert record["storage_used"] in ("int4", "bf16")
+            continue
         assert record["storage_used"] == ("bf16" if record["storage_fallback"] else record["storage"])
         if not record["storage_fallback"]:
             assert record["kept"] == record["budget"]
@@ -648,9 +656,7 @@ def test_compaction_loss_storage_run_compares_formats_at_equal_bytes(tmp_path):
     one = next(r for r in records if r["ratio"] == 10 and r["method"] == "kv_surgeon")
     assert one["byte_budget"] == math.floor(length * (16 + 16) * 2 / 10)  # tiny qwen2: head_dim 16, BF16
     verdicts = {(v["variant"], v["ratio"]): v for v in payload["int4_targets"]}
-    assert sorted(verdicts) == [
-        (label, ratio) for label in ("kv_surgeon+int4", "kv_surgeon+int4/g4") for ratio in (5, 10)
-    ]
+    assert sorted(verdicts) == [(f"kv_surgeon{suffix}", ratio) for suffix in sorted(stored) for ratio in (5, 10)]
     assert verdicts[("kv_surgeon+int4", 5)]["met"] is None  # no target at 5x
     assert verdicts[("kv_surgeon+int4", 10)]["met"] in (True, False)
 
