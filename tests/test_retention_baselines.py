@@ -537,3 +537,27 @@ def test_clear_errors(model):
     out, cache = run(model, H2O(model, window=2), prompt_len=6, new_tokens=3)
     with pytest.raises(NotImplementedError, match="crop"):
         cache.crop(4)
+
+
+@pytest.mark.parametrize("max_score_elements", [1, 80, 120, 2**20])
+def test_attention_mass_in_row_blocks_equals_the_dense_reference(max_score_elements):
+    # 2 x 4 query heads x 5 entries = 40 logits a row: blocks of 1, 2 and 3 of the 7 rows (3 does not divide 7) and
+    # one block, the same sums as the dense softmax, with and without value weights (the memory of a long prompt's
+    # statistics grows as block x entries)
+    query, parts = random_partitions(seed=3, q_len=7)
+    for g, w in zip(
+        attention_mass(query, parts, 0.35, max_score_elements=max_score_elements), dense_mass(query, parts, 0.35)
+    ):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    norms = [torch.rand(*p.visible.shape[:1], 2, query.shape[1] // 2, p.visible.shape[-1]) for p in parts]
+    whole = attention_mass(query, parts, 0.35, value_norms=norms, max_score_elements=2**30)
+    blocked = attention_mass(query, parts, 0.35, value_norms=norms, max_score_elements=max_score_elements)
+    for g, w in zip(blocked, whole, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_attention_mass_refuses_a_bad_block_size(bad):
+    query, parts = random_partitions()
+    with pytest.raises(ValueError, match="max_score_elements must be a positive int"):
+        attention_mass(query, parts, 0.35, max_score_elements=bad)

@@ -44,11 +44,10 @@ from ..attention.mixed_reference import (
     Int4Partition,
     Partition,
     PrefixPartition,
-    attention_probabilities,
+    attention_mass,
     head_output_projections,
     mixed_precision_attention,
     projected_value_norms,
-    summed_mass,
 )
 from ..policy.costs import Action
 from ..quant.int4 import quantize_int4
@@ -243,13 +242,13 @@ class MixedPrecisionLayer(CacheLayerMixin):
         positions = [self.high.view()[1]] if self.high.num_entries() else []
         positions += [self.low.view()[1]] if self.low.num_entries() else []
         positions.append(torch.arange(self.first_recent, seen, device=query.device).expand(query.shape[0], -1))
-        probabilities = attention_probabilities(query[:, :, rows], counted, scaling, softcap)
+        counted_query = query[:, :, rows]
         weighted = None
         if stats.value_weighted:
             projections = head_output_projections(module, query.shape[1], recent.values.shape[-1]).to(query.device)
             norms = [projected_value_norms(part, projections) for part in partitions]
-            weighted = _slot_mass(summed_mass(probabilities, norms), positions, seen)
-        mass = _slot_mass(summed_mass(probabilities), positions, seen)
+            weighted = _slot_mass(attention_mass(counted_query, counted, scaling, softcap, norms), positions, seen)
+        mass = _slot_mass(attention_mass(counted_query, counted, scaling, softcap), positions, seen)
         stats.add(self.group, mass, weighted)
 
     def crop(self, max_length: int) -> None:
