@@ -188,14 +188,21 @@ def test_likelihood_calibration_resumes_to_the_identical_table(model, tokenizer,
     assert resumed.prefill_policy.entries == full.prefill_policy.entries
     for stage in ("decode", "prefill"):
         assert json.dumps(resumed.report[stage]["buckets"]) == json.dumps(full.report[stage]["buckets"])
-    # the selection: by likelihood, then confirmed by verdicts
+    # the selection: by the error change the loss curve reads from the likelihood, then confirmed by verdicts
     decode = full.report["decode"]
-    assert all("likelihood_loss" in row for row in decode["development"])
+    assert all("likelihood_loss" in row and "expected_error_change" in row for row in decode["development"])
     if decode["selected"] != "all-high fallback":
         assert decode["confirmations"][-1]["passed"]
-        assert decode["selected"]["likelihood_loss"] <= SETTINGS.alpha_decode + 1e-12
+        assert decode["selected"]["expected_error_change"] <= SETTINGS.alpha_decode + 1e-12
     else:
         assert all(not c["passed"] for c in decode["confirmations"])
+    # the loss curve's pairs: calibration interventions with their replayed loss and generated verdict, the verdicts
+    # stored, so the resumed run reads them back and fits the same curve
+    for stage in ("decode", "prefill"):
+        pairs = full.report[stage]["loss_curve"]["pairs"]
+        assert 0 < len(pairs) <= SETTINGS.curve_pairs
+        assert resumed.report[stage]["loss_curve"]["pairs"] == pairs
+    assert list(tmp_path.glob("verdicts-*.jsonl"))
 
 
 def test_runtime_v_shards_fill_the_store_that_a_full_run_reads_back(model, tokenizer, cases, tmp_path):

@@ -106,6 +106,13 @@ def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
         help="with --sensitivity likelihood: candidates passing by likelihood confirmed by development verdicts, "
         "cheapest first, before the all-high fallback",
     )
+    parser.add_argument(
+        "--curve-pairs",
+        type=int_option(1),
+        default=96,
+        help="with --sensitivity likelihood: Runtime-V interventions per stage also generated and scored, to fit the "
+        "loss curve that reads development likelihood losses as an expected change of the error rate",
+    )
     parser.add_argument("--seed", type=int, default=0, help="split and torch seed")
     parser.add_argument(
         "--cache-dir",
@@ -171,6 +178,7 @@ def run_calibrate(args: argparse.Namespace, load_model) -> int:
         layer_groups=args.layer_groups,
         sensitivity=args.sensitivity,
         max_confirmations=args.max_confirmations,
+        curve_pairs=args.curve_pairs,
     )
     if not args.out and not (args.references_only or args.runtime_v_only):
         raise ValueError("--out is required: the folder the calibrated policies and the report are written to")

@@ -252,7 +252,8 @@ class DevelopmentReplay:
     ) -> DevResult:
         """``policy`` (and ``prefill_policy``) on every development reference: ``error_rate`` is the mean likelihood
         loss from token 1 on (the all-high reference's is 0), the ratios are the ledger's along the reference
-        trajectories, ``valid`` is empty (no verdicts), ``reused`` counts the cases read from the store."""
+        trajectories, ``valid`` is empty (no verdicts), ``reused`` counts the cases read from the store, ``losses`` and
+        ``reference_valid`` are per case."""
         candidate = candidate_digest(policy, prefill_policy)
         losses, bits, reused = [], [0.0, 0, 0.0, 0], 0  # prompt bits, prompt tokens, decode bits, decode tokens
         for reference in tqdm(self.references, desc="development (likelihood)", disable=not progress, leave=False):
@@ -267,7 +268,15 @@ class DevelopmentReplay:
             for i, name in enumerate(fields):
                 bits[i] += record[name]
         decode_ratio, prefill_ratio = pooled_ratios(*bits, full_bits=policy.costs.full)
-        return DevResult(sum(losses) / len(losses), decode_ratio, prefill_ratio, valid=(), reused=reused)
+        return DevResult(
+            sum(losses) / len(losses),
+            decode_ratio,
+            prefill_ratio,
+            valid=(),
+            reused=reused,
+            losses=tuple(losses),
+            reference_valid=tuple(r.valid for r in self.references),
+        )
 
     def _replay(
         self, reference: ReferenceTrajectory, policy: RetentionPolicy, prefill_policy: PrefillPolicy | None

@@ -178,7 +178,7 @@ def calibrate(
     if "prefill" in settings.stages:
         stages.append(prefill_stage(inputs))
     stores = {
-        stage.name: (None, None, None)
+        stage.name: (None, None, None, None)
         if cache_dir is None
         else (
             (LikelihoodStore if stage.by_likelihood else VerdictStore).open(
@@ -186,6 +186,7 @@ def calibrate(
             ),
             DevelopmentStore.open(cache_dir, {**store_key, "stage": stage.name}),
             DistortionStore.open(cache_dir, {**store_key, "stage": stage.name}),
+            VerdictStore.open(cache_dir, {**store_key, "stage": stage.name}) if stage.by_likelihood else None,
         )
         for stage in stages
     }

@@ -48,6 +48,7 @@ class DevResult:
         prefill_ratio: scheduled prompt payload over Full KV, pooled over the cases' prompt tokens.
         valid: the verdict per case.
         reused: how many of the cases were read from a `DevelopmentStore` instead of generated.
+        losses: replayed (likelihood) only: each case's likelihood loss; reference_valid: its reference's verdict.
     """
 
     error_rate: float
@@ -55,6 +56,8 @@ class DevResult:
     prefill_ratio: float
     valid: tuple[bool, ...]
     reused: int = 0
+    losses: tuple[float, ...] = ()
+    reference_valid: tuple[bool, ...] = ()
 
 
 def evaluate_controller(

@@ -48,6 +48,9 @@ class CalibrationSettings:
             tolerances are read on the same scale in both (a likelihood loss of 1 is one lost case).
         max_confirmations: with ``"likelihood"``, how many candidates passing by likelihood (cheapest first) are
             confirmed by development verdicts before the all-high fallback.
+        curve_pairs: with ``"likelihood"``, how many of each stage's Runtime-V interventions are also generated and
+            scored, to fit the `LossCurve` that reads development likelihood losses as an expected change of the
+            error rate (`calibration.loss_curve`).
     """
 
     max_new_tokens: int = 128
@@ -65,6 +68,7 @@ class CalibrationSettings:
     layer_groups: int = 3
     sensitivity: str = "verdict"
     max_confirmations: int = 3
+    curve_pairs: int = 96
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "thresholds", check_thresholds(self.thresholds))
@@ -84,6 +88,7 @@ class CalibrationSettings:
         if self.sensitivity not in SENSITIVITIES:
             raise ValueError(f"sensitivity must be one of {SENSITIVITIES}, got {self.sensitivity!r}")
         check_int("max_confirmations", self.max_confirmations, 1)
+        check_int("curve_pairs", self.curve_pairs, 1)
         if self.layer_groups != 3 and "prefill" in self.stages:
             raise ValueError(
                 "layer_groups=1 (the no-layer-groups ablation) calibrates the decode table only: pass "

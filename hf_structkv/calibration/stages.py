@@ -4,9 +4,12 @@ that goes from Runtime-V and Runtime-D to the selected candidate (`run_stage`)."
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from tqdm.auto import tqdm
 
 from ..policy.costs import Action
 from ..structure.prompt_spans import PROMPT_LABELS
@@ -17,16 +20,20 @@ from .distortion import DistortionStore, attention_distortion, capture_reference
 from .floors import envelope, protection_floors
 from .interventions import occurrences, prefill_positions
 from .likelihood import DevelopmentReplay, likelihood_measure
+from .loss_curve import LossCurve, sample_interventions
 from .path import greedy_path, upgrade_priorities
 from .selection import DevResult, dev_candidate_indices, evaluate_controller, select_cheapest
 from .task import CalibrationTask
 from .task_sensitivity import (
+    ACTIONS,
     decode_generator,
     intervention_runs,
     likelihood_sensitivity,
+    needs_generation,
     prefill_generator,
     task_sensitivity,
 )
+from .verdicts import VerdictStore
 
 __all__ = ["Stage", "StageInputs", "decode_stage", "prefill_stage", "run_stage", "stage_runtime_v"]
 
@@ -45,6 +52,8 @@ class Stage:
             (verdicts), or replayed (likelihood: ``error_rate`` is the mean likelihood loss).
         confirm: with likelihood sensitivity, the verdict evaluation that confirms a candidate the likelihood
             selected; ``None`` with verdicts.
+        verdict: with likelihood sensitivity, ``() -> measure`` of one intervention's verdict (the loss curve's
+            pairs); ``None`` with verdicts.
         cost, nominal: the measured cost of a `DevResult` and the nominal budget of a candidate.
         alpha: the development tolerance.
     """
@@ -56,6 +65,7 @@ class Stage:
     build: Callable
     evaluate: Callable[[Any, bool, DevelopmentStore | None], DevResult]
     confirm: Callable[[Any, bool, DevelopmentStore | None], DevResult] | None
+    verdict: Callable[[], Callable] | None
     cost: Callable[[DevResult], float]
     nominal: Callable[[Any], float]
     alpha: float
@@ -129,7 +139,7 @@ def decode_stage(inputs: StageInputs, view: dict[str, Any]) -> Stage:
     def replay(table, progress, store):
         return inputs.dev_replay(table, None, progress)
 
-    measure, evaluate, confirm = _by_sensitivity(
+    measure, evaluate, confirm, verdict = _by_sensitivity(
         inputs.settings,
         lambda: likelihood_measure(inputs.model, inputs.costs, "decode", inputs.reference),
         replay,
@@ -153,6 +163,7 @@ def decode_stage(inputs: StageInputs, view: dict[str, Any]) -> Stage:
         build=build,
         evaluate=evaluate,
         confirm=confirm,
+        verdict=verdict,
         cost=lambda result: result.decode_ratio,
         nominal=lambda table: table.budget,
         alpha=inputs.settings.alpha_decode,
@@ -199,7 +210,7 @@ def prefill_stage(inputs: StageInputs) -> Stage:
     def replay(policy, progress, store):
         return inputs.dev_replay(inputs.reference, policy, progress)
 
-    measure, evaluate, confirm = _by_sensitivity(
+    measure, evaluate, confirm, verdict = _by_sensitivity(
         inputs.settings,
         lambda: likelihood_measure(inputs.model, inputs.costs, "prefill", inputs.reference),
         replay,
@@ -216,6 +227,7 @@ def prefill_stage(inputs: StageInputs) -> Stage:
         build=build,
         evaluate=evaluate,
         confirm=confirm,
+        verdict=verdict,
         cost=lambda result: result.prefill_ratio,
         nominal=lambda policy: policy.budget,
         alpha=inputs.settings.alpha_prefill,
@@ -255,15 +267,17 @@ def run_stage(
     store,
     dev_store,
     distortion_store: DistortionStore | None = None,
+    verdict_store: VerdictStore | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Runtime-V (measurements read from / written to ``store`` when given), Runtime-D (per reference, read from /
     written to ``distortion_store``), priorities, one greedy path per τ, development selection of one stage (generated
     development cases read from / written to ``dev_store``).
 
-    With likelihood sensitivity the candidates are selected by their development likelihood loss (the all-high
-    reference's is 0) and the cheapest passing ones, in cost order, are confirmed by the task's verdicts on the
-    development cases (at most ``settings.max_confirmations``): the first within ``alpha`` of the reference's error
-    rate is selected.
+    With likelihood sensitivity ``settings.curve_pairs`` Runtime-V interventions are also generated and scored
+    (verdicts read from / written to ``verdict_store``) to fit the stage's `LossCurve`; the candidates are selected by
+    the expected change of the development error rate it reads from their development likelihood losses, and the
+    cheapest passing ones, in cost order, are confirmed by the task's verdicts on the development cases (at most
+    ``settings.max_confirmations``): the first within ``alpha`` of the reference's error rate is selected.
 
     Returns:
         ``(selected candidate or None for the all-high fallback, the stage's report)``.
@@ -281,7 +295,16 @@ def run_stage(
         distortion_store,
     )
     priorities = upgrade_priorities(distortion, stage.mean_counts, costs)
-    selection_error = 0.0 if stage.by_likelihood else reference_error  # a likelihood loss is relative already
+    started = time.perf_counter()
+    curve = _loss_curve(stage, calibration, refs, runs, settings, progress, verdict_store)
+    curve_seconds = time.perf_counter() - started
+
+    def error_change(result: DevResult) -> float:
+        """The candidate's error rate above the reference's: read by the loss curve from likelihood losses."""
+        if curve is not None:
+            return curve.error_change(result.losses, result.reference_valid)
+        return result.error_rate - reference_error
+
     measured = "dev likelihood loss" if stage.by_likelihood else "dev accuracy"
     evaluated: dict[str, tuple[Any, DevResult, dict]] = {}
     paths = []
@@ -300,13 +323,14 @@ def run_stage(
                 log(
                     f"{stage.name} tau={tau} candidate {index}/{len(candidates) - 1}: nominal budget "
                     f"{stage.nominal(candidate):.3f}, {measured} {value:.3f}"
+                    + (f", expected error change {error_change(result):+.3f}" if stage.by_likelihood else "")
                     + ("" if stage.by_likelihood else f" (all-high {1 - reference_error:.3f})")
                     + f", measured {stage.cost(result):.3f}"
                     + (f" ({result.reused} cases from the cache)" if result.reused else "")
                 )
             result = evaluated[identity][1]
             evaluated_here.append(index)
-            passed = result.error_rate - selection_error <= stage.alpha + 1e-12
+            passed = error_change(result) <= stage.alpha + 1e-12
             if settings.max_dev_candidates is not None and passed:
                 break
         paths.append(
@@ -322,8 +346,9 @@ def run_stage(
     candidate_costs, errors = [stage.cost(r) for _, r, _ in rows], [r.error_rate for _, r, _ in rows]
     confirmations: list[dict[str, Any]] = []
     if stage.by_likelihood:
+        changes = [error_change(r) for _, r, _ in rows]
         choice = _confirmed(
-            stage, rows, candidate_costs, errors, reference_error, settings, progress, log, dev_store, confirmations
+            stage, rows, candidate_costs, changes, reference_error, settings, progress, log, dev_store, confirmations
         )
     else:
         choice = select_cheapest(candidate_costs, errors, reference_error, stage.alpha)
@@ -349,7 +374,7 @@ def run_stage(
                 **where,
                 "nominal_budget": stage.nominal(candidate),
                 **(
-                    {"likelihood_loss": result.error_rate}
+                    {"likelihood_loss": result.error_rate, "expected_error_change": error_change(result)}
                     if stage.by_likelihood
                     else {"accuracy": 1 - result.error_rate, "cases_from_cache": result.reused}
                 ),
@@ -357,7 +382,11 @@ def run_stage(
             }
             for candidate, result, where in rows
         ],
-        **({"confirmations": confirmations} if stage.by_likelihood else {}),
+        **(
+            {"confirmations": confirmations, "loss_curve": {**curve.to_json(), "seconds": round(curve_seconds, 1)}}
+            if stage.by_likelihood
+            else {}
+        ),
         "alpha": stage.alpha,
         "reference_development_accuracy": 1 - reference_error,
     }
@@ -367,18 +396,20 @@ def run_stage(
     candidate, result, where = rows[choice]
     if stage.by_likelihood:
         confirmed = confirmations[-1]
-        report["selected"] = {**where, **{k: confirmed[k] for k in ("likelihood_loss", "accuracy", "measured_ratio")}}
+        keys = ("likelihood_loss", "expected_error_change", "accuracy", "measured_ratio")
+        report["selected"] = {**where, **{k: confirmed[k] for k in keys}}
     else:
         report["selected"] = {**where, "accuracy": 1 - result.error_rate, "measured_ratio": stage.cost(result)}
     return candidate, report
 
 
 def _by_sensitivity(settings, likelihood, replay, generator, generate_and_score):
-    """A stage's ``(measure, evaluate, confirm)`` for ``settings.sensitivity``: likelihood (``likelihood()``'s measure,
-    candidates replayed, confirmed by generation) or verdicts (``generator()``'s runs scored, candidates generated)."""
+    """A stage's ``(measure, evaluate, confirm, verdict)`` for ``settings.sensitivity``: likelihood (``likelihood()``'s
+    measure, candidates replayed, confirmed by generation, ``generator()``'s verdicts for the loss curve made on first
+    use) or verdicts (``generator()``'s runs scored, candidates generated)."""
     if settings.sensitivity == "likelihood":
-        return likelihood(), replay, generate_and_score
-    return _verdict_measure(generator()), generate_and_score, None
+        return likelihood(), replay, generate_and_score, lambda: _verdict_measure(generator())
+    return _verdict_measure(generator()), generate_and_score, None, None
 
 
 def _verdict_measure(generate):
@@ -395,11 +426,12 @@ def _zero_loss(reference) -> float:
     return 0.0
 
 
-def _confirmed(stage, rows, costs, losses, reference_error, settings, progress, log, dev_store, confirmations):
-    """The index of the cheapest candidate within ``alpha`` by development likelihood loss that the task's verdicts
-    confirm (error rate within ``alpha`` of the reference's), trying at most ``settings.max_confirmations`` of them
-    in cost order; ``None`` when none is confirmed. Appends one record per confirmation to ``confirmations``."""
-    passing = [i for i, loss in enumerate(losses) if loss <= stage.alpha + 1e-12]
+def _confirmed(stage, rows, costs, changes, reference_error, settings, progress, log, dev_store, confirmations):
+    """The index of the cheapest candidate whose expected error change (``changes``, from the loss curve) is within
+    ``alpha`` that the task's verdicts confirm (error rate within ``alpha`` of the reference's), trying at most
+    ``settings.max_confirmations`` of them in cost order; ``None`` when none is confirmed. Appends one record per
+    confirmation to ``confirmations``."""
+    passing = [i for i, change in enumerate(changes) if change <= stage.alpha + 1e-12]
     for index in sorted(passing, key=lambda i: (costs[i], i))[: settings.max_confirmations]:
         candidate, likelihood, where = rows[index]
         verdicts = stage.confirm(candidate, progress, dev_store)
@@ -408,6 +440,7 @@ def _confirmed(stage, rows, costs, losses, reference_error, settings, progress, 
             {
                 **where,
                 "likelihood_loss": likelihood.error_rate,
+                "expected_error_change": changes[index],
                 "accuracy": 1 - verdicts.error_rate,
                 "measured_ratio": stage.cost(verdicts),
                 "passed": passed,
@@ -422,6 +455,34 @@ def _confirmed(stage, rows, costs, losses, reference_error, settings, progress, 
         if passed:
             return index
     return None
+
+
+def _loss_curve(stage, calibration, refs, runs, settings, progress, verdict_store) -> LossCurve | None:
+    """With likelihood sensitivity, the stage's `LossCurve`: ``settings.curve_pairs`` of the Runtime-V interventions
+    in ``runs`` (those that needed a replay), sampled over loss bins (`sample_interventions`, ``settings.seed``), each
+    generated and scored too (verdicts read from / written to ``verdict_store``); ``None`` with verdicts."""
+    if not stage.by_likelihood:
+        return None
+    measured = [
+        (index, bucket, action)
+        for bucket in stage.buckets
+        for index, reference in enumerate(refs)
+        if needs_generation(reference, bucket, stage.name, settings.sink_tokens, settings.window)
+        for action in ACTIONS
+    ]
+    losses = [runs.values[bucket, action][index] for index, bucket, action in measured]
+    chosen = sample_interventions(losses, settings.curve_pairs, settings.seed)
+    verdict, pairs = None, []
+    for number in tqdm(chosen, desc=f"loss curve ({stage.name})", unit="run", disable=not progress):
+        index, bucket, action = measured[number]
+        valid = None if verdict_store is None else verdict_store.get(refs[index], bucket, action)
+        if valid is None:
+            verdict = verdict or stage.verdict()
+            valid = verdict(calibration[index], refs[index], bucket, action)
+            if verdict_store is not None:
+                verdict_store.put(refs[index], bucket, action, valid)
+        pairs.append((losses[number], refs[index].valid, valid))
+    return LossCurve.fit(pairs)
 
 
 def _upgrade(before: dict, after: dict) -> str:
