@@ -4,6 +4,7 @@ end-to-end `calibrate` on a tiny model with the real tokenizer."""
 import dataclasses
 import itertools
 import json
+import math
 import random
 
 import pytest
@@ -19,7 +20,6 @@ from hf_structkv.calibration import (
     VerdictStore,
     calibrate,
     candidate_digest,
-    dev_candidate_indices,
     envelope,
     greedy_path,
     left_quantile,
@@ -28,6 +28,7 @@ from hf_structkv.calibration import (
     reaches_generation,
     reserve_statistics,
     reserve_table,
+    search_path,
     select_cheapest,
     upgrade_priorities,
 )
@@ -181,12 +182,35 @@ def test_selection_picks_cheapest_within_alpha_and_falls_back():
     assert select_cheapest([0.3, 0.3], [0.0, 0.0], 0.0, 0.05) == 0  # ties: the first
     with pytest.raises(ValueError, match="one value per candidate"):
         select_cheapest([0.1], [], 0.0, 0.05)
-    assert dev_candidate_indices(7, None) == list(range(7))
-    assert dev_candidate_indices(7, 3) == [0, 3, 6]
-    assert dev_candidate_indices(2, 5) == [0, 1]
-    assert dev_candidate_indices(9, 1) == [0]
+
+
+def _search(length, budget, threshold):
+    """`search_path` on a path whose candidates pass from ``threshold`` on: (indices evaluated, cheapest passing)."""
+    order = search_path(length, budget, lambda index: index >= threshold)
+    passing = [i for i in order if i >= threshold]
+    return order, min(passing) if passing else None
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 7, 16, 103])
+def test_search_path_bisects_to_the_cheapest_passing_candidate(length):
+    for threshold in range(length + 1):  # length: nothing passes, not even the end
+        order, found = _search(length, None, threshold)
+        assert order == list(range(length))
+        for budget in range(1, 9):
+            order, found = _search(length, budget, threshold)
+            assert len(order) == len(set(order)) <= budget and order[0] == 0
+            if threshold == 0:
+                assert order == [0] and found == 0
+                continue
+            # brute force: the evaluations leave the cheapest passing candidate in an interval of at most
+            # ceil((length - 1) / 2^(budget - 1)) candidates, and never miss it once the budget suffices
+            failing = max(i for i in order if i < threshold)
+            upper = found if found is not None else length - 1
+            assert upper - failing <= max(1, -(-(length - 1) // 2 ** (budget - 1)))
+            if budget >= 1 + math.ceil(math.log2(max(length - 1, 1))) and threshold < length:
+                assert found == threshold or (threshold == length - 1 and found is None)
     with pytest.raises(ValueError, match="max_candidates"):
-        dev_candidate_indices(3, 0)
+        search_path(3, 0, lambda index: True)
 
 
 def test_settings_errors_are_named():
@@ -199,7 +223,7 @@ def test_settings_errors_are_named():
     assert CalibrationSettings(stages=["prefill"]).stages == ("prefill",)
     with pytest.raises(ValueError, match="prefill-only run"):
         CalibrationSettings(stages=("prefill",), tag_view="no_role")
-    with pytest.raises(ValueError, match="max_candidates"):
+    with pytest.raises(ValueError, match="max_dev_candidates"):
         CalibrationSettings(max_dev_candidates=0)
     with pytest.raises(ValueError, match="R or L"):
         BucketIntervention(COSTS, Bucket("pure_scaffold|scaffold_separator|boundary|no_lookahead", 0), H, 4, 8)

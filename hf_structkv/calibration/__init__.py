@@ -21,7 +21,7 @@ from .path import greedy_path, upgrade_priorities
 from .references import ReferenceTrajectory, reference_trajectories
 from .reserve import left_quantile, reserve_statistics, reserve_table
 from .runner import CalibrationResult, calibrate
-from .selection import dev_candidate_indices, select_cheapest
+from .selection import search_path, select_cheapest
 from .settings import CalibrationSettings
 from .spider_task import SpiderTask
 from .task import CalibrationTask
@@ -42,7 +42,6 @@ __all__ = [
     "VerdictStore",
     "calibrate",
     "candidate_digest",
-    "dev_candidate_indices",
     "envelope",
     "greedy_path",
     "left_quantile",
@@ -53,6 +52,7 @@ __all__ = [
     "reference_trajectories",
     "reserve_statistics",
     "reserve_table",
+    "search_path",
     "select_cheapest",
     "upgrade_priorities",
 ]

@@ -54,8 +54,8 @@ def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-dev-candidates",
         type=int_option(1),
-        help="candidates evaluated per greedy path, spread along it, cheapest first, stopping at the first within "
-        "alpha (default 3; --paper-sizes: all)",
+        help="candidates evaluated per greedy path: the cheapest first, then bisection for the cheapest within alpha "
+        "(default 3; --paper-sizes: all)",
     )
     parser.add_argument("--max-new-tokens", type=int_option(1), help="generation cap (default 128; --paper-sizes: 192)")
     parser.add_argument(

@@ -1,16 +1,19 @@
 """Development selection (PASK eq. 9): evaluate complete controllers on development cases and keep the cheapest whose
 error rate is within ``α`` of the all-high reference's; the all-high controller is the fallback.
 
-Which candidates are evaluated (`dev_candidate_indices`): with ``max_candidates = None`` every candidate of every
-path (the paper's protocol: realised cost need not follow the nominal order). With ``max_candidates = N``, per path
-of ``J + 1`` candidates the ``N`` indices ``round(k · J / (N − 1))``, ``k = 0 .. N − 1`` (``[0]`` for ``N = 1``),
-deduplicated, are evaluated cheapest first (nominal cost is nondecreasing along a path, Prop. 2), and the path stops
-at the first candidate that passes the tolerance: its later candidates cost at least as much nominally.
+Which candidates are evaluated (`search_path`): with ``max_candidates = None`` every candidate of every path (the
+paper's protocol: realised cost need not follow the nominal order). With ``max_candidates = N``, per path of
+``J + 1`` candidates (nominal cost nondecreasing along it, Prop. 2; its last one all-high), at most ``N`` of them by
+bisection for the cheapest that passes the tolerance: candidate 0 first (the path stops if it passes), then the
+middle of the interval between the cheapest failing candidate and the cheapest passing one (the all-high end until
+one passes), so ``N`` evaluations place the cheapest passing candidate within ``J / 2^(N−1)`` of the path, where
+evaluating ``N`` evenly spread candidates places it within ``J / (N − 1)``. It assumes, as stopping at the first
+pass did, that the tolerance holds from some point of the path on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tqdm.auto import tqdm
@@ -20,22 +23,33 @@ from .development_store import DevCase, DevelopmentStore, candidate_digest
 from .references import stop_index
 from .task import CalibrationTask
 
-__all__ = ["DevResult", "dev_candidate_indices", "evaluate_controller", "pooled_ratios", "select_cheapest"]
+__all__ = ["DevResult", "evaluate_controller", "pooled_ratios", "search_path", "select_cheapest"]
 
 
-def dev_candidate_indices(path_length: int, max_candidates: int | None) -> list[int]:
-    """The indices of a path's candidates to evaluate, in evaluation order (module docstring).
+def search_path(path_length: int, max_candidates: int | None, passes: Callable[[int], bool]) -> list[int]:
+    """Evaluate candidates of a path with ``passes(index)`` (module docstring) and return the indices evaluated,
+    in order: every index with ``max_candidates = None``; else a bisection for the cheapest passing one.
 
     Raises:
         ValueError: ``path_length < 1`` or ``max_candidates < 1``.
     """
     check_int("path_length", path_length, 1)
     if check_int("max_candidates", max_candidates, 1, none_ok=True) is None:
+        for index in range(path_length):
+            passes(index)
         return list(range(path_length))
-    if max_candidates == 1:
-        return [0]
-    last = path_length - 1
-    return sorted({round(k * last / (max_candidates - 1)) for k in range(max_candidates)})
+    order = [0]
+    if passes(0):
+        return order
+    low, high = 0, path_length - 1  # low fails; high, the path's all-high end, is taken to pass until evaluated
+    while len(order) < max_candidates and high - low > 1:
+        middle = (low + high) // 2
+        order.append(middle)
+        if passes(middle):
+            high = middle
+        else:
+            low = middle
+    return order
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ from ..structure.tags import TAG_VIEWS
 from ..validation import check_int
 from .floors import DEFAULT_THRESHOLDS, check_thresholds
 from .reserve import DEFAULT_RESERVE_HORIZON, DEFAULT_RESERVE_QUANTILE
-from .selection import dev_candidate_indices
 
 __all__ = ["SENSITIVITIES", "STAGES", "STAGE_CHOICES", "CalibrationSettings", "settings_json"]
 
@@ -32,7 +31,7 @@ class CalibrationSettings:
         thresholds: the threshold pairs ``τ = (τ_low, τ_high)``, one greedy path each.
         alpha_decode, alpha_prefill: development tolerances ``α_D``, ``α_P``.
         reserve_horizon, reserve_quantile: ``K`` and ``β`` of the reserve.
-        max_dev_candidates: candidates evaluated per path (`dev_candidate_indices`); ``None`` = all.
+        max_dev_candidates: candidates evaluated per path, by bisection (`search_path`); ``None`` = all.
         stages: one of `STAGE_CHOICES`: ``("decode", "prefill")``, ``("decode",)`` or ``("prefill",)``. The prefill
             stage holds decode all-high (D.8), so it can be calibrated on its own and served next to any decode table.
         tag_view: what the parser tells the cache in every run and the calibrated table (`TAG_VIEWS`): ``"full"``,
@@ -81,7 +80,7 @@ class CalibrationSettings:
         if tuple(self.stages) not in STAGE_CHOICES:
             raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {self.stages!r}")
         object.__setattr__(self, "stages", tuple(self.stages))
-        dev_candidate_indices(1, self.max_dev_candidates)  # validates max_dev_candidates
+        check_int("max_dev_candidates", self.max_dev_candidates, 1, none_ok=True)
         if self.tag_view not in TAG_VIEWS:
             raise ValueError(f"tag_view must be one of {TAG_VIEWS}, got {self.tag_view!r}")
         check_group_count(self.layer_groups)

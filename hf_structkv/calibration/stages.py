@@ -22,7 +22,7 @@ from .interventions import occurrences, prefill_positions
 from .likelihood import DevelopmentReplay, likelihood_measure
 from .loss_curve import LossCurve, sample_interventions
 from .path import greedy_path, upgrade_priorities
-from .selection import DevResult, dev_candidate_indices, evaluate_controller, select_cheapest
+from .selection import DevResult, evaluate_controller, search_path, select_cheapest
 from .task import CalibrationTask
 from .task_sensitivity import (
     ACTIONS,
@@ -305,34 +305,15 @@ def run_stage(
             return curve.error_change(result.losses, result.reference_valid)
         return result.error_rate - reference_error
 
-    measured = "dev likelihood loss" if stage.by_likelihood else "dev accuracy"
     evaluated: dict[str, tuple[Any, DevResult, dict]] = {}
     paths = []
     for tau in settings.thresholds:
         floors = protection_floors(sensitivity, tau)
         path = greedy_path(floors, priorities)
         candidates = [stage.build(actions, floors, priorities, tau) for actions in path]
-        evaluated_here = []
-        for index in dev_candidate_indices(len(candidates), settings.max_dev_candidates):
-            candidate = candidates[index]
-            identity = candidate_digest(candidate)
-            if identity not in evaluated:
-                result = stage.evaluate(candidate, progress, dev_store)
-                evaluated[identity] = (candidate, result, {"tau": list(tau), "index": index})
-                value = result.error_rate if stage.by_likelihood else 1 - result.error_rate
-                log(
-                    f"{stage.name} tau={tau} candidate {index}/{len(candidates) - 1}: nominal budget "
-                    f"{stage.nominal(candidate):.3f}, {measured} {value:.3f}"
-                    + (f", expected error change {error_change(result):+.3f}" if stage.by_likelihood else "")
-                    + ("" if stage.by_likelihood else f" (all-high {1 - reference_error:.3f})")
-                    + f", measured {stage.cost(result):.3f}"
-                    + (f" ({result.reused} cases from the cache)" if result.reused else "")
-                )
-            result = evaluated[identity][1]
-            evaluated_here.append(index)
-            passed = error_change(result) <= stage.alpha + 1e-12
-            if settings.max_dev_candidates is not None and passed:
-                break
+        evaluated_here = _search_candidates(
+            stage, candidates, tau, settings, evaluated, error_change, reference_error, progress, log, dev_store
+        )
         paths.append(
             {
                 "tau": list(tau),
@@ -455,6 +436,34 @@ def _confirmed(stage, rows, costs, changes, reference_error, settings, progress,
         if passed:
             return index
     return None
+
+
+def _search_candidates(
+    stage, candidates, tau, settings, evaluated, error_change, reference_error, progress, log, dev_store
+) -> list[int]:
+    """`search_path` over one path's ``candidates``: each evaluated candidate (or read back from ``evaluated``, keyed
+    by `candidate_digest`, filled here) passes when ``error_change`` of its result is within ``alpha``; returns the
+    indices evaluated."""
+    measured = "dev likelihood loss" if stage.by_likelihood else "dev accuracy"
+
+    def passes(index: int) -> bool:
+        candidate = candidates[index]
+        identity = candidate_digest(candidate)
+        if identity not in evaluated:
+            result = stage.evaluate(candidate, progress, dev_store)
+            evaluated[identity] = (candidate, result, {"tau": list(tau), "index": index})
+            value = result.error_rate if stage.by_likelihood else 1 - result.error_rate
+            log(
+                f"{stage.name} tau={tau} candidate {index}/{len(candidates) - 1}: nominal budget "
+                f"{stage.nominal(candidate):.3f}, {measured} {value:.3f}"
+                + (f", expected error change {error_change(result):+.3f}" if stage.by_likelihood else "")
+                + ("" if stage.by_likelihood else f" (all-high {1 - reference_error:.3f})")
+                + f", measured {stage.cost(result):.3f}"
+                + (f" ({result.reused} cases from the cache)" if result.reused else "")
+            )
+        return error_change(evaluated[identity][1]) <= stage.alpha + 1e-12
+
+    return search_path(len(candidates), settings.max_dev_candidates, passes)
 
 
 def _loss_curve(stage, calibration, refs, runs, settings, progress, verdict_store) -> LossCurve | None:
