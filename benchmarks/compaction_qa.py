@@ -55,6 +55,29 @@ Comparing runs shows which layers an answer depends on.
 in every compacted cache (`compact`'s ``prefix=``), as the KV-Surgeon paper serves a system prompt uncompacted next
 to the compacted context; each document then stores those entries beside ``1/ratio`` of its own.
 
+``--storage bf16 int4 auto`` (issue 31: quality against bytes) compacts every variant in each storage of
+`compact(storage=...)`. ``bf16`` keeps entries in the model's dtype (`compact`'s name for it; the embedded model runs
+in FP32 on the CPU, so these entries are FP32) and ``--ratios`` count entries, as without ``--storage``; ``int4`` and
+``auto`` (rows ``<variant>+int4``, ``<variant>+auto``) make ``--ratios`` **byte** ratios against the full cache in the
+model's dtype (`compact`'s docstring); ``auto`` picks each head's storage by its calibration loss, so query-free
+variants run ``bf16`` and ``int4`` only. With ``int4`` or ``auto`` a ``full+int4`` row is added: the whole context,
+every entry kept, stored in INT4 (`whole_cache_int4`; about 6.6x fewer bytes than the FP32 cache, 3.3x than a BF16
+one). Every row reports its measured bytes: ``stored_bytes`` (`CompactedCache.nbytes`, per document) and
+``byte_ratio``, the bytes of the full cache in the model's dtype over the stored bytes, summed over the documents (the
+full cache: 1). Every row is also compared with the full cache question by question (``vs_full``: questions lost and
+gained, exact McNemar p-value, `paired_comparison`), and each row family (a ``cache`` label) reports the largest
+measured byte ratio among its rows that keep >= 95% of the full cache's accuracy (``byte_ratio_kept_95``, None when
+none does; each answer form). Targets (issue 31), for each KV-Surgeon tier and storage ``int4`` / ``auto``: at 20x
+fewer bytes strictly ahead of the dtype KV-Surgeon at 10x (with the pair's McNemar p-value), and at 10x fewer bytes
+>= 90% of the full cache's accuracy. ``int4`` and ``auto`` compact one chunk without a prefix: not with
+``--chunk-tokens`` or ``--keep-template``. The plot's x-axis is then the measured byte ratio. Issue 31's run, the ~4K
+multiple-choice protocol of docs/RESULTS.md with ``streaming_llm``, the best query-free baseline there (46 and 19 of
+144 at 10x, multiple choice and free form, against ``key_norm``'s 45 and 4):
+
+    python benchmarks/compaction_qa.py --tasks squad needle --doc-tokens 4096 --methods kv_surgeon streaming_llm \
+        --choices 4 --questions 24 --seeds 0 --storage bf16 int4 auto --ratios 2 3 5 10 20 50 --threads 1 \
+        --out benchmarks/results/compaction_qa_4k_bytes.json --plot docs/img/compaction_qa_4k_bytes.png
+
 ``--tiny`` runs the same code on a random tiny model with a byte tokenizer and short documents (a smoke test,
 numbers meaningless).
 """
@@ -73,7 +96,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -91,6 +114,8 @@ from hf_structkv.compaction import (
     prefill_context,
     resolve_budgets,
 )
+from hf_structkv.compaction.head_storage import STORAGE_CHOICES
+from hf_structkv.eval.paired import paired_comparison
 from hf_structkv.eval.reference_answers import ReferenceAnswers
 from hf_structkv.eval.squad import SquadQuestion, contains_answer, normalize_answer, squad_document, squad_titles
 from hf_structkv.generation import context_copy, generation_inputs
@@ -107,6 +132,10 @@ DEFAULT_VARIANTS = (KV_SURGEON, f"{KV_SURGEON}:self_study", *BASELINES)
 TARGET_KEPT_ACCURACY = 0.9  # at 10x, kv_surgeon keeps >= 90% of the full cache's accuracy
 TARGET_AHEAD_RATIOS = (20.0, 50.0)  # where kv_surgeon must be strictly ahead of every baseline
 FULL = "full"
+DTYPE_STORAGE = "bf16"  # compact()'s storage of kept entries in the model's dtype (FP32 for the embedded model here)
+WHOLE_INT4 = "full+int4"  # the whole context's cache, every entry kept, stored in INT4 (`whole_cache_int4`)
+KEPT_SHARE = 0.95  # byte_ratio_kept_95: the largest byte ratio keeping this share of the full cache's accuracy
+TARGET_BYTES_AHEAD = (20.0, 10.0)  # issue 31: KV-Surgeon in INT4 / auto at 20x fewer bytes vs in the dtype at 10x
 MAX_CHOICES = 8
 # answer form -> (prefix of its summary keys, its 0/1 row key, its continuous row key, that key's column header)
 FORMS = {
@@ -128,10 +157,11 @@ NEEDLE_KEYS = (
 # ------------------------------------------------------------------------------------------------------------ data
 @dataclass(frozen=True)
 class Variant:
-    """A compaction method and, for calibrated methods, its calibration-query tier."""
+    """A compaction method, for calibrated methods its calibration-query tier, and the storage of `compact`."""
 
     method: str
     queries: str = "repeat"
+    storage: str = DTYPE_STORAGE
 
     @classmethod
     def parse(cls, text: str) -> Variant:
@@ -146,8 +176,15 @@ class Variant:
         return cls(method, tier or "repeat")
 
     @property
+    def calibrated(self) -> bool:
+        """Whether the method fits calibration queries (``storage="auto"`` needs them)."""
+        return HEAD_METHODS[self.method].needs_queries
+
+    @property
     def label(self) -> str:
-        return self.method if self.queries == "repeat" else f"{self.method}:{self.queries}"
+        """``method[:tier][+storage]`` (the tier unless ``repeat``, the storage unless the model's dtype)."""
+        tier = "" if self.queries == "repeat" else f":{self.queries}"
+        return self.method + tier + ("" if self.storage == DTYPE_STORAGE else f"+{self.storage}")
 
 
 @dataclass(frozen=True)
@@ -497,6 +534,35 @@ class AskedDocument:
         choices = scored_choices(self.distractors, distractor_nlls, nlls)
         return [row | choice for row, choice in zip(rows, choices, strict=True)]
 
+    def compacted_run(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        args: argparse.Namespace,
+        compacted: CompactedCache,
+        entry: dict,
+    ) -> dict:
+        """``entry`` (``compacted``'s ``cache`` label, ``ratio``, ``storage`` and ``seconds``) with the answered rows
+        (`answered_rows`), the cache's stored bytes, those of the full cache in the model's dtype, their ratio, the
+        held-out relative loss and the storage metadata of `compact`; one line printed."""
+        rows = self.answered_rows(model, tokenizer, compacted, args)
+        stored, full = compacted.nbytes(), compacted.full_nbytes()
+        correct = sum(row["correct"] for row in rows)
+        chosen = f"  {sum(row['choice_correct'] for row in rows)}/{len(rows)} chosen" if args.choices else ""
+        print(
+            f"  {entry['cache']:<24}{entry['ratio']:>6g}x  {full / stored:6.2f}x bytes  {correct}/{len(rows)} correct"
+            f"{chosen}  {entry['seconds']:7.1f} s"
+        )
+        quality = compacted.metadata.get("quality", {}).get("heldout_relative_loss_mean")
+        return entry | {
+            "rows": rows,
+            "stored_bytes": stored,
+            "full_bytes": full,
+            "byte_ratio": full / stored,
+            "heldout_relative_loss": quality,
+            "storage_heads": compacted.metadata.get("storage"),
+        }
+
 
 # ------------------------------------------------------------------------------------------------- compaction
 @dataclass(frozen=True)
@@ -527,6 +593,34 @@ def budgets_of(args: argparse.Namespace, model: PreTrainedModel) -> str | Layers
     if not args.uncompacted_layers:
         return args.budgets
     return LayersKeptWhole(model, args.budgets, frozenset(args.uncompacted_layers))
+
+
+def whole_cache_int4(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, context_ids: torch.Tensor, seed: int
+) -> CompactedCache:
+    """The cache of ``context_ids [1, T]`` with every entry kept, stored in INT4: ``compact(ratio=1, storage="int4")``
+    with the query-free ``streaming_llm`` under uniform budgets. Ratio 1 owes every KV head the bytes of its ``T``
+    entries in the model's dtype, more than its whole head costs in INT4, so each head keeps all ``T`` entries
+    (`head_byte_budgets`), bias 0, its own keys and values rounded to INT4 (keys per channel in groups of 32 entries
+    with FP16 scales and offsets, values per row with FP16 scales; `quantize_head`); a query-free head has no refit and
+    no fallback to the dtype. Its byte ratio is that of INT4 against the model's dtype: about 6.6x for FP32 (the
+    embedded model on the CPU), 3.3x for BF16 (``D = 64``)."""
+    return compact(
+        model,
+        tokenizer,
+        context_ids,
+        ratio=1.0,
+        method="streaming_llm",
+        budgets="uniform",
+        seed=seed,
+        progress=False,
+        storage="int4",
+    )
+
+
+def dynamic_cache_nbytes(cache: DynamicCache) -> int:
+    """Bytes of the keys and values of every layer of ``cache`` (the full cache's stored bytes)."""
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
 def run_label(args: argparse.Namespace, variant: Variant) -> str:
@@ -560,22 +654,52 @@ def accuracy_summary(per_seed_rows: list[list[dict]], form: str) -> dict:
     }
 
 
-def summarize(runs: list[dict]) -> list[dict]:
-    """Per (cache, ratio): accuracy per seed over all its questions, their mean / std over seeds, accuracy and
-    gold-answer NLL per task (mean over seeds), the mean gold-answer NLL and F1, mean pipeline seconds per document,
-    and accuracy relative to the full cache; the multiple-choice accuracy (keys prefixed ``choice_``) and gold share too
-    when the rows have them (``--choices``)."""
-    groups: dict[tuple[str, float], dict[int, list[dict]]] = {}
+def group_runs(runs: list[dict]) -> dict[tuple[str, float], list[dict]]:
+    """``runs`` by ``(cache, ratio)``, each group in run order."""
+    groups: dict[tuple[str, float], list[dict]] = {}
     for run in runs:
-        groups.setdefault((run["cache"], run["ratio"]), {}).setdefault(run["seed"], []).append(run)
+        groups.setdefault((run["cache"], run["ratio"]), []).append(run)
+    return groups
+
+
+def question_verdicts(runs: list[dict], correct: str) -> dict[str, bool]:
+    """``{question id: the row's 0/1 key correct}`` over ``runs`` (one cache's), the id naming its seed, document and
+    place in the document."""
+    return {
+        f"seed {run['seed']} document {run['document']} question {index}": bool(row[correct])
+        for run in runs
+        for index, row in enumerate(run["rows"])
+    }
+
+
+def paired_counts(reference: dict[str, bool], other: dict[str, bool]) -> dict:
+    """`paired_comparison` of ``other`` against ``reference`` (`question_verdicts`) on the questions both answered
+    (every question once the run is complete): ``{"questions", "lost", "gained", "p_value"}``, ``p_value`` the exact
+    McNemar p-value."""
+    common = [question for question in reference if question in other]
+    paired = paired_comparison({q: reference[q] for q in common}, {q: other[q] for q in common})
+    lost, gained = len(paired.lost), len(paired.gained)
+    return {"questions": paired.cases, "lost": lost, "gained": gained, "p_value": paired.p_value}
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Per (cache, ratio): its storage, accuracy per seed over all its questions, their mean / std over seeds,
+    accuracy and gold-answer NLL per task (mean over seeds), the mean gold-answer NLL and F1, mean pipeline seconds per
+    document, the mean stored bytes per document and the byte ratio (the full cache's bytes in the model's dtype over
+    the stored bytes, summed over the documents), accuracy relative to the full cache and the question-by-question
+    comparison with it (``vs_full``, `paired_counts`); the multiple-choice accuracy, gold share and comparison too
+    (keys prefixed ``choice_``) when the rows have them (``--choices``)."""
+    groups = group_runs(runs)
     forms = [form for form, (_, correct, _, _) in FORMS.items() if correct in runs[0]["rows"][0]]
     summary = []
-    for (cache, ratio), per_seed in groups.items():
+    for (cache, ratio), group in groups.items():
+        per_seed: dict[int, list[dict]] = {}
+        for run in group:
+            per_seed.setdefault(run["seed"], []).append(run)
         per_seed_rows = [
             [row | {"task": run["task"]} for run in seed_runs for row in run["rows"]] for seed_runs in per_seed.values()
         ]
-        seconds = [run["seconds"] for seed_runs in per_seed.values() for run in seed_runs]
-        entry = {"cache": cache, "ratio": ratio}
+        entry = {"cache": cache, "ratio": ratio, "storage": group[0]["storage"]}
         for form in forms:
             entry |= accuracy_summary(per_seed_rows, form)
         summary.append(
@@ -583,32 +707,45 @@ def summarize(runs: list[dict]) -> list[dict]:
             | {
                 "f1": statistics.fmean(statistics.fmean(row["f1"] for row in rows) for rows in per_seed_rows),
                 "questions_per_seed": len(per_seed_rows[0]),
-                "pipeline_seconds": statistics.fmean(seconds),
+                "pipeline_seconds": statistics.fmean(run["seconds"] for run in group),
+                "stored_bytes": statistics.fmean(run["stored_bytes"] for run in group),
+                "byte_ratio": sum(run["full_bytes"] for run in group) / sum(run["stored_bytes"] for run in group),
             }
         )
-    for prefix, *_ in (FORMS[form] for form in forms):
+    for prefix, correct, *_ in (FORMS[form] for form in forms):
         full = next(row[f"{prefix}accuracy"] for row in summary if row["cache"] == FULL)
+        reference = question_verdicts(groups[(FULL, 1.0)], correct)
         for row in summary:
             row[f"{prefix}accuracy_vs_full"] = row[f"{prefix}accuracy"] / full if full > 0 else None
+            other = question_verdicts(groups[(row["cache"], row["ratio"])], correct)
+            row[f"{prefix}vs_full"] = paired_counts(reference, other)
     return summary
+
+
+def kept_verdict(accuracy: float, full: float) -> str:
+    """Whether ``accuracy`` keeps >= ``TARGET_KEPT_ACCURACY`` of the ``full`` cache's: ``"met (…% of full)"`` or
+    ``"not met (…)"``."""
+    kept = "n/a (full accuracy is 0)" if full == 0 else f"{accuracy / full:.1%}"
+    return f"{'met' if accuracy >= TARGET_KEPT_ACCURACY * full else 'not met'} ({kept} of full)"
 
 
 def target_verdicts(summary: list[dict], prefix: str = "") -> dict:
     """The issue's two targets for each KV-Surgeon tier that ran (without ``--uncompacted-layers``), on the free-form
-    accuracy (``prefix=""``) or the multiple-choice one (``"choice_"``): ``{tier label: {target: verdict}}``."""
+    accuracy (``prefix=""``) or the multiple-choice one (``"choice_"``): ``{tier label: {target: verdict}}``. Tiers
+    are the rows in the model's dtype (``--storage bf16``)."""
     accuracy = {(row["cache"], row["ratio"]): row[f"{prefix}accuracy"] for row in summary}
     full = accuracy[(FULL, 1.0)]
     verdicts = {}
-    tiers = {cache for cache, _ in accuracy if cache.partition(":")[0] == KV_SURGEON and "[" not in cache}
+    tiers = {
+        row["cache"]
+        for row in summary
+        if row["cache"].partition(":")[0] == KV_SURGEON and "[" not in row["cache"] and row["storage"] == DTYPE_STORAGE
+    }
     for label in sorted(tiers):  # rows with layers kept whole ("...[12 whole]") are not at their ratio
         result = {}
         kept = accuracy.get((label, 10.0))
         name = f"at 10x keeps >= {TARGET_KEPT_ACCURACY:.0%} of full-context accuracy"
-        if kept is None:
-            result[name] = "not measured (10x not run)"
-        else:
-            share = "n/a (full accuracy is 0)" if full == 0 else f"{kept / full:.1%}"
-            result[name] = f"{'met' if kept >= TARGET_KEPT_ACCURACY * full else 'not met'} ({share} of full)"
+        result[name] = "not measured (10x not run)" if kept is None else kept_verdict(kept, full)
         for ratio in TARGET_AHEAD_RATIOS:
             name = f"at {ratio:g}x ahead of every baseline"
             ours = accuracy.get((label, ratio))
@@ -626,24 +763,78 @@ def target_verdicts(summary: list[dict], prefix: str = "") -> dict:
     return verdicts
 
 
+def storage_target_verdicts(summary: list[dict], runs: list[dict], prefix: str = "") -> dict:
+    """Issue 31's targets for each KV-Surgeon row family stored in ``int4`` or ``auto`` (``<tier>+<storage>``, without
+    ``--uncompacted-layers``), on the answer form of ``prefix`` (as `target_verdicts`): at 10x fewer bytes it keeps >=
+    90% of the full cache's accuracy, and at 20x fewer bytes it is strictly ahead of its tier in the model's dtype at
+    10x, with that pair's question-by-question comparison (`paired_counts`). ``{label: {target: verdict}}``."""
+    rows = {(row["cache"], row["ratio"]): row for row in summary}
+    key, correct = f"{prefix}accuracy", next(c for p, c, *_ in FORMS.values() if p == prefix)
+    full = rows[(FULL, 1.0)][key]
+    ahead, behind = TARGET_BYTES_AHEAD
+    groups, verdicts = group_runs(runs), {}
+    for row in summary:
+        label, storage = row["cache"], row["storage"]
+        tier = label.removesuffix(f"+{storage}")
+        if storage == DTYPE_STORAGE or tier.partition(":")[0] != KV_SURGEON or "[" in label or label in verdicts:
+            continue
+        kept = rows.get((label, behind))
+        name = f"at {behind:g}x fewer bytes keeps >= {TARGET_KEPT_ACCURACY:.0%} of full-context accuracy"
+        result = {name: f"not measured ({behind:g}x not run)" if kept is None else kept_verdict(kept[key], full)}
+        ours, theirs = rows.get((label, ahead)), rows.get((tier, behind))
+        name = f"at {ahead:g}x fewer bytes ahead of {tier} at {behind:g}x"
+        if ours is None or theirs is None:
+            result[name] = f"not measured ({label} at {ahead:g}x or {tier} at {behind:g}x not run)"
+        else:
+            verdicts_of = (question_verdicts(groups[(r["cache"], r["ratio"])], correct) for r in (theirs, ours))
+            pair = paired_counts(*verdicts_of)
+            note = f"{ours[key]:.1%} at {ours['byte_ratio']:.2f}x bytes vs {theirs[key]:.1%} at "
+            note += f"{theirs['byte_ratio']:.2f}x; lost {pair['lost']}, gained {pair['gained']}, "
+            note += f"McNemar p {pair['p_value']:.3g}"
+            result[name] = f"{'met' if ours[key] > theirs[key] else 'not met'} ({note})"
+        verdicts[label] = result
+    return verdicts
+
+
+def byte_ratio_kept(summary: list[dict], prefix: str = "", share: float = KEPT_SHARE) -> dict[str, float | None]:
+    """Per row family (a ``cache`` label; the full cache left out): the largest measured byte ratio among its rows
+    whose accuracy (the answer form of ``prefix``) is >= ``share`` of the full cache's, None when none is."""
+    key = f"{prefix}accuracy"
+    full = next(row[key] for row in summary if row["cache"] == FULL)
+    families = dict.fromkeys(row["cache"] for row in summary if row["cache"] != FULL)
+    return {
+        family: max(
+            (row["byte_ratio"] for row in summary if row["cache"] == family and row[key] >= share * full),
+            default=None,
+        )
+        for family in families
+    }
+
+
 def print_report(summary: list[dict], verdicts: dict, tasks: list[str]) -> None:
-    """The summary table (accuracy per task, then the gold-answer NLL per task) and the target verdicts, for the
-    free-form answers and (``--choices``) the multiple-choice ones; ``verdicts``: ``{form: target_verdicts(...)}``."""
+    """The summary table (accuracy, measured byte ratio, McNemar p-value against the full cache, accuracy per task,
+    then the gold-answer NLL per task), the largest byte ratio of each row family that keeps >= 95% of the full
+    cache's accuracy (`byte_ratio_kept`) and the target verdicts, for the free-form answers and (``--choices``) the
+    multiple-choice ones; ``verdicts``: ``{form: target verdicts}``."""
     for form in verdicts:
         prefix, _, value, name = FORMS[form]
         print(f"{form} answers")
-        header = f"{'cache':<26}{'ratio':>7}{'accuracy':>15}{'F1':>7}{'vs full':>9}{'pipeline s':>12}{name:>12}"
+        header = f"{'cache':<26}{'ratio':>7}{'bytes':>8}{'accuracy':>15}{'F1':>7}{'vs full':>9}{'p vs full':>10}"
+        header += f"{'pipeline s':>12}{name:>12}"
         print(header + "".join(f"{task:>10}" for task in tasks) + "".join(f"{name + ' ' + task:>20}" for task in tasks))
         for row in summary:
             vs_full = row[f"{prefix}accuracy_vs_full"]
             accuracy = f"{row[f'{prefix}accuracy']:.1%}±{row[f'{prefix}accuracy_std']:.1%}"
             f1 = f"{row['f1']:>7.2f}" if not prefix else f"{'':>7}"
             vs_full = "" if vs_full is None else f"{vs_full:.0%}"
-            line = f"{row['cache']:<26}{row['ratio']:>7g}{accuracy:>15}{f1}{vs_full:>9}"
-            line += f"{row['pipeline_seconds']:>12.1f}{row[value]:>12.3f}"
+            line = f"{row['cache']:<26}{row['ratio']:>7g}{row['byte_ratio']:>7.2f}x{accuracy:>15}{f1}{vs_full:>9}"
+            line += f"{row[f'{prefix}vs_full']['p_value']:>10.3g}{row['pipeline_seconds']:>12.1f}{row[value]:>12.3f}"
             line += "".join(f"{row[f'{prefix}accuracy_per_task'].get(task, math.nan):>10.1%}" for task in tasks)
             means = row[f"{value}_per_task"]
             print(line + "".join(f"{means.get(task, math.nan):>20.3f}" for task in tasks))
+        for family, ratio in byte_ratio_kept(summary, prefix).items():
+            kept = "none" if ratio is None else f"{ratio:.2f}x"
+            print(f"largest byte ratio keeping >= {KEPT_SHARE:.0%} of full accuracy [{form}, {family}]: {kept}")
         for label, result in verdicts[form].items():
             for name, verdict in result.items():
                 print(f"target [{form}, {label}] {name}: {verdict}")
@@ -666,7 +857,8 @@ def plot_pareto(summary: list[dict], path: Path, title: str, choices: int = 0):
     """Three panels: accuracy and gold-answer NLL vs compression ratio (one line per method variant, the full cache
     dotted), and accuracy vs pipeline seconds with the Pareto front of all compacted caches; a fourth, the
     multiple-choice accuracy vs ratio with chance (``1 / choices``) dashed, when the summary has it (``--choices``).
-    Returns the (closed) matplotlib figure."""
+    The ratio is the measured byte ratio when a row is stored otherwise than in the model's dtype (``--storage``),
+    else the entry ratio; ticks at the ratios asked for. Returns the (closed) matplotlib figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -675,12 +867,14 @@ def plot_pareto(summary: list[dict], path: Path, title: str, choices: int = 0):
     full = next(row for row in summary if row["cache"] == FULL)
     labels = list(dict.fromkeys(row["cache"] for row in summary if row["cache"] != FULL))
     prefixes = [prefix for prefix, *_ in FORMS.values() if f"{prefix}accuracy" in full]
+    by_bytes = any(row["storage"] != DTYPE_STORAGE for row in summary)
+    x_key = "byte_ratio" if by_bytes else "ratio"
     figure, axes = plt.subplots(1, 2 + len(prefixes), figsize=(6 * (2 + len(prefixes)), 4.8))
     by_ratio, nll_by_ratio, by_time = axes[0], axes[1], axes[2]
     accuracy_panels = [(by_ratio, ""), *zip(axes[3:], prefixes[1:])]  # (axis, key prefix)
     for label in labels:
-        rows = sorted((row for row in summary if row["cache"] == label), key=lambda row: row["ratio"])
-        ratios = [row["ratio"] for row in rows]
+        rows = sorted((row for row in summary if row["cache"] == label), key=lambda row: row[x_key])
+        ratios = [row[x_key] for row in rows]
         style = "-o" if label.startswith(KV_SURGEON) else "--s"
         for axis, prefix in accuracy_panels:
             accuracy, spread = ([row[f"{prefix}{key}"] for row in rows] for key in ("accuracy", "accuracy_std"))
@@ -704,12 +898,16 @@ def plot_pareto(summary: list[dict], path: Path, title: str, choices: int = 0):
     nll_by_ratio.axhline(full["gold_answer_nll"], color="black", linestyle=":", label="full cache")
     nll_by_ratio.set_ylabel("gold-answer NLL (nats per token, lower is better)")
     nll_by_ratio.grid(alpha=0.3)
-    ratios = sorted({row["ratio"] for row in summary if row["cache"] != FULL})
+    ratios = sorted({row["ratio"] for row in summary if row["cache"] not in (FULL, WHOLE_INT4)})
     for axis, _ in [*accuracy_panels, (nll_by_ratio, "")]:
         axis.set_xscale("log")
         axis.set_xticks(ratios, [f"{ratio:g}x" for ratio in ratios])
         axis.minorticks_off()
-        axis.set_xlabel("compression ratio (original / kept entries per KV head)")
+        axis.set_xlabel(
+            "byte ratio (full cache in the model's dtype / stored bytes, measured)"
+            if by_bytes
+            else "compression ratio (original / kept entries per KV head)"
+        )
         axis.legend(fontsize=7)
     by_time.set_xlabel("pipeline seconds per document (compact: prefill + calibration + fits)")
     by_time.legend(fontsize=7)
@@ -744,6 +942,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--questions", type=int, default=5, help="questions per document")
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_VARIANTS), help="method or method:self_study")
     parser.add_argument("--ratios", nargs="+", type=float, default=[5.0, 10.0, 20.0, 50.0])
+    parser.add_argument(
+        "--storage",
+        nargs="+",
+        choices=STORAGE_CHOICES,
+        default=[DTYPE_STORAGE],
+        help="compact(storage=...) of every variant, each in turn: bf16 (the model's dtype, entry ratios) or int4 / "
+        "auto (byte ratios; auto for calibrated methods only; adds the whole cache in INT4)",
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--query-cap", type=int, default=2048, help="fitting queries per KV head (calibrated methods)")
     parser.add_argument("--on-policy", action="store_true", help="on-policy calibration (BlockReplay)")
@@ -811,9 +1017,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if any(not 1 <= ratio < math.inf for ratio in args.ratios):
         parser.error("--ratios must be finite numbers >= 1")
     try:
-        args.variants = list(dict.fromkeys(map(Variant.parse, args.methods)))
+        variants = list(dict.fromkeys(map(Variant.parse, args.methods)))
     except ValueError as err:
         parser.error(str(err))
+    args.storage = list(dict.fromkeys(args.storage))
+    if args.storage != [DTYPE_STORAGE] and (args.chunk_tokens is not None or args.keep_template):
+        parser.error("--storage int4 / auto compacts one chunk without a prefix: drop --chunk-tokens / --keep-template")
+    if "auto" in args.storage and not any(variant.calibrated for variant in variants):
+        parser.error(f"--storage auto chooses by the calibration loss: --methods {args.methods} has no calibrated one")
+    args.variants = [
+        replace(variant, storage=storage)
+        for variant in variants
+        for storage in args.storage
+        if storage != "auto" or variant.calibrated
+    ]
     return args
 
 
@@ -841,10 +1058,10 @@ def write_results(
     """Write the JSON of ``runs`` so far to ``--out`` (``complete`` False after each cache's run, True at the end, so
     an interrupted run keeps what it finished); returns ``(summary, {answer form: target verdicts})``."""
     summary = summarize(runs)
+    prefixes = {form: prefix for form, (prefix, *_) in FORMS.items() if f"{prefix}accuracy" in summary[0]}
     verdicts = {
-        form: target_verdicts(summary, prefix)
-        for form, (prefix, *_) in FORMS.items()
-        if f"{prefix}accuracy" in summary[0]
+        form: target_verdicts(summary, prefix) | storage_target_verdicts(summary, runs, prefix)
+        for form, prefix in prefixes.items()
     }
     settings = {key: value for key, value in vars(args).items() if key not in ("out", "plot", "variants")}
     payload = {
@@ -858,6 +1075,7 @@ def write_results(
         "complete": complete,
         "documents": documents_json,
         "summary": summary,
+        "byte_ratio_kept_95": {form: byte_ratio_kept(summary, prefix) for form, prefix in prefixes.items()},
         "targets": verdicts["free-form"],
         **({"targets_multiple_choice": verdicts["multiple-choice"]} if "multiple-choice" in verdicts else {}),
         "seconds_total": time.perf_counter() - started,
@@ -910,7 +1128,18 @@ def main(argv: list[str] | None = None) -> None:
             full = prefill_context(model, context_ids, prefill_chunk_tokens=1024)
             seconds = time.perf_counter() - start
             rows = asked.answered_rows(model, tokenizer, full, args)
-            record(run | {"cache": FULL, "ratio": 1.0, "seconds": seconds, "rows": rows})
+            full_bytes = dynamic_cache_nbytes(full)
+            record(
+                run
+                | {"cache": FULL, "ratio": 1.0, "storage": DTYPE_STORAGE, "seconds": seconds, "rows": rows}
+                | {"stored_bytes": full_bytes, "full_bytes": full_bytes, "byte_ratio": 1.0}
+            )
+            if args.storage != [DTYPE_STORAGE]:
+                start = time.perf_counter()
+                compacted = whole_cache_int4(model, tokenizer, context_ids, seed)
+                seconds = time.perf_counter() - start
+                entry = {"cache": WHOLE_INT4, "ratio": 1.0, "storage": "int4", "seconds": seconds}
+                record(run | asked.compacted_run(model, tokenizer, args, compacted, entry))
             for variant in args.variants:
                 for ratio in args.ratios:
                     start = time.perf_counter()
@@ -929,21 +1158,12 @@ def main(argv: list[str] | None = None) -> None:
                         query_cap=args.query_cap,
                         self_study=self_study_of(args, suffix),
                         prefix=context_ids[:, :kept_whole] if kept_whole else None,
+                        storage=variant.storage,
                     )
                     seconds = time.perf_counter() - start
-                    quality = compacted.metadata.get("quality", {}).get("heldout_relative_loss_mean")
-                    rows = asked.answered_rows(model, tokenizer, compacted, args)
-                    correct = sum(row["correct"] for row in rows)
-                    chosen = (
-                        f"  {sum(row['choice_correct'] for row in rows)}/{len(rows)} chosen" if args.choices else ""
-                    )
-                    label = run_label(args, variant)
-                    print(f"  {label:<24}{ratio:>6g}x  {correct}/{len(rows)} correct{chosen}  {seconds:7.1f} s")
-                    record(
-                        run
-                        | {"cache": label, "ratio": float(ratio), "seconds": seconds, "rows": rows}
-                        | {"stored_bytes": compacted.nbytes(), "heldout_relative_loss": quality}
-                    )
+                    entry = {"cache": run_label(args, variant), "ratio": float(ratio), "storage": variant.storage}
+                    entry |= {"seconds": seconds}
+                    record(run | asked.compacted_run(model, tokenizer, args, compacted, entry))
 
     summary, verdicts = write_results(args, model_name, documents_json, runs, started, complete=True)
     print_report(summary, verdicts, args.tasks)

@@ -211,10 +211,16 @@ def test_compaction_qa_squad_and_hotpotqa_documents(qa):
             assert f"\n{title}\n" in hotpot.text  # every gold paragraph is in the document
 
 
+def stored_run(cache, ratio, seed, task, seconds, rows, storage="bf16"):
+    """A run of document 0 whose cache stores 1/ratio of 1000 bytes."""
+    entry = {"cache": cache, "ratio": ratio, "seed": seed, "document": 0, "task": task, "seconds": seconds}
+    return entry | {"rows": rows, "storage": storage, "stored_bytes": 1000 / ratio, "full_bytes": 1000}
+
+
 def test_compaction_qa_summary_and_targets(qa):
     def run(cache, ratio, seed, correct):
         rows = [{"correct": c, "f1": float(c), "gold_answer_nll": 2.0 - c + seed} for c in correct]
-        return {"cache": cache, "ratio": ratio, "seed": seed, "task": "squad", "seconds": 2.0, "rows": rows}
+        return stored_run(cache, ratio, seed, "squad", 2.0, rows)
 
     runs = [run("full", 1.0, 0, [1, 1, 1, 0]), run("full", 1.0, 1, [1, 1, 1, 1])]
     runs += [run("kv_surgeon", 10.0, 0, [1, 1, 0, 0]), run("kv_surgeon", 10.0, 1, [1, 1, 1, 1])]
@@ -274,13 +280,13 @@ def test_compaction_qa_scored_choices_pick_the_lowest_nll(qa):
     assert rows[1]["choice_distractors"] == ["d", "e"]
 
 
-def choice_run(cache, ratio, correct, chosen):
+def choice_run(cache, ratio, correct, chosen, storage="bf16"):
     """A run of one needle document whose rows have both answer forms (``correct``, ``chosen``: 0/1 per question)."""
     rows = [
         {"correct": c, "f1": 0.0, "gold_answer_nll": 1.0, "choice_correct": k, "choice_gold_share": 0.25 + k / 2}
         for c, k in zip(correct, chosen, strict=True)
     ]
-    return {"cache": cache, "ratio": ratio, "seed": 0, "task": "needle", "seconds": 1.0, "rows": rows}
+    return stored_run(cache, ratio, 0, "needle", 1.0, rows, storage)
 
 
 def choice_runs():
@@ -308,6 +314,57 @@ def test_compaction_qa_summary_of_multiple_choice_rows(qa):
         for run in runs
     ]
     assert all("choice_accuracy" not in row for row in qa.summarize(free_form))
+
+
+def test_compaction_qa_storage_rows_paired_with_the_full_cache_and_the_dtype_rows(qa):
+    from hf_structkv.eval.paired import mcnemar_exact
+
+    runs = [*choice_runs(), choice_run("kv_surgeon+int4", 20.0, [1, 0, 0, 0], [1, 1, 1, 1], storage="int4")]
+    runs.append(choice_run("kv_surgeon+auto", 20.0, [0, 0, 0, 0], [1, 0, 1, 0], storage="auto"))
+    summary = qa.summarize(runs)
+    rows = {(row["cache"], row["ratio"]): row for row in summary}
+    assert rows[("kv_surgeon+int4", 20.0)]["storage"] == "int4" and rows[("kv_surgeon", 10.0)]["storage"] == "bf16"
+    assert rows[("kv_surgeon+int4", 20.0)]["byte_ratio"] == 20.0 and rows[("h2o", 20.0)]["stored_bytes"] == 50.0
+    # full MC [1, 1, 1, 1]: kv_surgeon@10x [1, 1, 1, 0] loses one; the row against itself loses and gains none
+    assert rows[("full", 1.0)]["choice_vs_full"] == {"questions": 4, "lost": 0, "gained": 0, "p_value": 1.0}
+    assert rows[("kv_surgeon", 10.0)]["choice_vs_full"] == {"questions": 4, "lost": 1, "gained": 0, "p_value": 1.0}
+    assert rows[("h2o", 20.0)]["choice_vs_full"]["p_value"] == mcnemar_exact(3, 0) == 0.25
+    # free form: full [1, 1, 0, 0], kv_surgeon+int4@20x [1, 0, 0, 0]
+    assert rows[("kv_surgeon+int4", 20.0)]["vs_full"] == {"questions": 4, "lost": 1, "gained": 0, "p_value": 1.0}
+    assert all(0 <= row[key]["p_value"] <= 1 for row in summary for key in ("vs_full", "choice_vs_full"))
+    assert qa.target_verdicts(summary, "choice_").keys() == {"kv_surgeon"}  # the issue-6 targets: dtype rows only
+    verdicts = qa.storage_target_verdicts(summary, runs, "choice_")
+    assert set(verdicts) == {"kv_surgeon+int4", "kv_surgeon+auto"}
+    ahead = "at 20x fewer bytes ahead of kv_surgeon at 10x"
+    assert verdicts["kv_surgeon+int4"][ahead] == (
+        "met (100.0% at 20.00x bytes vs 75.0% at 10.00x; lost 0, gained 1, McNemar p 1)"
+    )
+    # auto MC [1, 0, 1, 0] against kv_surgeon@10x [1, 1, 1, 0]: lost 1, gained 0
+    assert verdicts["kv_surgeon+auto"][ahead].startswith("not met (50.0% at 20.00x bytes vs 75.0% at 10.00x; lost 1,")
+    kept = "at 10x fewer bytes keeps >= 90% of full-context accuracy"
+    assert verdicts["kv_surgeon+int4"][kept] == "not measured (10x not run)"
+    free_form = qa.storage_target_verdicts(summary, runs)["kv_surgeon+int4"][ahead]
+    assert free_form.startswith("met (25.0% at 20.00x bytes vs 0.0% at 10.00x; lost 0, gained 1")
+    # largest byte ratio keeping >= 95% of the full cache's accuracy, per row family
+    assert qa.byte_ratio_kept(summary, "choice_") == {
+        "kv_surgeon": None,
+        "h2o": None,
+        "kv_surgeon+int4": 20.0,
+        "kv_surgeon+auto": None,
+    }
+    assert set(qa.byte_ratio_kept(summary).values()) == {None}  # free form: every row below 95% of the full 50%
+    assert qa.byte_ratio_kept(summary, share=0.5)["kv_surgeon+int4"] == 20.0
+
+
+def test_compaction_qa_plot_is_against_bytes_with_storage_rows(qa, tmp_path):
+    pytest.importorskip("matplotlib")
+    in_dtype = qa.plot_pareto(qa.summarize(choice_runs()), tmp_path / "entries.png", "tiny").axes[0]
+    assert in_dtype.get_xlabel().startswith("compression ratio")
+    runs = [*choice_runs(), choice_run("kv_surgeon+int4", 20.0, [1, 0, 0, 0], [1, 1, 1, 1], storage="int4")]
+    runs[-1]["stored_bytes"] = 40.0  # 25x fewer bytes than asked for: plotted where measured
+    by_bytes = qa.plot_pareto(qa.summarize(runs), tmp_path / "bytes.png", "tiny").axes[0]
+    assert by_bytes.get_xlabel().startswith("byte ratio")
+    assert [list(line.get_xdata()) for line in by_bytes.lines if 25.0 in line.get_xdata()] == [[25.0]]
 
 
 def test_compaction_qa_plot_draws_chance_on_the_multiple_choice_panel(qa, tmp_path):
@@ -497,6 +554,84 @@ def test_compaction_qa_loads_a_model_folder(qa, tmp_path):
     assert loaded_tokenizer("a b").input_ids == tokenizer("a b").input_ids
     assert qa.parse_args([]).model == "default" and qa.model_label("default") == "embedded Qwen2.5-Coder-0.5B"
     assert qa.model_label(str(tmp_path)) == str(tmp_path)
+
+
+def test_compaction_qa_whole_cache_in_int4_keeps_every_entry(qa):
+    from hf_structkv.compaction.head_storage import StorageLayout
+
+    model, tokenizer = qa.load_model("default", tiny=True)
+    ids = tokenizer("The special magic number is 1234567. " * 8, return_tensors="pt", add_special_tokens=False)
+    length, dim = ids.input_ids.shape[1], model.config.hidden_size // model.config.num_attention_heads
+    cache = qa.whole_cache_int4(model, tokenizer, ids.input_ids, seed=0)
+    heads = model.config.num_key_value_heads
+    assert cache.head_lengths() == [[length] * heads] * model.config.num_hidden_layers
+    assert cache.head_storage() == [["int4"] * heads] * model.config.num_hidden_layers
+    assert all(not layer.prefix_bias.any() for layer in cache.layers)
+    per_layer = heads * StorageLayout("int4", dim, dim, key_group=32).nbytes(length) + 8  # + the layer's offset
+    assert cache.nbytes() == model.config.num_hidden_layers * per_layer
+    assert cache.full_nbytes() == model.config.num_hidden_layers * heads * length * 2 * dim * 4  # FP32 keys, values
+
+
+def test_compaction_qa_storage_rejects_what_compact_cannot_do(qa):
+    assert [v.label for v in qa.parse_args(["--methods", "kv_surgeon", "h2o", "--storage", "int4"]).variants] == [
+        "kv_surgeon+int4",
+        "h2o+int4",
+    ]
+    args = qa.parse_args(["--methods", "kv_surgeon", "key_norm", "--storage", "bf16", "auto", "auto"])
+    assert [v.label for v in args.variants] == ["kv_surgeon", "kv_surgeon+auto", "key_norm"]  # auto: calibrated only
+    assert args.storage == ["bf16", "auto"] and qa.parse_args([]).storage == ["bf16"]
+    for argv in (
+        ["--storage", "nf4"],
+        ["--storage", "int4", "--keep-template"],
+        ["--storage", "auto", "--chunk-tokens", "512"],
+        ["--storage", "auto", "--methods", "streaming_llm"],
+    ):
+        with pytest.raises(SystemExit):
+            qa.parse_args(argv)
+
+
+def test_compaction_qa_quality_against_bytes_tiny_run(qa, tmp_path):
+    pytest.importorskip("long_context_eval")
+    out = tmp_path / "bytes.json"
+    argv = ["--tiny", "--tasks", "needle", "--doc-tokens", "300", "--questions", "3", "--choices", "3"]
+    argv += ["--methods", "kv_surgeon", "streaming_llm", "--storage", "bf16", "int4", "auto", "--ratios", "10", "20"]
+    qa.main([*argv, "--max-new-tokens", "2", "--query-cap", "32", "--out", str(out)])
+    payload = json.loads(out.read_text())
+    families = ["kv_surgeon", "kv_surgeon+int4", "kv_surgeon+auto", "streaming_llm", "streaming_llm+int4"]
+    expected = [("full", 1.0), ("full+int4", 1.0)] + [(family, ratio) for family in families for ratio in (10.0, 20.0)]
+    summary = payload["summary"]
+    assert [(row["cache"], row["ratio"]) for row in summary] == expected
+    (document,) = payload["documents"]
+    runs = {run["cache"] + f"@{run['ratio']:g}": run for run in payload["runs"]}
+    full, whole = runs["full@1"], runs["full+int4@1"]
+    assert full["stored_bytes"] == full["full_bytes"] == 2 * 2 * document["context_tokens"] * 2 * 16 * 4  # FP32
+    assert whole["full_bytes"] == full["full_bytes"] and whole["storage_heads"]["int4_heads"] == 4
+    assert 5 < whole["byte_ratio"] < 5.5  # INT4 (D = 16, key groups of 32) against FP32
+    for run in payload["runs"]:
+        assert run["byte_ratio"] == pytest.approx(run["full_bytes"] / run["stored_bytes"])
+        assert run["storage"] == ("bf16" if "+" not in run["cache"] else run["cache"].rpartition("+")[2])
+        if run["cache"] in ("full", "full+int4"):
+            continue
+        if run["storage"] == "bf16":
+            assert run["ratio"] * 0.95 < run["byte_ratio"] < run["ratio"]  # entry ratios: biases and offsets cost
+        else:
+            assert run["stored_bytes"] <= run["full_bytes"] / run["ratio"]  # byte ratios, measured
+    for row in summary:
+        assert row["vs_full"]["questions"] == row["choice_vs_full"]["questions"] == 3
+        assert all(0 <= row[key]["p_value"] <= 1 for key in ("vs_full", "choice_vs_full"))
+    assert summary[0]["choice_vs_full"] == {"questions": 3, "lost": 0, "gained": 0, "p_value": 1.0}
+    for form, prefix in (("free-form", ""), ("multiple-choice", "choice_")):
+        kept = payload["byte_ratio_kept_95"][form]
+        assert list(kept) == ["full+int4", *families]
+        full_accuracy = summary[0][f"{prefix}accuracy"]
+        for family, ratio in kept.items():
+            rows = [row for row in summary if row["cache"] == family]
+            keeping = [row["byte_ratio"] for row in rows if row[f"{prefix}accuracy"] >= 0.95 * full_accuracy]
+            assert ratio == (max(keeping) if keeping else None)
+    for targets in (payload["targets"], payload["targets_multiple_choice"]):
+        assert set(targets) == {"kv_surgeon", "kv_surgeon+int4", "kv_surgeon+auto"}
+        ahead = targets["kv_surgeon+int4"]["at 20x fewer bytes ahead of kv_surgeon at 10x"]
+        assert ahead.startswith(("met (", "not met (")) and "McNemar p" in ahead
 
 
 def test_compaction_qa_smoke(tmp_path):
