@@ -1093,3 +1093,107 @@ def test_controller_overhead_summary_against_hand_counts():
     }
     rows[1]["ratio_to_shortest"] = 1.2
     assert not script.summary(rows)["time_target_met"]
+
+
+# ------------------------------------------------------------------------------------------ benchmarks/serving_cost.py
+@pytest.fixture(scope="module")
+def serving():
+    return load_script(BENCHMARKS / "serving_cost.py")
+
+
+def test_serving_cost_random_kv_tiny_run(serving, tmp_path):
+    """Every (context, batch, cache) row with its fields; the compacted caches store what their ratios promise."""
+    out = tmp_path / "serving_cost.json"
+    argv = ["--random-kv", "--tiny", "--contexts", "64", "160", "--batches", "1", "4", "--new-tokens", "3"]
+    result = serving.main([*argv, "--repeats", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == result and result["mode"] == "random_kv" and "provenance" in result
+    caches = [serving.FULL, serving.BF16, serving.INT4, serving.FLOOR]
+    keys = [(row["context_tokens"], row["batch"], row["cache"]) for row in result["rows"]]
+    assert keys == [(t, b, cache) for t in (64, 160) for b in (1, 4) for cache in caches]
+    layers, kv_heads, head_dim, element_bytes = 2, 2, 16, 4  # tiny_model("qwen2"), float32
+    for row in result["rows"]:
+        full_bytes = row["context_tokens"] * layers * kv_heads * 2 * head_dim * element_bytes
+        assert math.isfinite(row["s_per_token"])  # tiny-model times are noise, even negative
+        if row["cache"] == serving.FULL:
+            assert row["stored_bytes"] == full_bytes and row["batch_bytes"] == full_bytes * row["batch"]
+            assert row["speedup"] == row["byte_ratio"] == 1
+        elif row["cache"] == serving.FLOOR:
+            assert row["stored_bytes"] == row["batch_bytes"] == 0 and row["byte_ratio"] is None
+            assert row["over_floor"] == 1
+        else:  # one shared copy of the context for the whole batch
+            assert row["batch_bytes"] == row["stored_bytes"] and row["byte_ratio"] == full_bytes / row["stored_bytes"]
+        if row["cache"] == serving.BF16:  # floor(T / 10) entries per head, each with an FP32 bias; H + 1 offsets
+            entries = row["context_tokens"] // 10
+            assert row["stored_bytes"] == layers * (kv_heads * entries * (2 * head_dim * element_bytes + 4) + 8 * 3)
+        if row["cache"] == serving.INT4:  # the bytes of floor(T / 20) entries per head, spent to within one INT4
+            # entry and one row of key scales and offsets per head; the extra row offset of each layer is no head's
+            budget = layers * kv_heads * (row["context_tokens"] // 20) * 2 * head_dim * element_bytes
+            rounding = layers * kv_heads * ((head_dim + 2 + 4) + 2 * head_dim * 2)
+            assert budget - rounding <= row["stored_bytes"] <= budget + 8 * layers <= full_bytes / 20 + 8 * layers
+    verdicts = result["verdicts"]
+    assert len(verdicts) == 2 and all(name.startswith(f"{serving.INT4} at 160 tokens, batch ") for name in verdicts)
+    assert all(verdict.split(" (")[0] in ("met", "not met") for verdict in verdicts.values())
+
+
+def test_serving_cost_random_caches_are_those_compact_builds(serving):
+    """The random contexts are compacted as compact(method="streaming_llm", budgets="uniform") compacts a prefill."""
+    from hf_structkv.compaction import compact, prefill_context
+    from hf_structkv.models import tiny_model
+
+    model = tiny_model("qwen2", vocab_size=300)
+    ids = torch.randint(3, 259, (1, 200), generator=torch.Generator().manual_seed(0))
+    prefilled = prefill_context(model, ids)
+    for ratio, storage in ((serving.BF16_RATIO, "bf16"), (serving.INT4_RATIO, "int4")):
+        built = serving.compacted_random_cache(model, prefilled, ratio, storage)
+        expected = compact(
+            model, None, ids, ratio=ratio, method="streaming_llm", budgets="uniform", storage=storage, progress=False
+        )
+        assert built.head_storage() == [[storage] * 2] * 2 and built.head_lengths() == expected.head_lengths()
+        for layer, expected_layer in zip(built.layers, expected.layers, strict=True):
+            assert all(map(torch.equal, layer.context_tensors(), expected_layer.context_tensors()))
+    random_cache = serving.random_context_cache(model, 96)
+    assert [tuple(layer.keys.shape) for layer in random_cache.layers] == [(1, 2, 96, 16)] * 2
+    assert serving.context_nbytes(random_cache) == 2 * 2 * 96 * 2 * 16 * 4
+
+
+def serving_row(context, batch, cache, speedup, over_floor):
+    return {"context_tokens": context, "batch": batch, "cache": cache, "speedup": speedup, "over_floor": over_floor}
+
+
+def test_serving_cost_verdicts_at_the_longest_context(serving):
+    int4 = serving.INT4
+    rows = [serving_row(4096, 4, int4, 9.0, 1.0), serving_row(4096, 1, int4, 1.0, 1.0)]
+    rows += [serving_row(16384, 4, int4, 4.0, 2.0), serving_row(16384, 1, int4, 1.0, 1.15)]
+    rows.append(serving_row(16384, 1, serving.FULL, 1.0, 1.0))
+    fast = f"{int4} at 16384 tokens, batch 4: >= 4x faster than DynamicCache"
+    floor = f"{int4} at 16384 tokens, batch 1: within 1.1x of the weights-only floor"
+    assert serving.target_verdicts(rows) == {fast: "met (4.00x)", floor: "not met (1.15x)"}
+    rows[-2] = serving_row(16384, 1, int4, 1.0, 1.1)
+    assert serving.target_verdicts(rows)[floor] == "met (1.10x)"
+    assert serving.target_verdicts(rows[1:2] + rows[-2:])[fast] == "not measured (batch 4 not run)"
+    rows[2] = serving_row(16384, 4, int4, 3.99, 1.0)
+    assert serving.target_verdicts(rows)[fast] == "not met (3.99x)"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--contexts", "64"], "--contexts is for --random-kv only"),
+        (["--tiny"], "--tiny is for --random-kv only"),
+        (["--random-kv", "--ratios", "4"], "--ratios is for a real context"),
+        (["--random-kv", "--batches", "1", "0"], "--batches must be >= 1"),
+        (["--new-tokens", "1"], "--new-tokens must be >= 2"),
+    ],
+)
+def test_serving_cost_rejects_options_of_the_other_mode(serving, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        serving.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_serving_cost_defaults_per_mode(serving):
+    real = serving.parse_args([])
+    assert (real.paragraphs, real.ratios, real.out) == (20, [1.0, 4.0, 16.0], "benchmarks/results/serving_cost.json")
+    random_kv = serving.parse_args(["--random-kv"])
+    assert (random_kv.contexts, random_kv.batches, random_kv.tiny) == ([4096, 16384], [1, 4], False)
+    assert random_kv.out == "benchmarks/results/serving_cost_random_kv.json"
