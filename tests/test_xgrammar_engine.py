@@ -390,6 +390,55 @@ def test_crop_through_the_processor_rolls_the_matcher_back(tokenizer):
     assert torch.equal(torch.isfinite(grown), fresh[-1])
 
 
+@pytest.mark.parametrize("limit", [0, 1, 5])
+def test_bounded_rollback_keeps_masks_and_tags_and_refuses_to_reach_further(tokenizer, limit):
+    # max_rollback_tokens=k: along the whole output the masks and tags are the unbounded sequence's; rolling back
+    # up to k tokens restores them exactly (at any point, the end included), one more is refused naming the option
+    tools, text = ALL_CASES["parallel_multiple"]
+    schema = function_call_schema(tools)
+    unbounded = XgrammarJsonAdapter(tokenizer, schema).new_sequence()
+    bounded = XgrammarJsonAdapter(tokenizer, schema, max_rollback_tokens=limit).new_sequence()
+    tokens = ids_of(tokenizer, text)
+    masks, tags = [], []
+    for step, token in enumerate(tokens):
+        masks.append(unbounded.allowed_token_mask(len(tokenizer)))
+        assert torch.equal(bounded.allowed_token_mask(len(tokenizer)), masks[-1])
+        tags.append(unbounded.advance(token))
+        assert bounded.advance(token) == tags[-1] and bounded.num_tokens == step + 1
+        if step in (limit, len(tokens) // 2) and limit:
+            bounded.rollback(limit)
+            assert torch.equal(bounded.allowed_token_mask(len(tokenizer)), masks[step + 1 - limit])
+            assert [bounded.advance(t) for t in tokens[step + 1 - limit : step + 1]] == tags[step + 1 - limit :]
+    assert bounded.is_complete()
+    masks.append(unbounded.allowed_token_mask(len(tokenizer)))  # after the last token
+    with pytest.raises(ValueError, match=f"max_rollback_tokens={limit} only"):
+        bounded.rollback(limit + 1)
+    bounded.rollback(limit)
+    assert bounded.num_tokens == len(tokens) - limit
+    assert torch.equal(bounded.allowed_token_mask(len(tokenizer)), masks[len(tokens) - limit])
+
+
+def test_max_rollback_tokens_through_the_processor(tokenizer):
+    tools, text = ALL_CASES["parallel"]
+    tokens = ids_of(tokenizer, text)
+    prompt = torch.tensor([[3, 4]])
+    fresh = run_rows(
+        StructuralLogitsProcessor(tokenizer, tools=tools, engine="xgrammar"), prompt, [tokens], len(tokenizer), 0
+    )
+    proc = StructuralLogitsProcessor(tokenizer, tools=tools, engine="xgrammar", max_rollback_tokens=4)
+    assert [torch.equal(a, b) for a, b in zip(run_rows(proc, prompt, [tokens], len(tokenizer), 0), fresh)] == [
+        True
+    ] * len(fresh)
+    cropped = proc(torch.cat([prompt, torch.tensor([tokens[:-4]])], 1), torch.zeros(1, len(tokenizer)))
+    assert torch.equal(torch.isfinite(cropped), fresh[len(tokens) - 4])
+    with pytest.raises(ValueError, match="max_rollback_tokens=4 only"):
+        proc(torch.cat([prompt, torch.tensor([tokens[:-9]])], 1), torch.zeros(1, len(tokenizer)))
+    with pytest.raises(ValueError, match='use engine="xgrammar"'):
+        StructuralLogitsProcessor(tokenizer, tools=tools, engine="lmfe", max_rollback_tokens=4)
+    with pytest.raises(ValueError, match="max_rollback_tokens must be"):
+        StructuralLogitsProcessor(tokenizer, tools=tools, engine="xgrammar", max_rollback_tokens=-1)
+
+
 # --------------------------------------------------------------------------------------------- generate, engines
 def test_generate_calls_with_xgrammar_gives_valid_calls_on_a_tiny_model(tokenizer, token_bytes):
     """A random tiny model with the real vocabulary (whitespace tokens suppressed so that it finishes) answers a

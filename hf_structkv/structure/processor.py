@@ -52,14 +52,18 @@ def resolve_engine(engine: str) -> str:
 
 
 def _schema_adapter(
-    tokenizer: PreTrainedTokenizerBase, schema: Mapping[str, Any], eos_token_id, engine: str
+    tokenizer: PreTrainedTokenizerBase,
+    schema: Mapping[str, Any],
+    eos_token_id,
+    engine: str,
+    max_rollback_tokens: int | None = None,
 ) -> GrammarAdapter:
     """The grammar adapter of ``engine`` (resolved: ``"xgrammar"`` or ``"lmfe"``) for a JSON schema."""
     if engine == "lmfe":
         return JsonSchemaAdapter(tokenizer, schema, eos_token_id=eos_token_id)
     from .xgrammar_json import XgrammarJsonAdapter  # xgrammar is optional: imported only when chosen
 
-    return XgrammarJsonAdapter(tokenizer, schema, eos_token_id=eos_token_id)
+    return XgrammarJsonAdapter(tokenizer, schema, eos_token_id=eos_token_id, max_rollback_tokens=max_rollback_tokens)
 
 
 class _SequenceRecord:
@@ -98,10 +102,14 @@ class StructuralLogitsProcessor(LogitsProcessor):
             either way (our parser walk); the two grammars differ in a few places, listed in
             :mod:`~hf_structkv.structure.xgrammar_json`. The resolved name is :attr:`engine` (``None`` with
             ``adapter``).
+        max_rollback_tokens: xgrammar only: how many generated tokens a sequence can be rewound by (``crop()``,
+            speculative decoding); the engine then keeps the states of that many tokens only, so its memory stays
+            flat however long the history. ``None`` (default): rewind anywhere, every token's states kept.
 
     Raises:
-        ValueError: not exactly one of ``tools``, ``schema``, ``adapter``; ``eos_token_id`` or an ``engine`` other
-            than ``"auto"`` with ``adapter``; an unknown ``engine``; malformed tools or schema; an unknown
+        ValueError: not exactly one of ``tools``, ``schema``, ``adapter``; ``eos_token_id``, ``max_rollback_tokens``
+            or an ``engine`` other than ``"auto"`` with ``adapter``; ``max_rollback_tokens`` with the ``"lmfe"``
+            engine; an unknown ``engine``; malformed tools or schema; an unknown
             ``tag_view`` or bins that do not fit it.
         TypeError: ``adapter`` is not a :class:`GrammarAdapter`, or ``tokenizer`` is missing / not a tokenizer.
         ImportError: ``engine="xgrammar"`` without xgrammar installed.
@@ -117,6 +125,7 @@ class StructuralLogitsProcessor(LogitsProcessor):
         tag_view: str = "full",
         position_bins: Sequence[int] = (),
         engine: str = "auto",
+        max_rollback_tokens: int | None = None,
     ):
         resolved = resolve_engine(engine)
         given = [
@@ -131,13 +140,20 @@ class StructuralLogitsProcessor(LogitsProcessor):
                 raise ValueError("eos_token_id applies to tools= / schema=; an adapter brings its own stop tokens")
             if engine != "auto":
                 raise ValueError(f"engine applies to tools= / schema=; an adapter is its own engine, got {engine!r}")
+            if max_rollback_tokens is not None:
+                raise ValueError("max_rollback_tokens applies to tools= / schema= with xgrammar, not to an adapter")
             adapter.check_family()
             resolved = None
         else:
             if not isinstance(tokenizer, PreTrainedTokenizerBase):
                 raise TypeError(f"tokenizer must be a transformers tokenizer, got {type(tokenizer).__name__}")
             schema = function_call_schema(tools) if tools is not None else schema
-            adapter = _schema_adapter(tokenizer, schema, eos_token_id, resolved)
+            if max_rollback_tokens is not None and resolved != "xgrammar":
+                raise ValueError(
+                    "max_rollback_tokens bounds xgrammar's states; lm-format-enforcer keeps every token's parser: "
+                    'use engine="xgrammar" (or "auto" with xgrammar installed), or max_rollback_tokens=None'
+                )
+            adapter = _schema_adapter(tokenizer, schema, eos_token_id, resolved, max_rollback_tokens)
         self.engine = resolved
         self.position_bins = check_tag_view(tag_view, adapter.family, position_bins)
         self.adapter = adapter

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import sys
 import weakref
+from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,7 @@ from lmformatenforcer.characterlevelparser import CharacterLevelParser, Characte
 from lmformatenforcer.consts import DEFAULT_MAX_CONSECUTIVE_WHITESPACES
 from transformers import PreTrainedTokenizerBase
 
+from ..validation import check_int
 from .adapter import GrammarAdapter, stop_token_ids
 from .json_tags import token_tags
 from .tags import StructuralTag
@@ -88,11 +90,14 @@ class XgrammarJsonAdapter(GrammarAdapter):
         tokenizer: the model's tokenizer.
         schema: a JSON schema (e.g. :func:`~hf_structkv.structure.function_calls.function_call_schema`).
         eos_token_id: stop token id(s); default ``tokenizer.eos_token_id``.
+        max_rollback_tokens: how many tokens a sequence can roll back (``crop()``, speculative decoding); it keeps
+            the matcher and tagging states of that many tokens only, so its memory stays flat at any history.
+            ``None`` (default): no limit, every token's states are kept.
 
     Raises:
         TypeError: ``tokenizer`` is not a transformers tokenizer, or ``schema`` not a dict.
-        ValueError: bad ``eos_token_id``; a schema that is not JSON or that xgrammar or the tagging parser cannot
-            handle.
+        ValueError: bad ``eos_token_id`` or ``max_rollback_tokens``; a schema that is not JSON or that xgrammar or
+            the tagging parser cannot handle.
     """
 
     family = "function_calling"
@@ -102,7 +107,9 @@ class XgrammarJsonAdapter(GrammarAdapter):
         tokenizer: PreTrainedTokenizerBase,
         schema: Mapping[str, Any],
         eos_token_id: int | Iterable[int] | None = None,
+        max_rollback_tokens: int | None = None,
     ):
+        self.max_rollback_tokens = check_int("max_rollback_tokens", max_rollback_tokens, 0, none_ok=True)
         if not isinstance(schema, Mapping):
             raise TypeError(f"schema must be a dict (a JSON schema), got {type(schema).__name__}")
         compiler, self._token_bytes = xgrammar_compiler(tokenizer)
@@ -132,13 +139,14 @@ class XgrammarJsonAdapter(GrammarAdapter):
         """Nothing to drop: sequences share only the compiled grammar and the tagging parser's start state."""
 
     def new_sequence(self) -> XgrammarJsonSequence:
-        matcher = new_matcher(self._compiled, self._stops)
-        return XgrammarJsonSequence(matcher, self._root, self._token_bytes, self._special)
+        matcher = new_matcher(self._compiled, self._stops, self.max_rollback_tokens)
+        return XgrammarJsonSequence(matcher, self._root, self._token_bytes, self._special, self.max_rollback_tokens)
 
 
 class XgrammarJsonSequence(MatcherSequence):
-    """Matcher and tagging parsers of one sequence under an :class:`XgrammarJsonAdapter`: the parser after every
-    token is kept (they are immutable), so a rollback truncates them."""
+    """Matcher and tagging parsers of one sequence under an :class:`XgrammarJsonAdapter`: the parser after each of
+    the last ``max_rollback_tokens`` tokens is kept (they are immutable; ``None``: after every token), so a rollback
+    truncates them."""
 
     def __init__(
         self,
@@ -146,9 +154,11 @@ class XgrammarJsonSequence(MatcherSequence):
         root: CharacterLevelParser,
         token_bytes: list[bytes],
         forbidden: torch.Tensor | None = None,
+        max_rollback_tokens: int | None = None,
     ):
-        super().__init__(matcher, token_bytes, forbidden)
-        self._parsers: list[CharacterLevelParser] = [root]
+        super().__init__(matcher, token_bytes, forbidden, max_rollback_tokens)
+        kept = None if max_rollback_tokens is None else max_rollback_tokens + 1
+        self._parsers: deque[CharacterLevelParser] = deque([root], maxlen=kept)  # the start's, then per token
 
     def _tag(self, text: str | None) -> tuple[StructuralTag, ...]:
         if text is None:
@@ -158,5 +168,6 @@ class XgrammarJsonSequence(MatcherSequence):
         self._parsers.append(parser)
         return tags
 
-    def _forget(self, keep: int) -> None:
-        del self._parsers[keep + 1 :]
+    def _forget(self, num_tokens: int) -> None:
+        for _ in range(num_tokens):
+            self._parsers.pop()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import weakref
 from abc import abstractmethod
+from collections import deque
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -44,9 +45,13 @@ def xgrammar_compiler(tokenizer: PreTrainedTokenizerBase) -> tuple[xgrammar.Gram
     return _COMPILERS[tokenizer]
 
 
-def new_matcher(compiled: xgrammar.CompiledGrammar, stop_token_ids: frozenset[int]) -> xgrammar.GrammarMatcher:
-    """A matcher of ``compiled`` that ends on ``stop_token_ids`` and can roll back to its start (``crop()``)."""
-    return xgrammar.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids), max_rollback_tokens=-1)
+def new_matcher(
+    compiled: xgrammar.CompiledGrammar, stop_token_ids: frozenset[int], max_rollback_tokens: int | None = None
+) -> xgrammar.GrammarMatcher:
+    """A matcher of ``compiled`` that ends on ``stop_token_ids`` and can roll back ``max_rollback_tokens`` tokens
+    (``None``: to its start, ``crop()`` anywhere)."""
+    limit = -1 if max_rollback_tokens is None else max_rollback_tokens
+    return xgrammar.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids), max_rollback_tokens=limit)
 
 
 def split_utf8(data: bytes) -> tuple[str, bytes]:
@@ -67,21 +72,30 @@ class MatcherSequence(GrammarSequence):
     A token the matcher rejects (only possible when something bypassed the mask) is recorded but not given to the
     matcher; from then on only stop tokens are allowed and every tag is empty (unresolved: full protection).
     ``forbidden`` (int64 ``[n]``) are ids the mask never allows, whatever the grammar says (xgrammar reads special
-    tokens such as ``<|endoftext|>`` as their literal text).
+    tokens such as ``<|endoftext|>`` as their literal text). ``max_rollback_tokens`` (the matcher's own limit too)
+    bounds how far :meth:`rollback` reaches, and so what is kept per sequence: the states of the last
+    ``max_rollback_tokens`` tokens only, whatever the history (``None``: every token's).
     """
 
     def __init__(
-        self, matcher: xgrammar.GrammarMatcher, token_bytes: list[bytes], forbidden: torch.Tensor | None = None
+        self,
+        matcher: xgrammar.GrammarMatcher,
+        token_bytes: list[bytes],
+        forbidden: torch.Tensor | None = None,
+        max_rollback_tokens: int | None = None,
     ):
         self._matcher = matcher
         self._token_bytes = token_bytes
         self._forbidden = forbidden
-        self._accepted: list[bool] = []  # per advanced token: did the matcher accept it
-        self._pending: list[bytes] = []  # per advanced token: bytes of an unfinished character after it
+        self.max_rollback_tokens = max_rollback_tokens
+        kept = None if max_rollback_tokens is None else max_rollback_tokens + 1
+        self._advanced = 0
+        self._accepted: deque[bool] = deque(maxlen=kept)  # per recent token: did the matcher accept it
+        self._pending: deque[bytes] = deque(maxlen=kept)  # per recent token: bytes of an unfinished character after it
 
     @property
     def num_tokens(self) -> int:
-        return len(self._accepted)
+        return self._advanced
 
     def _all_accepted(self) -> bool:
         return not self._accepted or self._accepted[-1]
@@ -100,6 +114,7 @@ class MatcherSequence(GrammarSequence):
         return mask
 
     def advance(self, token_id: int) -> tuple[StructuralTag, ...]:
+        self._advanced += 1
         if not (self._all_accepted() and self._matcher.accept_token(token_id)):
             self._accepted.append(False)
             self._pending.append(b"")
@@ -110,16 +125,29 @@ class MatcherSequence(GrammarSequence):
         return self._tag(text)
 
     def rollback(self, num_tokens: int) -> None:
-        check_int("num_tokens", num_tokens, 0, len(self._accepted), counts="tokens accepted")
+        """Undo the last ``num_tokens`` advances (see `GrammarSequence.rollback`).
+
+        Raises:
+            ValueError: ``num_tokens`` is negative, larger than :attr:`num_tokens`, or larger than
+                ``max_rollback_tokens`` (name it larger, or ``None``, to crop further back).
+        """
+        check_int("num_tokens", num_tokens, 0, self._advanced, counts="tokens advanced")
+        if self.max_rollback_tokens is not None and num_tokens > self.max_rollback_tokens:
+            raise ValueError(
+                f"cannot roll back {num_tokens} tokens: this sequence keeps the states of the last "
+                f"max_rollback_tokens={self.max_rollback_tokens} only; build the processor with a larger "
+                "max_rollback_tokens (None: no limit) to crop further back"
+            )
         if num_tokens == 0:
             return
-        keep = len(self._accepted) - num_tokens
-        accepted = sum(self._accepted[keep:])
+        accepted = 0
+        for _ in range(num_tokens):
+            accepted += self._accepted.pop()
+            self._pending.pop()
         if accepted:
             self._matcher.rollback(accepted)
-        del self._accepted[keep:]
-        del self._pending[keep:]
-        self._forget(keep)
+        self._advanced -= num_tokens
+        self._forget(num_tokens)
 
     def is_complete(self) -> bool:
         return self._all_accepted() and self._matcher.is_completed()
@@ -131,5 +159,5 @@ class MatcherSequence(GrammarSequence):
         ``()``)."""
 
     @abstractmethod
-    def _forget(self, keep: int) -> None:
-        """Drop the tagger states of every advanced token from index ``keep`` on."""
+    def _forget(self, num_tokens: int) -> None:
+        """Drop the tagger states of the last ``num_tokens`` advanced tokens."""

@@ -90,7 +90,8 @@ class SqlGrammarSequence(MatcherSequence):
         self._resolved.append(bool(tags))
         return tags
 
-    def _forget(self, keep: int) -> None:
+    def _forget(self, num_tokens: int) -> None:
+        keep = len(self._chart_lengths) - num_tokens
         del self._chart_lengths[keep:]
         del self._resolved[keep:]
         del self._chart[self._chart_lengths[-1] if self._chart_lengths else 1 :]
