@@ -10,11 +10,15 @@ engine's tables are built and before each window: its growth is what the walk ha
 
 lm-format-enforcer keys its states by the whole token prefix, so its masking time grows with the history and its
 memory quadratically (a walk to 32K was stopped at 8.8 GB resident): it is walked only up to the longest
-``--lmfe-histories`` entry (default 8K). xgrammar keeps one matcher state and a rollback history.
+``--lmfe-histories`` entry (default 8K). xgrammar keeps one matcher state and a rollback history, and our tagging
+walk one parser per token (for ``crop()``): ``--max-rollback-tokens k`` builds the xgrammar engine with that bound
+(`XgrammarJsonAdapter(max_rollback_tokens=k)`), which keeps the last ``k`` tokens' states only.
 Targets (issue 33): with xgrammar <= 1 ms per token (median over the window) and flat (the 32K / 128 ratio <= 1.1),
 memory flat.
 
     .venv/bin/python benchmarks/controller_overhead.py --out benchmarks/results/controller_overhead.json
+    .venv/bin/python benchmarks/controller_overhead.py --engine xgrammar --max-rollback-tokens 64 \
+        --out benchmarks/results/controller_overhead_rollback64.json
 """
 
 from __future__ import annotations
@@ -93,7 +97,9 @@ def resident_mib() -> float | None:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def walk(tokenizer, engine: str, window_starts: list[int], window: int) -> dict[int, dict[str, list]]:
+def walk(
+    tokenizer, engine: str, window_starts: list[int], window: int, max_rollback_tokens: int | None = None
+) -> dict[int, dict[str, list]]:
     """Walk the call list under ``engine``'s masks up to the last window, timing masking, tagging and the controller
     for the ``window`` tokens after each of ``window_starts`` and reading the resident memory before each window
     (``"rss_mib"``: ``[at the walk's start, before the window]``).
@@ -105,7 +111,8 @@ def walk(tokenizer, engine: str, window_starts: list[int], window: int) -> dict[
     schema = function_call_schema(TOOLS)
     schema["maxItems"] = length  # lm-format-enforcer caps lists without maxItems at 20 items
     policy = illustrative_policy()
-    sequence = ENGINES[engine](tokenizer, schema).new_sequence()
+    bound = {} if max_rollback_tokens is None else {"max_rollback_tokens": max_rollback_tokens}
+    sequence = ENGINES[engine](tokenizer, schema, **bound).new_sequence()
     start_rss = resident_mib()  # after the engine's tables are built: what follows is kept for the history
     controller = PolicyController(policy, policy.costs)
     vocab, cursor = len(tokenizer), 0
@@ -139,10 +146,12 @@ def walk(tokenizer, engine: str, window_starts: list[int], window: int) -> dict[
     return times
 
 
-def measure(tokenizer, engine: str, histories: list[int], window: int) -> list[dict]:
+def measure(
+    tokenizer, engine: str, histories: list[int], window: int, max_rollback_tokens: int | None = None
+) -> list[dict]:
     """One walk under ``engine`` to the longest of ``histories``; per history the medians over its window (the
     per-token total is the median of the per-token sums) and the resident memory the history added."""
-    times = walk(tokenizer, engine, histories, window)
+    times = walk(tokenizer, engine, histories, window, max_rollback_tokens)
     rows = []
     for h in histories:
         per_token = [sum(parts) for parts in zip(times[h]["masking"], times[h]["tagging"], times[h]["controller"])]
@@ -192,13 +201,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="the histories of the lm-format-enforcer walk (its memory grows quadratically: 32K exhausts it)",
     )
     parser.add_argument("--window", type=int, default=200, help="tokens timed after each history")
+    parser.add_argument(
+        "--max-rollback-tokens",
+        type=int,
+        help="xgrammar only: the engine keeps the states of this many tokens only (default: every token's)",
+    )
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     return parser
 
 
 def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.max_rollback_tokens is not None and (args.max_rollback_tokens < 0 or "lmfe" in args.engine):
+        parser.error(
+            "--max-rollback-tokens takes an integer >= 0 and bounds the xgrammar engine: pass --engine xgrammar"
+        )
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(ensure_default_snapshot())
     record = {"engines": {}, "targets": {"per_token_ms": TARGET_MS, "ratio_to_shortest": TARGET_RATIO}}
@@ -207,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
     for engine in dict.fromkeys(args.engine):
         histories = sorted(set(args.lmfe_histories if engine == "lmfe" else args.histories))
         start = time.perf_counter()
-        rows = measure(tokenizer, engine, histories, args.window)
+        rows = measure(tokenizer, engine, histories, args.window, args.max_rollback_tokens)
         record["engines"][engine] = {"rows": rows, **summary(rows), "seconds": time.perf_counter() - start}
         for row in rows:
             rss = "-" if row["rss_growth_mib"] is None else f"{row['rss_growth_mib']:.1f}"
@@ -220,6 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
     record.update(
         command="benchmarks/controller_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv),
         window=args.window,
+        max_rollback_tokens=args.max_rollback_tokens,
         threads=torch.get_num_threads(),
         machine=platform.processor() or platform.machine(),
     )

@@ -1077,6 +1077,28 @@ def test_controller_overhead_smoke(tmp_path):
             assert row["tokens_timed"] == 6 and row["per_token_ms"] >= row["masking_ms"] > 0 and row["tagging_us"] > 0
         assert record["max_per_token_ms"] == max(row["per_token_ms"] for row in record["rows"])
     assert result["engines"]["lmfe"]["rss_mib_per_1k_tokens"] is None  # one history: no slope
+    assert result["max_rollback_tokens"] is None
+
+
+def test_controller_overhead_with_a_rollback_bound(tmp_path):
+    out = tmp_path / "bounded.json"
+    command = [sys.executable, str(BENCHMARKS / "controller_overhead.py"), "--engine", "xgrammar"]
+    command += ["--histories", "16", "48", "--window", "4", "--max-rollback-tokens", "8", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    subprocess.run(command, check=True, env=env, timeout=600, capture_output=True)
+    result = json.loads(out.read_text())
+    assert result["max_rollback_tokens"] == 8 and [r["history"] for r in result["engines"]["xgrammar"]["rows"]] == [
+        16,
+        48,
+    ]
+    refused = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "controller_overhead.py"), "--max-rollback-tokens", "8"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert refused.returncode == 2 and "pass --engine xgrammar" in refused.stderr
 
 
 def test_controller_overhead_summary_against_hand_counts():
