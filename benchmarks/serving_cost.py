@@ -58,7 +58,7 @@ BF16_RATIO = 10.0
 INT4_RATIO = 20.0
 """Byte ratio of the INT4-compacted cache against the full cache in the model's dtype (random K/V)."""
 
-KEY_GROUP = 32
+KEY_GROUP = None  # the package default: one row of key scales per head
 """Kept entries per row of INT4 key scales: ``compact``'s default."""
 
 TARGET_SPEEDUP = 4.0

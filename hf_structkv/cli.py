@@ -414,7 +414,11 @@ def build_parser() -> argparse.ArgumentParser:
         "the calibration queries is at most this (the resulting byte ratio is printed and recorded)",
     )
     compact_p.add_argument(
-        "--key-group", type=int_option(1), default=32, help="--storage int4: kept entries per row of key scales"
+        "--key-group",
+        type=int_option(1),
+        default=None,
+        help="--storage int4 / auto: kept entries per row of key scales (default: one row per head, which served "
+        "better at every byte ratio in docs/RESULTS.md)",
     )
     compact_p.add_argument("--out", required=True, help="folder to write cache.safetensors, config.json, README.md")
     compact_p.add_argument("--push", metavar="REPO_ID", help="also push to this Hub repository")

@@ -180,7 +180,7 @@ def compact(
     block_replay: bool = True,
     prefix: Context | None = None,
     storage: str = "bf16",
-    key_group: int | None = 32,
+    key_group: int | None = None,
     max_loss: float | None = None,
     **hparams,
 ) -> CompactedCache:
@@ -274,8 +274,9 @@ def compact(
             heads in the dtype, largest budget first; needs a calibrated method. ``"int4"`` and ``"auto"`` need one
             chunk and no ``prefix``. The metadata's ``storage`` counts the heads stored in INT4 and the others
             (``fallback_heads``: kept in the model's dtype) and records the achieved ``byte_ratio``.
-        key_group: ``storage="int4"`` / ``"auto"`` only: kept entries per row of key scales and offsets (None: one
-            row per head).
+        key_group: ``storage="int4"`` / ``"auto"`` only: kept entries per row of key scales and offsets (None, the
+            default: one row per head, which served every byte ratio better than rows of 32 entries on the embedded
+            model's 48 heads: docs/RESULTS.md, "INT4 compacted heads at equal bytes").
         max_loss: quality first, instead of ``ratio``: each KV head of each chunk is compacted at the sizes of
             `MAX_LOSS_RATIOS` in turn, fewest bytes first (each as ``ratio`` would size it, in ``storage``), and keeps
             the first whose relative loss (eq. 4) on its held-out queries is at most ``max_loss``, or every entry

@@ -103,7 +103,7 @@ class CompactionSettings:
     block_replay: bool = True
     prefix: Context | None = None
     storage: str = "bf16"
-    key_group: int | None = 32
+    key_group: int | None = None
     max_loss: float | None = None
     hparams: dict[str, Any] = field(default_factory=dict)
 
