@@ -12,7 +12,8 @@ lm-format-enforcer keys its states by the whole token prefix, so its masking tim
 memory quadratically (a walk to 32K was stopped at 8.8 GB resident): it is walked only up to the longest
 ``--lmfe-histories`` entry (default 8K). xgrammar keeps one matcher state and a rollback history, and our tagging
 walk one parser per token (for ``crop()``): ``--max-rollback-tokens k`` builds the xgrammar engine with that bound
-(`XgrammarJsonAdapter(max_rollback_tokens=k)`), which keeps the last ``k`` tokens' states only.
+(`XgrammarJsonAdapter(max_rollback_tokens=k)`), which keeps the last ``k`` tokens' states only. The list schema
+bounds its length (``maxItems``) for lm-format-enforcer only, which caps unbounded lists at 20 items.
 Targets (issue 33): with xgrammar <= 1 ms per token (median over the window) and flat (the 32K / 128 ratio <= 1.1),
 memory flat.
 
@@ -109,7 +110,8 @@ def walk(
     length = max(window_starts) + window
     text = call_list_text(length // 20 + 10)  # ~27 tokens per call
     schema = function_call_schema(TOOLS)
-    schema["maxItems"] = length  # lm-format-enforcer caps lists without maxItems at 20 items
+    if engine == "lmfe":  # lm-format-enforcer caps lists without maxItems at 20 items; xgrammar needs no bound, and
+        schema["maxItems"] = length  # a bound of ~32K items makes it keep about 1 KiB a token more (not our use)
     policy = illustrative_policy()
     bound = {} if max_rollback_tokens is None else {"max_rollback_tokens": max_rollback_tokens}
     sequence = ENGINES[engine](tokenizer, schema, **bound).new_sequence()
