@@ -203,6 +203,14 @@ def test_likelihood_calibration_resumes_to_the_identical_table(model, tokenizer,
         assert 0 < len(pairs) <= SETTINGS.curve_pairs
         assert resumed.report[stage]["loss_curve"]["pairs"] == pairs
     assert list(tmp_path.glob("verdicts-*.jsonl"))
+    # a run sampling one pair still fits on every stored verdict: the curve of the first run, nothing generated
+    narrow = calibrate(
+        model, tokenizer, *cases, dataclasses.replace(SETTINGS, curve_pairs=1), cache_dir=tmp_path, log=lambda _: None
+    )
+    for stage in ("decode", "prefill"):
+        assert sorted(map(tuple, narrow.report[stage]["loss_curve"]["pairs"])) == sorted(
+            map(tuple, full.report[stage]["loss_curve"]["pairs"])
+        )
 
 
 def test_runtime_v_shards_fill_the_store_that_a_full_run_reads_back(model, tokenizer, cases, tmp_path):

@@ -49,7 +49,7 @@ class CalibrationSettings:
             confirmed by development verdicts before the all-high fallback.
         curve_pairs: with ``"likelihood"``, how many of each stage's Runtime-V interventions are also generated and
             scored, to fit the `LossCurve` that reads development likelihood losses as an expected change of the
-            error rate (`calibration.loss_curve`).
+            error rate (`calibration.loss_curve`); verdicts already in the cache folder join them.
     """
 
     max_new_tokens: int = 128

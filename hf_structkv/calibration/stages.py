@@ -469,7 +469,9 @@ def _search_candidates(
 def _loss_curve(stage, calibration, refs, runs, settings, progress, verdict_store) -> LossCurve | None:
     """With likelihood sensitivity, the stage's `LossCurve`: ``settings.curve_pairs`` of the Runtime-V interventions
     in ``runs`` (those that needed a replay), sampled over loss bins (`sample_interventions`, ``settings.seed``), each
-    generated and scored too (verdicts read from / written to ``verdict_store``); ``None`` with verdicts."""
+    generated and scored too (verdicts read from / written to ``verdict_store``), and every other intervention whose
+    verdict ``verdict_store`` already holds (e.g. from a verdict calibration of the same references); ``None`` with
+    verdicts."""
     if not stage.by_likelihood:
         return None
     measured = [
@@ -481,17 +483,21 @@ def _loss_curve(stage, calibration, refs, runs, settings, progress, verdict_stor
     ]
     losses = [runs.values[bucket, action][index] for index, bucket, action in measured]
     chosen = sample_interventions(losses, settings.curve_pairs, settings.seed)
-    verdict, pairs = None, []
+    verdicts: dict[int, bool] = {}
+    if verdict_store is not None:  # every verdict already stored joins the sample, at no cost
+        for number, (index, bucket, action) in enumerate(measured):
+            valid = verdict_store.get(refs[index], bucket, action)
+            if valid is not None:
+                verdicts[number] = valid
+    verdict = None
     for number in tqdm(chosen, desc=f"loss curve ({stage.name})", unit="run", disable=not progress):
-        index, bucket, action = measured[number]
-        valid = None if verdict_store is None else verdict_store.get(refs[index], bucket, action)
-        if valid is None:
+        if number not in verdicts:
+            index, bucket, action = measured[number]
             verdict = verdict or stage.verdict()
-            valid = verdict(calibration[index], refs[index], bucket, action)
+            verdicts[number] = verdict(calibration[index], refs[index], bucket, action)
             if verdict_store is not None:
-                verdict_store.put(refs[index], bucket, action, valid)
-        pairs.append((losses[number], refs[index].valid, valid))
-    return LossCurve.fit(pairs)
+                verdict_store.put(refs[index], bucket, action, verdicts[number])
+    return LossCurve.fit([(losses[n], refs[measured[n][0]].valid, verdicts[n]) for n in sorted(verdicts)])
 
 
 def _upgrade(before: dict, after: dict) -> str:
