@@ -57,6 +57,7 @@ from hf_structkv.policy import (
     illustrative_prefill_policy,
 )
 from hf_structkv.policy.prefill import PREFILL_POLICY_NAME
+from hf_structkv.policy.shipped import CALIBRATED, SHIPPED_PAIRS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bfcl_accuracy import print_table  # noqa: E402
@@ -83,11 +84,12 @@ def load_model(tiny: bool):
 
 def load_pask(path: str | None, model, tiny: bool = False) -> tuple[PolicyTable, PrefillPolicy, str]:
     """The decode table and prefill policy of a policy folder (``policy_table.json``, optionally
-    ``prefill_policy.json``; the illustrative prefill policy when absent), ``"calibrated"``: the shipped calibrated
-    pair (`calibrated_policy`, `calibrated_prefill_policy`), or the shipped illustrative pair (with ``tiny``: its
-    entries on the tiny model's layer groups); and a label naming their provenance."""
-    if path == "calibrated":
-        table, prefill = calibrated_policy(model), calibrated_prefill_policy(model)
+    ``prefill_policy.json``; the illustrative prefill policy when absent), ``"calibrated"`` or a name of
+    `SHIPPED_PAIRS`: that shipped calibrated pair (`calibrated_policy`, `calibrated_prefill_policy`), or the shipped
+    illustrative pair (with ``tiny``: its entries on the tiny model's layer groups); and a label naming their
+    provenance."""
+    if path == CALIBRATED or path in SHIPPED_PAIRS:
+        table, prefill = calibrated_policy(model, path), calibrated_prefill_policy(model, path)
     elif path is None and tiny:
         costs = GroupCosts.from_config(model.config)
         table = dataclasses.replace(illustrative_policy(), costs=costs, fingerprint=None)
@@ -285,8 +287,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--pask-policy",
         default=None,
-        help="policy folder, or 'calibrated' for the shipped calibrated decode + prefill pair (default: the shipped "
-        "illustrative pair)",
+        help="policy folder, 'calibrated' for the shipped calibrated decode + prefill pair, or an earlier shipped "
+        f"pair by name ({', '.join(SHIPPED_PAIRS)}) (default: the shipped illustrative pair)",
     )
     parser.add_argument(
         "--pask-stage-split",

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
+from .policy.shipped import CALIBRATED, SHIPPED_PAIRS
 from .validation import int_option, is_hub_id
 
-POLICIES = ("calibrated", "illustrative", "all-high")
+POLICIES = (CALIBRATED, *SHIPPED_PAIRS, "illustrative", "all-high")
 
 
 def read_tools(name: str) -> list[dict]:
@@ -59,8 +60,8 @@ def load_policy(name: str, model):
     """The `PolicyTable` ``--policy`` names, checked against ``model``."""
     from .policy import PolicyTable, calibrated_policy, illustrative_policy
 
-    if name == "calibrated":
-        return calibrated_policy(model)
+    if name == CALIBRATED or name in SHIPPED_PAIRS:
+        return calibrated_policy(model, name)
     if name == "illustrative":
         return illustrative_policy(model)
     if name == "all-high":
@@ -130,8 +131,8 @@ def add_generate_calls_parser(sub, model_options, request) -> argparse.ArgumentP
         "--policy",
         default="calibrated",
         type=policy_name,
-        help="decode policy table: 'calibrated' (default, shipped for the embedded model), 'illustrative', "
-        "'all-high', or a saved policy folder",
+        help="decode policy table: 'calibrated' (default, shipped for the embedded model), an earlier shipped pair "
+        f"by name ({', '.join(SHIPPED_PAIRS)}), 'illustrative', 'all-high', or a saved policy folder",
     )
     parser.add_argument(
         "--catalogue",

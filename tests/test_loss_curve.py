@@ -45,7 +45,8 @@ def test_isotonic_fit_pools_violators():
 
 
 def test_error_change_by_hand():
-    # valid references lose 0 below a loss of 0.6 (the observed step) and 1 from it; an invalid one is gained half the time from 0.2
+    # valid references lose 0 below a loss of 0.6 (the observed step) and 1 from it; an invalid one is gained half
+    # the time from 0.2
     pairs = [(0.1, True, True), (0.6, True, False), (0.0, False, False), (0.2, False, True), (0.3, False, False)]
     curve = LossCurve.fit(pairs)
     assert curve.lost(0.4) == 0.0 and curve.lost(0.9) == 1.0

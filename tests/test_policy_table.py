@@ -551,3 +551,18 @@ def test_calibrated_policy_fits_the_embedded_model(default_model):
 
     model, _ = default_model
     assert calibrated_policy(model=model).costs == GroupCosts.from_config(model.config)
+
+
+def test_shipped_pairs_by_name():
+    from hf_structkv.policy import SHIPPED_PAIRS, calibrated_policy, calibrated_prefill_policy
+    from hf_structkv.policy.shipped import DEFAULT_CALIBRATED
+
+    # "calibrated" is the default pair; every shipped pair loads by its name; an unknown name lists the names
+    assert DEFAULT_CALIBRATED in SHIPPED_PAIRS
+    assert calibrated_policy() == calibrated_policy(name=DEFAULT_CALIBRATED)
+    assert calibrated_prefill_policy() == calibrated_prefill_policy(name=DEFAULT_CALIBRATED)
+    for name in SHIPPED_PAIRS:
+        assert calibrated_policy(name=name).provenance == "calibrated"
+        assert calibrated_prefill_policy(name=name).provenance == "calibrated"
+    with pytest.raises(ValueError, match="no shipped calibrated pair 'nope': choose one of"):
+        calibrated_policy(name="nope")

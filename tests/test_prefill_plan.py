@@ -16,13 +16,13 @@ from hf_structkv.models import tiny_model
 from hf_structkv.policy import GroupCosts, illustrative_policy
 from hf_structkv.policy.costs import Action
 from hf_structkv.policy.prefill import (
-    CALIBRATED_PREFILL_POLICY,
     PREFILL_POLICY_NAME,
     PrefillPolicy,
     batch_prefill_plan,
     illustrative_prefill_policy,
     plan_prefill,
 )
+from hf_structkv.policy.shipped import shipped_pair_folders
 from hf_structkv.policy.table import PolicyEntry
 from hf_structkv.structure.prompt_spans import PROMPT_LABELS, label_prompt, token_labels
 from hf_structkv.structured_generation import CALL_INSTRUCTION, generate_calls
@@ -353,7 +353,7 @@ def test_embedded_model_with_the_illustrative_prefill_and_decode_policies(defaul
 
 
 # ---------------------------------------------------------------------------------------------------- calibrated
-CALIBRATED_PREFILL_FOLDER = Path(__file__).parents[1] / "hf_structkv/data/policies" / CALIBRATED_PREFILL_POLICY
+CALIBRATED_PREFILL_FOLDER = Path(__file__).parents[1] / "hf_structkv/data/policies" / shipped_pair_folders()[1]
 
 
 def test_calibrated_prefill_policy_is_the_prefill_stage_of_algorithm_1_on_the_decode_tables_split():

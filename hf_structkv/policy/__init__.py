@@ -12,6 +12,7 @@ from .prefill import (
     plan_prefill,
 )
 from .retention import RetentionController, RetentionPolicy
+from .shipped import SHIPPED_PAIRS
 from .table import PolicyEntry, PolicyLookup, PolicyTable, calibrated_policy, illustrative_policy
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "PolicyTable",
     "PrefillPlan",
     "RetentionController",
+    "SHIPPED_PAIRS",
     "RetentionPolicy",
     "PrefillPolicy",
     "batch_prefill_plan",

@@ -54,6 +54,7 @@ from .entries import PolicyEntry, PolicyLookup, merge_lookups
 from .policy_file import PolicyFile, shipped_policy
 from .policy_json import CONVENTIONS, costs_from_json, costs_to_json, entry_from_json, entry_to_json
 from .retention import RetentionPolicy
+from .shipped import CALIBRATED, shipped_pair_folders
 
 __all__ = [
     "PREFILL_POLICY_NAME",
@@ -68,7 +69,6 @@ __all__ = [
 FORMAT_VERSION = 1
 PREFILL_POLICY_NAME = "prefill_policy.json"
 ILLUSTRATIVE_PREFILL_POLICY = "qwen2.5-coder-0.5b-instruct-illustrative-prefill"
-CALIBRATED_PREFILL_POLICY = "qwen2.5-coder-0.5b-instruct-calibrated-prefill"
 PREFILL_CONVENTIONS = {
     "payload_cost": CONVENTIONS["payload_cost"],
     "quantizer": CONVENTIONS["quantizer"],
@@ -382,7 +382,7 @@ def illustrative_prefill_policy(model: Any = None) -> PrefillPolicy:
     return shipped_policy(PrefillPolicy, ILLUSTRATIVE_PREFILL_POLICY, model)
 
 
-def calibrated_prefill_policy(model: Any = None) -> PrefillPolicy:
+def calibrated_prefill_policy(model: Any = None, name: str = CALIBRATED) -> PrefillPolicy:
     """The prefill policy calibrated by ``hf-structkv calibrate --prefill-only`` (PASK Algorithm 1's prefill stage,
     decode all-high) for the embedded model on the same CPU-sized BFCL calibration / development split as
     `calibrated_policy`; its ``calibration`` records the data, thresholds, realised ``B_P`` and the development
@@ -390,8 +390,9 @@ def calibrated_prefill_policy(model: Any = None) -> PrefillPolicy:
 
     Args:
         model: when given, checked against the policy's fingerprint and costs.
+        name: the shipped pair (`SHIPPED_PAIRS`; ``"calibrated"``: the default pair).
     """
-    return shipped_policy(PrefillPolicy, CALIBRATED_PREFILL_POLICY, model)
+    return shipped_policy(PrefillPolicy, shipped_pair_folders(name)[1], model)
 
 
 def _label_order(label: str) -> int:

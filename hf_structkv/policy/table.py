@@ -55,6 +55,7 @@ from .policy_json import (
     json_object,
 )
 from .retention import RetentionPolicy
+from .shipped import CALIBRATED, shipped_pair_folders
 from .table_card import render_table_card
 
 __all__ = [
@@ -75,7 +76,6 @@ DEFAULT_WINDOW = 32
 the middle of the recent-window range PASK's baselines are tuned over (16-128) and leaves the one-token tag delay of
 the logits processor far inside the window."""
 ILLUSTRATIVE_POLICY = "qwen2.5-coder-0.5b-instruct-illustrative"
-CALIBRATED_POLICY = "qwen2.5-coder-0.5b-instruct-calibrated"
 
 _JSON_FIELDS = (
     "format_version",
@@ -445,15 +445,17 @@ def illustrative_policy(model: Any = None) -> PolicyTable:
     return shipped_policy(PolicyTable, ILLUSTRATIVE_POLICY, model)
 
 
-def calibrated_policy(model: Any = None) -> PolicyTable:
-    """The decode policy table calibrated by `hf_structkv.calibrate` (PASK Algorithm 1) for the embedded model on a
-    small CPU-sized BFCL calibration / development split; the table's card and ``calibration`` record say on what
-    data, with which thresholds, the realised ``B_D`` and the development accuracy against all-high.
+def calibrated_policy(model: Any = None, name: str = CALIBRATED) -> PolicyTable:
+    """The decode policy table calibrated by `hf_structkv.calibrate` (PASK Algorithm 1) for the embedded model, of the
+    shipped pair ``name`` (`SHIPPED_PAIRS`; ``"calibrated"``: the default pair); the table's card and
+    ``calibration`` record say on what data, with which thresholds, the realised ``B_D`` and the development
+    accuracy against all-high.
 
     Args:
         model: when given, checked against the table's fingerprint and costs.
+        name: ``"calibrated"`` or a key of `SHIPPED_PAIRS` (ValueError otherwise).
     """
-    return shipped_policy(PolicyTable, CALIBRATED_POLICY, model)
+    return shipped_policy(PolicyTable, shipped_pair_folders(name)[0], model)
 
 
 def _position_bins_from_json(value: Any) -> tuple[int, ...]:

@@ -1,0 +1,38 @@
+"""The calibrated decode table + prefill policy pairs shipped for the embedded model, by name.
+
+A pair is two folders of ``hf_structkv/data/policies`` (`shipped_policy` loads them). ``"calibrated"`` names the
+default pair (`DEFAULT_CALIBRATED`); every earlier default stays loadable under its own name, so a result measured
+with it can be reproduced and compared.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CALIBRATED", "DEFAULT_CALIBRATED", "SHIPPED_PAIRS", "shipped_pair_folders"]
+
+CALIBRATED = "calibrated"
+"""The name of whichever pair is the default."""
+
+SHIPPED_PAIRS: dict[str, tuple[str, str]] = {
+    "calibrated-verdict-24": (
+        "qwen2.5-coder-0.5b-instruct-calibrated",
+        "qwen2.5-coder-0.5b-instruct-calibrated-prefill",
+    ),
+}
+"""``{name: (decode table folder, prefill policy folder)}``. ``calibrated-verdict-24``: PASK Algorithm 1 with
+verdict sensitivity on 12 calibration + 12 development BFCL cases (docs/RESULTS.md measures it on the 224-case test
+split)."""
+
+DEFAULT_CALIBRATED = "calibrated-verdict-24"
+"""The pair ``"calibrated"`` loads."""
+
+
+def shipped_pair_folders(name: str = CALIBRATED) -> tuple[str, str]:
+    """The ``(decode table, prefill policy)`` folders of the shipped pair ``name`` (``"calibrated"``: the default).
+
+    Raises:
+        ValueError: ``name`` names no shipped pair.
+    """
+    key = DEFAULT_CALIBRATED if name == CALIBRATED else name
+    if key not in SHIPPED_PAIRS:
+        raise ValueError(f"no shipped calibrated pair {name!r}: choose one of {[CALIBRATED, *SHIPPED_PAIRS]}")
+    return SHIPPED_PAIRS[key]
