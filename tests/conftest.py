@@ -1,5 +1,5 @@
 """Shared test setup: offline Hugging Face, at most two CPU threads, the default model, the embedded tokenizer and a
-tiny model over it, a mocked Hub, a spy on kernel entry points."""
+tiny model over it, a mocked Hub, a spy on kernel entry points, a switch refusing torch dequantisation of INT4 heads."""
 
 import os
 from pathlib import Path
@@ -62,6 +62,24 @@ def kernel_calls(monkeypatch):
         return calls
 
     return spy
+
+
+@pytest.fixture
+def refuse_int4_dequantisation(monkeypatch):
+    """A switch: once called, every torch dequantisation of the INT4 heads of a compacted prefix
+    (`CompactedPrefix.dense`, `QuantizedHeads.served`) raises for the rest of the test, so whatever still serves them
+    reads their codes (the Triton kernel)."""
+
+    def switch() -> None:
+        from hf_structkv.attention.compacted_inputs import CompactedPrefix, QuantizedHeads
+
+        def refuse(*_, **__):
+            raise AssertionError("INT4 heads were dequantised in torch, not read as codes by the kernel")
+
+        monkeypatch.setattr(CompactedPrefix, "dense", refuse)
+        monkeypatch.setattr(QuantizedHeads, "served", refuse)
+
+    return switch
 
 
 @pytest.fixture

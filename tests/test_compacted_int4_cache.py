@@ -136,16 +136,27 @@ def left_padded_batch(seed: int = 1):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_int4_cache_generates_the_same_tokens_on_every_attention_path(arch, monkeypatch):
+def test_int4_cache_generates_the_same_tokens_on_every_attention_path(
+    arch, monkeypatch, kernel_calls, refuse_int4_dequantisation
+):
+    """Reference, fused (torch) and Triton paths; the Triton kernel reads the INT4 codes (torch dequantisation of
+    INT4 heads refused while it runs)."""
+    from hf_structkv.attention.kernels import biased_attention
+
     torch.manual_seed(0)
     model = tiny_model(arch)  # 4 query heads over 2 KV heads (GQA)
     cache, _ = int4_cache(model, context_ids(), key_group=8)
     hf_structkv.enable(model)
     ids, mask = left_padded_batch()
     tokens = {}
-    for backend in ("reference", "torch", "triton"):
+    for backend in ("reference", "torch"):
         monkeypatch.setenv(BACKEND_ENV, backend)
         tokens[backend] = generate(model, ids, mask, cache.copy())
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    calls = kernel_calls(biased_attention, "triton_compacted_attention")
+    refuse_int4_dequantisation()
+    tokens["triton"] = generate(model, ids, mask, cache.copy())
+    assert calls, "the Triton kernel was not called"
     assert torch.equal(tokens["torch"], tokens["reference"]), tokens
     assert torch.equal(tokens["triton"], tokens["reference"]), tokens
 

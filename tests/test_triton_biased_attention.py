@@ -16,8 +16,14 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from hf_structkv.attention.compacted_inputs import AppendedTokens, CompactedPrefix  # noqa: E402
+from hf_structkv.attention.compacted_inputs import (  # noqa: E402
+    AppendedTokens,
+    CompactedPrefix,
+    QuantizedHeads,
+    QuantizedPrefix,
+)
 from hf_structkv.attention.compacted_reference import compacted_attention  # noqa: E402
+from hf_structkv.quant import quantize_int4, quantize_int4_channels  # noqa: E402
 
 try:
     import triton.language as tl
@@ -81,6 +87,24 @@ def make_inputs(
     )
 
 
+def quantized(prefix, int4_heads, key_group):
+    """``prefix`` with the KV heads flagged in ``int4_heads`` (at least one non-empty) stored in INT4
+    (`QuantizedPrefix`: keys per channel in groups of ``key_group`` kept entries, values per row), the other heads'
+    rows left in ``keys`` / ``values``."""
+    plain_keys, plain_values, int4_tensors = [prefix.keys[:0]], [prefix.values[:0]], []
+    for h, is_int4 in enumerate(int4_heads):
+        keys, values, _ = prefix.head(h)
+        if not is_int4:
+            plain_keys.append(keys)
+            plain_values.append(values)
+        elif keys.shape[0]:
+            int4_tensors.append((*quantize_int4_channels(keys, key_group), *quantize_int4(values)))
+    tensors = tuple(torch.cat(parts) for parts in zip(*int4_tensors))
+    lengths = [end - start for start, end in zip(prefix.offsets[:-1], prefix.offsets[1:])]
+    int4 = QuantizedHeads.build(tensors, list(int4_heads), key_group, lengths)
+    return QuantizedPrefix(torch.cat(plain_keys), torch.cat(plain_values), prefix.bias, prefix.offsets, int4)
+
+
 def changed(inputs, name, **fields):
     """Replace ``fields`` of the tuple ``inputs[name]`` (``prefix`` or ``appended``) in place."""
     inputs[name] = inputs[name]._replace(**fields)
@@ -128,6 +152,82 @@ def test_softcap(dtype):
     inputs = make_inputs((9, 65), q_len=4, dtype=dtype)
     inputs["query"] = inputs["query"] * 4  # logits large enough for the cap to matter
     assert_matches_reference(inputs, softcap=3.0)
+
+
+def left_padded(inputs, pads):
+    """Give ``inputs`` the boolean mask of left-padded batch rows: row ``b``'s first ``pads[b]`` appended tokens are
+    padding, the rest causal (bottom-right aligned)."""
+    batch, _, q_len, _ = inputs["query"].shape
+    n_appended = inputs["appended"].keys.shape[-2]
+    key = torch.arange(n_appended)
+    causal = key[None, :] <= torch.arange(q_len)[:, None] + n_appended - q_len  # [q, n]
+    not_padding = key[None, :] >= torch.tensor(pads)[:, None]  # [B, n]
+    changed(inputs, "appended", mask=(causal[None] & not_padding[:, None])[:, None])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("key_group", [None, 4])
+def test_int4_heads_are_read_natively(dtype, key_group, refuse_int4_dequantisation):
+    """INT4 heads (key_group None: one row of key scales per head; 4: several, the last one short) among heads in
+    the query dtype and an empty head, GQA, a left-padded batch of two: the kernel reads the codes and scales (no
+    torch dequantisation happens) and matches the reference over the same served entries."""
+    inputs = make_inputs((5, 9, 0, 3), group=2, batch=2, q_len=3, n_appended=6, dtype=dtype)
+    inputs["prefix"] = quantized(inputs["prefix"], (True, False, True, True), key_group)
+    left_padded(inputs, pads=(0, 2))
+    expected = compacted_attention(**inputs)
+    refuse_int4_dequantisation()
+    got = triton_compacted_attention(**inputs)
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_int4_heads_split_kv_and_odd_dims(num_splits, refuse_int4_dequantisation):
+    """INT4 heads past a key block, read in splits that straddle groups of key scales; odd head and value dims
+    (a padded nibble per row)."""
+    inputs = make_inputs((BLOCK_N + 3, 2, 7), group=1, batch=1, q_len=2, head_dim=15, value_dim=9, mask="float")
+    inputs["prefix"] = quantized(inputs["prefix"], (True, True, False), 5)
+    expected = compacted_attention(**inputs)
+    refuse_int4_dequantisation()
+    got = triton_compacted_attention(**inputs, num_splits=num_splits)
+    torch.testing.assert_close(got, expected, atol=TOLERANCES[torch.float32], rtol=TOLERANCES[torch.float32])
+
+
+def test_int4_codes_are_what_is_read():
+    """The kernel reads the stored codes and scales: doubling one INT4 head's value scales changes its output."""
+    inputs = make_inputs((4, 6), group=2, batch=1, q_len=1)
+    inputs["prefix"] = quantized(inputs["prefix"], (True, False), None)
+    before = triton_compacted_attention(**inputs)
+    inputs["prefix"].quantized.value_scales.mul_(2)
+    after = triton_compacted_attention(**inputs)
+    assert not torch.allclose(before[:, :, :2], after[:, :, :2])  # the query heads of the INT4 KV head
+    assert torch.equal(before[:, :, 2:], after[:, :, 2:])  # those of the head in the query dtype
+    torch.testing.assert_close(after, compacted_attention(**inputs), atol=1e-5, rtol=1e-5)
+
+
+def changed_int4(inputs, **fields):
+    """Replace ``fields`` of the INT4 heads of ``inputs["prefix"]`` in place."""
+    prefix = inputs["prefix"]
+    inputs["prefix"] = QuantizedPrefix(*prefix, prefix.quantized._replace(**fields))
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (lambda a: changed_int4(a, row_starts=(0, 4)), ValueError, "KV head 1 .* past its storage"),
+        (lambda a: changed_int4(a, group_starts=(2, 2)), ValueError, "KV head 0 .* past its storage"),
+        (lambda a: changed_int4(a, row_starts=(0, 0, 0)), ValueError, "row_starts must have one entry per KV head"),
+        (lambda a: changed_int4(a, key_codes=a["prefix"].quantized.key_codes.int()), TypeError, "key_codes must"),
+        (lambda a: changed_int4(a, key_scales=a["prefix"].quantized.key_scales.t()), ValueError, "contiguous"),
+        (lambda a: changed_int4(a, value_scales=a["prefix"].quantized.value_scales[:2]), ValueError, "value_scales"),
+    ],
+)
+def test_bad_int4_heads_are_rejected(change, error, match):
+    inputs = make_inputs((3, 2), q_len=1, n_appended=4)
+    inputs["prefix"] = quantized(inputs["prefix"], (True, True), 2)
+    change(inputs)
+    with pytest.raises(error, match=match):
+        triton_compacted_attention(**inputs)
 
 
 def test_rows_that_see_nothing_are_zero():

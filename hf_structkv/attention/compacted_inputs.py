@@ -2,7 +2,7 @@
 
 The torch reference (`compacted_attention`), the fused SDPA path and the Triton kernel all take these two tuples. A
 prefix may hold some KV heads in INT4 (`QuantizedHeads`); `CompactedPrefix.head` serves them dequantised, per call,
-so no dequantised copy outlives the forward that reads it.
+so no dequantised copy outlives the forward that reads it (the Triton kernel reads their codes and scales instead).
 """
 
 from __future__ import annotations
@@ -142,6 +142,10 @@ class QuantizedPrefix(CompactedPrefix):
         prefix = super().__new__(cls, keys, values, bias, offsets)
         prefix.quantized = quantized
         return prefix
+
+    def _replace(self, **fields) -> QuantizedPrefix:
+        """This prefix with ``fields`` replaced, ``quantized`` kept (the tuple's own ``_replace`` would drop it)."""
+        return QuantizedPrefix(*CompactedPrefix._replace(self, **fields), self.quantized)
 
 
 class AppendedTokens(NamedTuple):

@@ -182,7 +182,8 @@ class CompactedLayer(ContextLayer):
         quantized: the KV heads stored in INT4 (`QuantizedHeads`: packed codes, FP16 key scales and offsets, FP16
             value scales, ragged, no padding), or None. With it, ``prefix_keys`` / ``prefix_values`` hold only the
             other heads' rows (at ``quantized.row_starts``), ``prefix_bias`` and ``prefix_offsets`` every head's;
-            attention dequantises the INT4 heads on every forward (`served_prefix`), nothing dequantised is kept.
+            the torch attention paths dequantise the INT4 heads head by head on every forward (`served_prefix`), the
+            Triton kernel reads their codes and scales in registers; nothing dequantised is kept.
 
     The attention mask spans only the appended tokens (``kv_offset`` = original length); the prefix reaches the
     attention function through the attention kwargs and is fully visible to every query.

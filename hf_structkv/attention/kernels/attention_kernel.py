@@ -3,7 +3,9 @@
 A program owns one (batch row ``b``, KV head ``h``) pair, a block of rows of the flattened ``[group query heads x
 queries]`` matrix of that KV head (GQA: keys are never repeated) and one split of the keys of the logical sequence
 ``[prefix of head h ‖ keys of (b, h) in the store]``. The prefix (optional) is a `CompactedPrefix`: ragged per KV head,
-shared by the batch, every entry visible, FP32 logit biases. The store is ``[B, H_kv, n, ...]``: keys and values in
+shared by the batch, every entry visible, FP32 logit biases; its INT4 heads (`QuantizedHeads`) are read as codes
+with per-channel key scales and offsets and per-row value scales, dequantised in registers (no dequantised copy of
+the prefix is made). The store is ``[B, H_kv, n, ...]``: keys and values in
 the query dtype, or packed INT4 codes with one FP16 scale per token x KV-head row (dequantised in registers: the
 codes go through the dot products and the scales multiply the scores and the softmax weights, the same sum as
 ``code * scale``), read under a mask (causal, boolean, additive). The program keeps FP32 online-softmax statistics
@@ -45,6 +47,14 @@ MASK_BOOL = tl.constexpr(2)
 MASK_ADDITIVE = tl.constexpr(3)
 """A float ``[B, q, n]`` mask added to the scores."""
 
+PLAIN = tl.constexpr(0)
+"""Keys and values in the query dtype."""
+INT4_ROWS = tl.constexpr(1)
+"""Packed INT4 keys and values, one FP16 scale per row of each (`quantize_int4`: the PASK store)."""
+INT4_CHANNELS = tl.constexpr(2)
+"""Packed INT4 keys with FP16 per-channel scales and offsets per group of ``key_group`` rows
+(`quantize_int4_channels`), values as in `INT4_ROWS` (the INT4 heads of a compacted prefix)."""
+
 
 @triton.jit
 def load_rows(
@@ -65,6 +75,21 @@ def load_rows(
 
 
 @triton.jit
+def channel_dequantized(
+    codes, cols, col_ok, scale_base, offset_base, stride_sn, key_group, width, BLOCK_W: tl.constexpr
+):
+    """``code · scale + offset`` (FP32, then ``codes.dtype``) of the signed codes ``[BLOCK_N, BLOCK_W]`` of rows
+    ``cols``: row ``r`` reads the scales and offsets ``[ceil(n / key_group), width]`` (rows ``stride_sn`` apart,
+    contiguous along ``width``) of its group ``r // key_group``; the same sum as `dequantize_int4_channels`."""
+    w = tl.arange(0, BLOCK_W)
+    ok = col_ok[:, None] & (w < width)[None, :]
+    at = (cols // key_group)[:, None] * stride_sn + w[None, :]
+    scale = tl.load(scale_base + at, mask=ok, other=0).to(tl.float32)
+    offset = tl.load(offset_base + at, mask=ok, other=0).to(tl.float32)
+    return (codes.to(tl.float32) * scale + offset).to(codes.dtype)
+
+
+@triton.jit
 def attend_keys(
     q,
     m,
@@ -82,6 +107,8 @@ def attend_keys(
     v_scale_base,
     stride_ksn,
     stride_vsn,
+    k_offset_base,
+    key_group,
     bias_base,
     mask_base,
     stride_mq,
@@ -94,7 +121,7 @@ def attend_keys(
     head_dim,
     value_dim,
     MASK_KIND: tl.constexpr,
-    INT4: tl.constexpr,
+    CODES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -105,18 +132,25 @@ def attend_keys(
     """Fold keys ``lo .. hi`` (rows of the tiles at ``k_base`` / ``v_base``) into the FP32 statistics of the
     program's rows: ``m`` / ``exp_sum`` ``[BLOCK_M]``, ``acc`` ``[BLOCK_M, BLOCK_DV]``; returns them updated.
 
+    Keys and values are read as ``CODES`` says (`PLAIN`, `INT4_ROWS`: the key scales ``[n]`` at ``k_scale_base``;
+    `INT4_CHANNELS`: the key scales and offsets ``[ceil(n / key_group), D]`` at ``k_scale_base`` / ``k_offset_base``,
+    rows ``stride_ksn`` apart; both INT4 kinds: the value scales ``[n]`` at ``v_scale_base``).
     Scores are ``softcap(q·k · scaling [· key scale]) [+ bias] [+ additive mask]``; a row sees a key where ``row_ok``
     and the mask (``MASK_KIND``, row ``i`` of the mask at ``mask_base``; causal: key ``<= i + causal_shift``) let it.
     """
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
-        k = load_rows(k_base, cols, col_ok, stride_kn, stride_kd, head_dim, BLOCK_D, INT4, q.dtype)
-        v = load_rows(v_base, cols, col_ok, stride_vn, stride_vd, value_dim, BLOCK_DV, INT4, q.dtype)
-        if INT4:
+        k = load_rows(k_base, cols, col_ok, stride_kn, stride_kd, head_dim, BLOCK_D, CODES != PLAIN, q.dtype)
+        v = load_rows(v_base, cols, col_ok, stride_vn, stride_vd, value_dim, BLOCK_DV, CODES != PLAIN, q.dtype)
+        if CODES == INT4_ROWS:
             k_scale = tl.load(k_scale_base + cols * stride_ksn, mask=col_ok, other=0).to(tl.float32)
             s = scores(q, k, scaling * k_scale[None, :], softcap, USE_SOFTCAP, DOT_PRECISION)
         else:
+            if CODES == INT4_CHANNELS:
+                k = channel_dequantized(
+                    k, cols, col_ok, k_scale_base, k_offset_base, stride_ksn, key_group, head_dim, BLOCK_D
+                )
             s = scores(q, k, scaling, softcap, USE_SOFTCAP, DOT_PRECISION)
         if HAS_BIAS:
             s = s + tl.load(bias_base + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -130,7 +164,7 @@ def attend_keys(
             else:
                 s = s + mask_block.to(tl.float32)
         m, exp_sum, alpha, p = online_softmax_step(m, exp_sum, tl.where(visible, s, float("-inf")))
-        if INT4:
+        if CODES != PLAIN:
             p = p * tl.load(v_scale_base + cols * stride_vsn, mask=col_ok, other=0).to(tl.float32)[None, :]
         acc = acc * alpha[:, None] + stats_dot(p.to(v.dtype), v, DOT_PRECISION)
     return m, exp_sum, acc
@@ -143,6 +177,13 @@ def attention_kernel(
     prefix_v_ptr,
     prefix_bias_ptr,
     prefix_offsets_ptr,
+    prefix_rows_ptr,
+    prefix_key_codes_ptr,
+    prefix_key_scales_ptr,
+    prefix_key_offsets_ptr,
+    prefix_value_codes_ptr,
+    prefix_value_scales_ptr,
+    key_group,
     k_ptr,
     v_ptr,
     k_scale_ptr,
@@ -194,8 +235,9 @@ def attention_kernel(
     stride_oh,
     stride_od,
     HAS_PREFIX: tl.constexpr,
+    INT4_PREFIX: tl.constexpr,
     MASK_KIND: tl.constexpr,
-    INT4: tl.constexpr,
+    STORE_CODES: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     WRITE_PARTIALS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -205,7 +247,13 @@ def attention_kernel(
     BLOCK_DV: tl.constexpr,
 ):
     """Grid ``(row blocks, splits, B * H_kv)``; split ``s`` covers keys ``[s * split_len, (s + 1) * split_len)`` of
-    ``[prefix of head h ‖ the n_keys keys of (b, h)]`` and is split ``split_base + s`` of the statistics buffers."""
+    ``[prefix of head h ‖ the n_keys keys of (b, h)]`` and is split ``split_base + s`` of the statistics buffers.
+
+    Prefix head ``h`` has its biases at rows ``offsets[h] : offsets[h + 1]`` of ``prefix_bias``; its keys / values at
+    the same rows of ``prefix_k`` / ``prefix_v``, or with ``INT4_PREFIX`` where ``prefix_rows[h]`` ``[H_kv, 3]`` (first
+    row in its storage, first row of key scales, whether INT4) puts them: rows of ``prefix_k`` / ``prefix_v``, or of
+    the contiguous INT4 tensors of a `QuantizedHeads` (`INT4_CHANNELS`, ``key_group`` kept entries per row of key
+    scales), dequantised in registers."""
     split = tl.program_id(1)
     pid_bh = tl.program_id(2)
     b = pid_bh // n_kv_heads
@@ -220,30 +268,53 @@ def attention_kernel(
     key_hi = key_lo + split_len
 
     prefix_len = 0
-    if HAS_PREFIX:  # rows prefix_start .. prefix_start + prefix_len of the prefix tensors, shared by the batch
-        prefix_start = tl.load(prefix_offsets_ptr + h)
-        prefix_len = tl.load(prefix_offsets_ptr + h + 1) - prefix_start
+    if HAS_PREFIX:  # shared by the batch
+        bias_start = tl.load(prefix_offsets_ptr + h)
+        prefix_len = tl.load(prefix_offsets_ptr + h + 1) - bias_start
+        prefix_lo = tl.minimum(key_lo, prefix_len)
+        prefix_hi = tl.minimum(key_hi, prefix_len)
+        row_start = bias_start
+        plain_hi = prefix_hi
+        if INT4_PREFIX:  # an INT4 head reads no rows of prefix_k / prefix_v
+            row_start = tl.load(prefix_rows_ptr + 3 * h)
+            is_int4 = tl.load(prefix_rows_ptr + 3 * h + 2) != 0
+            plain_hi = tl.where(is_int4, prefix_lo, prefix_hi)
         m, exp_sum, acc = attend_keys(
-            q, m, exp_sum, acc,
-            prefix_start + tl.minimum(key_lo, prefix_len), prefix_start + tl.minimum(key_hi, prefix_len),
-            prefix_k_ptr, prefix_v_ptr, stride_pkn, stride_pkd, stride_pvn, stride_pvd,
-            k_scale_ptr, v_scale_ptr, 0, 0,  # no scales
-            prefix_bias_ptr,
+            q, m, exp_sum, acc, prefix_lo, plain_hi,
+            prefix_k_ptr + row_start * stride_pkn, prefix_v_ptr + row_start * stride_pvn,
+            stride_pkn, stride_pkd, stride_pvn, stride_pvd,
+            k_scale_ptr, v_scale_ptr, 0, 0, k_scale_ptr, 1,  # no scales
+            prefix_bias_ptr + bias_start,
             mask_ptr, 0, 0, i, row_ok, 0,  # no mask
             scaling, softcap, head_dim, value_dim,
-            MASK_NONE, False, True, USE_SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV,
+            MASK_NONE, PLAIN, True, USE_SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV,
         )  # fmt: skip
+        if INT4_PREFIX:  # a head in the query dtype reads no codes
+            key_bytes = (head_dim + 1) // 2
+            value_bytes = (value_dim + 1) // 2
+            group_start = tl.load(prefix_rows_ptr + 3 * h + 1)
+            m, exp_sum, acc = attend_keys(
+                q, m, exp_sum, acc, prefix_lo, tl.where(is_int4, prefix_hi, prefix_lo),
+                prefix_key_codes_ptr + row_start * key_bytes, prefix_value_codes_ptr + row_start * value_bytes,
+                key_bytes, 1, value_bytes, 1,
+                prefix_key_scales_ptr + group_start * head_dim, prefix_value_scales_ptr + row_start, head_dim, 1,
+                prefix_key_offsets_ptr + group_start * head_dim, key_group,
+                prefix_bias_ptr + bias_start,
+                mask_ptr, 0, 0, i, row_ok, 0,  # no mask
+                scaling, softcap, head_dim, value_dim,
+                MASK_NONE, INT4_CHANNELS, True, USE_SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV,
+            )  # fmt: skip
     m, exp_sum, acc = attend_keys(
         q, m, exp_sum, acc,
         tl.minimum(tl.maximum(key_lo - prefix_len, 0), n_keys), tl.minimum(tl.maximum(key_hi - prefix_len, 0), n_keys),
         k_ptr + b * stride_kb + h * stride_kh, v_ptr + b * stride_vb + h * stride_vh,
         stride_kn, stride_kd, stride_vn, stride_vd,
         k_scale_ptr + b * stride_ksb + h * stride_ksh, v_scale_ptr + b * stride_vsb + h * stride_vsh,
-        stride_ksn, stride_vsn,
+        stride_ksn, stride_vsn, k_scale_ptr, 1,  # no key offsets
         prefix_bias_ptr,  # no bias
         mask_ptr + b * stride_mb, stride_mq, stride_mn, i, row_ok, n_keys - q_len,
         scaling, softcap, head_dim, value_dim,
-        MASK_KIND, INT4, False, USE_SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV,
+        MASK_KIND, STORE_CODES, False, USE_SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV,
     )  # fmt: skip
 
     dv = tl.arange(0, BLOCK_DV)
@@ -277,6 +348,28 @@ class KeyStore(NamedTuple):
     mask: torch.Tensor | None = None
     key_scales: torch.Tensor | None = None
     value_scales: torch.Tensor | None = None
+
+
+def _prefix_arguments(prefix: CompactedPrefix | None, query: torch.Tensor) -> tuple[list, tuple[int, ...]]:
+    """``(arguments, strides)`` of `attention_kernel` for ``prefix``: its keys, values, biases, offsets, per-head row
+    table, the five INT4 tensors and ``key_group``, then the strides of its keys and values; ``query`` (unread) in
+    place of what it lacks. The INT4 tensors must be contiguous (as a `QuantizedHeads` stores them)."""
+    if prefix is None:
+        return [query] * 10 + [1], (0, 0, 0, 0)
+    device = query.device
+    offsets = torch.tensor(prefix.offsets, dtype=torch.int64).to(device, non_blocking=True)
+    quantized = prefix.quantized
+    if quantized is None:
+        int4_arguments = [query] * 6 + [1]
+    else:
+        rows = list(zip(quantized.row_starts, quantized.group_starts, quantized.int4_heads, strict=True))
+        row_table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        longest = max(end - start for start, end in pairwise(prefix.offsets))
+        int4_arguments = [row_table, *quantized.tensors(), quantized.key_group or max(1, longest)]
+    return [prefix.keys, prefix.values, prefix.bias, offsets, *int4_arguments], (
+        *prefix.keys.stride(),
+        *prefix.values.stride(),
+    )
 
 
 def run_attention(
@@ -319,12 +412,7 @@ def run_attention(
     stats = None
     if sum(splits) > 1:
         stats = SplitStats(batch * n_kv_heads, sum(splits), row_blocks, block_m, block_dv, query.device)
-    if prefix is None:
-        prefix_tensors, prefix_strides = (query, query, query, query), (0, 0, 0, 0)  # not read
-    else:
-        offsets = torch.tensor(prefix.offsets, dtype=torch.int64).to(query.device, non_blocking=True)
-        prefix_tensors = (prefix.keys, prefix.values, prefix.bias, offsets)
-        prefix_strides = (*prefix.keys.stride(), *prefix.values.stride())
+    prefix_arguments, prefix_strides = _prefix_arguments(prefix, query)
     options = launch_options(query, softcap, stats, head_dim, block_m, block_dv)
 
     split_base = 0
@@ -334,7 +422,7 @@ def run_attention(
         mask, mask_strides = (query, (0, 0, 0)) if store.mask is None else (store.mask, store.mask.stride())
         attention_kernel[(row_blocks, n_splits, batch * n_kv_heads)](
             query,
-            *prefix_tensors,
+            *prefix_arguments,
             store.keys,
             store.values,
             key_scales,
@@ -363,8 +451,9 @@ def run_attention(
             *mask_strides,
             *out.stride(),
             HAS_PREFIX=prefix is not None and index == 0,
+            INT4_PREFIX=prefix is not None and prefix.quantized is not None,
             MASK_KIND=store.mask_kind.value,
-            INT4=int4,
+            STORE_CODES=(INT4_ROWS if int4 else PLAIN).value,
             **options,
         )
         split_base += n_splits

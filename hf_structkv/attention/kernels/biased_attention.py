@@ -2,18 +2,21 @@
 
 It computes exactly what ``hf_structkv.attention.compacted_reference.compacted_attention`` computes, without padding
 the ragged prefix and without repeating keys for grouped-query attention, with one launch of `attention_kernel`: the
-prefix and the appended tokens (the store, under the appended mask) of each (batch row, KV head). Its splits
-(split-KV, for decode over long prefixes) are merged with FP32 statistics (ALGORITHMS.md eq. 15) by a second kernel.
+prefix (its INT4 heads read as codes and FP16 scales, dequantised in registers) and the appended tokens (the store,
+under the appended mask) of each (batch row, KV head). Its splits (split-KV, for decode over long prefixes) are merged
+with FP32 statistics (ALGORITHMS.md eq. 15) by a second kernel.
 
 CPU tensors run under the Triton interpreter only: ``TRITON_INTERPRET=1`` set before triton is first imported.
 """
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 
 from ...validation import is_int
-from ..compacted_inputs import AppendedTokens, CompactedPrefix, check_inputs
+from ..compacted_inputs import AppendedTokens, CompactedPrefix, check_inputs, key_groups
 from .attention_kernel import MASK_ADDITIVE, MASK_BOOL, MASK_CAUSAL, KeyStore, run_attention
 from .runtime import check_num_splits, check_runs_on, check_tensor
 
@@ -27,6 +30,54 @@ def _check_offsets(prefix_offsets: list[int], n_entries: int) -> list[int]:
             f"prefix.offsets must be non-decreasing within [0, {n_entries}] (the prefix rows), got {offsets}"
         )
     return offsets
+
+
+def _check_quantized(prefix: CompactedPrefix, head_dim: int, value_dim: int, device: torch.device) -> None:
+    """The INT4 heads of ``prefix`` (offsets checked) as the kernel reads them: contiguous codes and FP16 scales of
+    the `QuantizedHeads` shapes on ``device``, every head's rows within its storage (`_check_head_rows`); ValueError
+    / TypeError naming the field."""
+    quantized = prefix.quantized
+    n_codes = quantized.key_codes.shape[0] if quantized.key_codes.dim() == 2 else 0
+    n_groups = quantized.key_scales.shape[0] if quantized.key_scales.dim() == 2 else 0
+    shapes = {
+        "key_codes": (torch.uint8, (n_codes, (head_dim + 1) // 2)),
+        "key_scales": (torch.float16, (n_groups, head_dim)),
+        "key_offsets": (torch.float16, (n_groups, head_dim)),
+        "value_codes": (torch.uint8, (n_codes, (value_dim + 1) // 2)),
+        "value_scales": (torch.float16, (n_codes, 1)),
+    }
+    for field, (dtype, shape) in shapes.items():
+        t = check_tensor(f"prefix.quantized.{field}", getattr(quantized, field), 2, dtypes=(dtype,))
+        if tuple(t.shape) != shape or not t.is_contiguous() or t.device != device:
+            raise ValueError(
+                f"prefix.quantized.{field} must be a contiguous {list(shape)} tensor on {device}, got "
+                f"{tuple(t.shape)} (strides {t.stride()}) on {t.device}"
+            )
+    _check_head_rows(prefix, n_codes, n_groups)
+
+
+def _check_head_rows(prefix: CompactedPrefix, n_codes: int, n_groups: int) -> None:
+    """Every KV head's rows of ``prefix`` (with INT4 heads: ``n_codes`` code rows, ``n_groups`` rows of key scales)
+    within its storage, as the kernel reads them; ValueError naming the field."""
+    quantized = prefix.quantized
+    for field in ("int4_heads", "row_starts", "group_starts"):
+        if len(getattr(quantized, field)) != prefix.num_kv_heads:
+            raise ValueError(
+                f"prefix.quantized.{field} must have one entry per KV head ({prefix.num_kv_heads}), "
+                f"got {getattr(quantized, field)}"
+            )
+    for h, (start, end) in enumerate(pairwise(prefix.offsets)):
+        row_start, group_start = quantized.row_starts[h], quantized.group_starts[h]
+        if quantized.int4_heads[h]:
+            fits = 0 <= row_start <= n_codes - (end - start)
+            fits &= 0 <= group_start <= n_groups - key_groups(end - start, quantized.key_group)
+        else:
+            fits = 0 <= row_start <= prefix.keys.shape[0] - (end - start)
+        if not fits:
+            raise ValueError(
+                f"prefix.quantized.row_starts / group_starts put KV head {h} ({end - start} entries) at rows "
+                f"{row_start} / {group_start}, past its storage: they do not match prefix.offsets"
+            )
 
 
 def _appended_mask(mask: torch.Tensor | None, batch: int, q_len: int, n_appended: int):
@@ -71,7 +122,9 @@ def triton_compacted_attention(
         query: ``[B, H_q, q, D]`` post-RoPE queries (fp32, fp16 or bf16); ``H_q`` a multiple of ``H_kv``.
         prefix: `CompactedPrefix`: kept keys ``[N, D]`` and values ``[N, D_v]`` (KV head ``h`` in rows
             ``offsets[h]:offsets[h+1]``), logit biases ``[N]`` (read as FP32), ``H_kv + 1`` non-decreasing row
-            offsets (Python ints).
+            offsets (Python ints); with INT4 heads (a `QuantizedPrefix`), ``keys`` / ``values`` hold only the other
+            heads' rows and the kernel reads the INT4 heads' codes and FP16 scales in place, dequantised in
+            registers (nothing dequantised is stored).
         appended: `AppendedTokens`: keys ``[B, H_kv, n, D]``, values ``[B, H_kv, n, D_v]``, mask ``None``
             (causal, bottom-right aligned), boolean (True = visible) or additive float, broadcastable to
             ``[B, 1, q, n]``.
@@ -87,8 +140,6 @@ def triton_compacted_attention(
     """
     check_tensor("query", query, 4)
     check_inputs(prefix, appended)
-    if prefix.quantized is not None:  # INT4 heads: dequantised for this call (the kernel reads plain rows)
-        prefix = prefix.dense(query.dtype)
     check_tensor("prefix.keys", prefix.keys, 2)
     check_tensor("prefix.values", prefix.values, 2)
     check_tensor("prefix.bias", prefix.bias, 1)
@@ -96,21 +147,23 @@ def triton_compacted_attention(
     appended_values = check_tensor("appended.values", appended.values, 4)
     batch, n_q_heads, q_len, head_dim = query.shape
     n_entries, value_dim = prefix.values.shape
-    offsets = _check_offsets(prefix.offsets, prefix.keys.shape[0])
-    n_kv_heads = len(offsets) - 1
     n_appended = appended_keys.shape[-2]
-    if n_q_heads % n_kv_heads:
-        raise ValueError(f"{n_q_heads} query heads cannot be grouped over {n_kv_heads} KV heads")
     if prefix.keys.shape[1] != head_dim or appended_keys.shape[-1] != head_dim:
         raise ValueError(
             f"keys must have the query head dim {head_dim}: prefix.keys {tuple(prefix.keys.shape)}, "
             f"appended.keys {tuple(appended_keys.shape)}"
         )
-    if prefix.keys.shape[0] != n_entries or prefix.bias.shape[0] != n_entries:
+    if prefix.keys.shape[0] != n_entries or (prefix.quantized is None and prefix.bias.shape[0] != n_entries):
         raise ValueError(
             f"prefix.keys {tuple(prefix.keys.shape)}, prefix.values {tuple(prefix.values.shape)} and prefix.bias "
             f"{tuple(prefix.bias.shape)} must have the same number of rows N"
         )
+    offsets = _check_offsets(prefix.offsets, prefix.bias.shape[0])
+    n_kv_heads = len(offsets) - 1
+    if n_q_heads % n_kv_heads:
+        raise ValueError(f"{n_q_heads} query heads cannot be grouped over {n_kv_heads} KV heads")
+    if prefix.quantized is not None:
+        _check_quantized(prefix._replace(offsets=offsets), head_dim, value_dim, query.device)
     if tuple(appended_keys.shape[:3]) != (batch, n_kv_heads, n_appended):
         raise ValueError(
             f"appended.keys must be [B={batch}, H_kv={n_kv_heads}, n, D], got {tuple(appended_keys.shape)}"
