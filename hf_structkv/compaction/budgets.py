@@ -60,6 +60,8 @@ __all__ = [
 FORMAT_NAME = "hf_structkv_head_budgets"
 FORMAT_VERSION = 1
 CAP_FRACTION = 0.75
+MAX_LENGTH = 2**40
+"""The longest context `token_budgets` accepts (its water fill runs in float64, exact far beyond any real context)."""
 BUDGETS_NAME = "head_budgets.json"
 LEGACY_BUDGETS_NAME = "config.json"  # the file name before the rename: it collided with a CompactedCache's
 DEFAULT_MODEL_BUDGETS = "qwen2.5-coder-0.5b-instruct"
@@ -209,12 +211,12 @@ class HeadBudgets(SavedArtifact):
             ``{global layer index: [kept entries of each KV head]}``.
 
         Raises:
-            ValueError: ``ratio`` is not a finite number > 0, ``length`` is not a positive integer, or the pair asks
-                for fewer entries than one per head or more than the cap allows.
+            ValueError: ``ratio`` is not a finite number > 0, ``length`` is not an integer in ``[1, MAX_LENGTH]``,
+                or the pair asks for fewer entries than one per head or more than the cap allows.
         """
         if not is_number(ratio) or ratio <= 0:
             raise ValueError(f"ratio must be a finite number > 0 (original / kept entries), got {ratio!r}")
-        check_int("length", length, 1, counts="context tokens")
+        check_int("length", length, 1, MAX_LENGTH, counts="context tokens")
         n_heads, cap = self.n_heads, math.floor(CAP_FRACTION * length)
         total = round(n_heads * length / ratio)
         if total < n_heads:

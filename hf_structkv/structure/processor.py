@@ -103,8 +103,9 @@ class StructuralLogitsProcessor(LogitsProcessor):
             :mod:`~hf_structkv.structure.xgrammar_json`. The resolved name is :attr:`engine` (``None`` with
             ``adapter``).
         max_rollback_tokens: xgrammar only: how many generated tokens a sequence can be rewound by (``crop()``,
-            speculative decoding); the engine then keeps the states of that many tokens only, so its memory stays
-            flat however long the history. ``None`` (default): rewind anywhere, every token's states kept.
+            speculative decoding); the tagging walk then keeps its parser states of that many tokens only, so the
+            engine's memory stays flat however long the history (xgrammar's matcher keeps its own compact rollback
+            history). ``None`` (default): rewind anywhere, every token's states kept.
 
     Raises:
         ValueError: not exactly one of ``tools``, ``schema``, ``adapter``; ``eos_token_id``, ``max_rollback_tokens``

@@ -91,8 +91,9 @@ class XgrammarJsonAdapter(GrammarAdapter):
         schema: a JSON schema (e.g. :func:`~hf_structkv.structure.function_calls.function_call_schema`).
         eos_token_id: stop token id(s); default ``tokenizer.eos_token_id``.
         max_rollback_tokens: how many tokens a sequence can roll back (``crop()``, speculative decoding); it keeps
-            the matcher and tagging states of that many tokens only, so its memory stays flat at any history.
-            ``None`` (default): no limit, every token's states are kept.
+            its tagging parsers and flags of that many tokens only, so its memory stays flat at any history (the
+            matcher keeps its own rollback history: xgrammar 0.2.9 has no bound for it). ``None`` (default): no
+            limit, every token's states are kept.
 
     Raises:
         TypeError: ``tokenizer`` is not a transformers tokenizer, or ``schema`` not a dict.
@@ -139,7 +140,7 @@ class XgrammarJsonAdapter(GrammarAdapter):
         """Nothing to drop: sequences share only the compiled grammar and the tagging parser's start state."""
 
     def new_sequence(self) -> XgrammarJsonSequence:
-        matcher = new_matcher(self._compiled, self._stops, self.max_rollback_tokens)
+        matcher = new_matcher(self._compiled, self._stops)
         return XgrammarJsonSequence(matcher, self._root, self._token_bytes, self._special, self.max_rollback_tokens)
 
 

@@ -45,13 +45,10 @@ def xgrammar_compiler(tokenizer: PreTrainedTokenizerBase) -> tuple[xgrammar.Gram
     return _COMPILERS[tokenizer]
 
 
-def new_matcher(
-    compiled: xgrammar.CompiledGrammar, stop_token_ids: frozenset[int], max_rollback_tokens: int | None = None
-) -> xgrammar.GrammarMatcher:
-    """A matcher of ``compiled`` that ends on ``stop_token_ids`` and can roll back ``max_rollback_tokens`` tokens
-    (``None``: to its start, ``crop()`` anywhere)."""
-    limit = -1 if max_rollback_tokens is None else max_rollback_tokens
-    return xgrammar.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids), max_rollback_tokens=limit)
+def new_matcher(compiled: xgrammar.CompiledGrammar, stop_token_ids: frozenset[int]) -> xgrammar.GrammarMatcher:
+    """A matcher of ``compiled`` that ends on ``stop_token_ids`` and can roll back to its start (``crop()``; xgrammar
+    0.2.9 keeps its rollback history itself: its ``max_rollback_tokens`` is deprecated and always unlimited)."""
+    return xgrammar.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids), max_rollback_tokens=-1)
 
 
 def split_utf8(data: bytes) -> tuple[str, bytes]:
@@ -72,9 +69,9 @@ class MatcherSequence(GrammarSequence):
     A token the matcher rejects (only possible when something bypassed the mask) is recorded but not given to the
     matcher; from then on only stop tokens are allowed and every tag is empty (unresolved: full protection).
     ``forbidden`` (int64 ``[n]``) are ids the mask never allows, whatever the grammar says (xgrammar reads special
-    tokens such as ``<|endoftext|>`` as their literal text). ``max_rollback_tokens`` (the matcher's own limit too)
-    bounds how far :meth:`rollback` reaches, and so what is kept per sequence: the states of the last
-    ``max_rollback_tokens`` tokens only, whatever the history (``None``: every token's).
+    tokens such as ``<|endoftext|>`` as their literal text). ``max_rollback_tokens`` bounds how far :meth:`rollback`
+    reaches, and so what this sequence keeps: its states of the last ``max_rollback_tokens`` tokens only, whatever
+    the history (``None``: every token's); the matcher keeps its own history (xgrammar 0.2.9 has no bound).
     """
 
     def __init__(
