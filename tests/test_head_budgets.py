@@ -132,7 +132,7 @@ def test_zero_shares_keep_one_entry_and_uniform_is_even():
         (math.nan, 100, "ratio must be a finite number > 0"),
         (True, 100, "ratio must be a finite number > 0"),
         ("10", 100, "ratio must be a finite number > 0"),
-        (10.0, 0, r"length must be an integer >= 1 \(context tokens\), got 0"),
+        (10.0, 0, r"length must be an integer in \[1, 1099511627776\] \(context tokens\), got 0"),
         (200.0, 100, r"each head keeps at least one: use ratio <= 100"),
         (1.0, 100, r"above the cap of 75 .* use ratio >= 1.333"),
         (1.0, 1, r"above the cap of 0 .* a 1-token context cannot be compacted"),
@@ -141,7 +141,9 @@ def test_zero_shares_keep_one_entry_and_uniform_is_even():
 def test_token_budgets_rejects_bad_input(ratio, length, message):
     with pytest.raises(ValueError, match=message):
         HeadBudgets.uniform(tiny()).token_budgets(ratio, length)
-    with pytest.raises(TypeError, match=r"length must be an integer >= 1 \(context tokens\), got 10.5"):
+    with pytest.raises(
+        TypeError, match=r"length must be an integer in \[1, 1099511627776\] \(context tokens\), got 10.5"
+    ):
         HeadBudgets.uniform(tiny()).token_budgets(10.0, 10.5)
 
 
