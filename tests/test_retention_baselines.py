@@ -77,8 +77,8 @@ def random_partitions(seed=0, batch=2, kv_heads=2, dim=8, sizes=(5, 4, 3), q_len
     return query, [high, low, recent]
 
 
-def dense_mass(query, parts, scaling, softcap=None):
-    """Softmax over the concatenated keys, summed over heads and rows, split back per partition."""
+def dense_probabilities(query, parts, scaling, softcap=None):
+    """Softmax over the concatenated keys of every query head, ``[B, H_q, q, n]`` (zeros for a row seeing nothing)."""
     keys = torch.cat(
         [
             p.keys.float() if isinstance(p, DensePartition) else dequantize_int4(p.key_codes, p.key_scales, p.head_dim)
@@ -91,14 +91,23 @@ def dense_mass(query, parts, scaling, softcap=None):
     scores = (query @ keys.transpose(-1, -2)) * scaling
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
-    probs = torch.softmax(scores.masked_fill(~visible[:, None], -torch.inf), dim=-1)
-    total = probs.nan_to_num(0.0).sum(dim=(1, 2))  # [B, n]
+    return torch.softmax(scores.masked_fill(~visible[:, None], -torch.inf), dim=-1).nan_to_num(0.0)
+
+
+def dense_mass(query, parts, scaling, softcap=None, value_norms=None):
+    """`dense_probabilities` summed over heads and rows (each head's probability times its ``value_norms`` entry,
+    one ``[B, H_kv, g, n]`` per partition, when given), split back per partition."""
+    probs = dense_probabilities(query, parts, scaling, softcap)
+    if value_norms is not None:
+        probs = probs * torch.cat(value_norms, dim=-1).flatten(1, 2).unsqueeze(2)  # query head h = kv * g + j
+    total = probs.sum(dim=(1, 2))  # [B, n]
     return list(total.split([p.visible.shape[-1] for p in parts], dim=-1))
 
 
 def test_attention_mass_equals_dense_softmax_reference():
     query, parts = random_partitions()
-    got = attention_mass(query, parts, scaling=0.35)
+    got, weighted = attention_mass(query, parts, scaling=0.35)
+    assert weighted is None
     for g, w in zip(got, dense_mass(query, parts, 0.35), strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     rows_seeing = torch.cat([p.visible for p in parts], dim=-1).any(-1).sum()  # each (row, head) sums to 1
@@ -110,7 +119,7 @@ def test_attention_mass_equals_dense_softmax_reference():
 
 def test_attention_mass_with_an_empty_partition_and_softcap():
     query, parts = random_partitions(seed=1, sizes=(5, 0, 3))
-    got = attention_mass(query, parts, scaling=0.5, softcap=2.0)
+    got = attention_mass(query, parts, scaling=0.5, softcap=2.0)[0]
     assert got[1].shape == (2, 0)
     for g, w in zip(got, dense_mass(query, parts, 0.5, softcap=2.0), strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
@@ -125,11 +134,11 @@ def test_value_weighted_mass_equals_a_per_head_brute_force():
     module.o_proj = o_proj
     projections = head_output_projections(module, n_q_heads, dim)
     norms = [projected_value_norms(part, projections) for part in parts]
-    got = attention_mass(query, parts, 0.35, value_norms=norms)
+    mass, got = attention_mass(query, parts, 0.35, value_norms=norms)
     probabilities = attention_probabilities(query, parts, 0.35)  # computed once, summed both ways
     for g, w in zip(summed_mass(probabilities, norms), got, strict=True):
         torch.testing.assert_close(g, w)
-    for g, w in zip(summed_mass(probabilities), attention_mass(query, parts, 0.35), strict=True):
+    for g, w in zip(summed_mass(probabilities), mass, strict=True):
         torch.testing.assert_close(g, w)
     values = torch.cat([part.float_keys_values()[1] for part in parts], dim=2)  # [B, H_kv, n, D]
     keys = torch.cat([part.float_keys_values()[0] for part in parts], dim=2)
@@ -546,14 +555,34 @@ def test_attention_mass_in_row_blocks_equals_the_dense_reference(max_score_eleme
     # statistics grows as block x entries)
     query, parts = random_partitions(seed=3, q_len=7)
     for g, w in zip(
-        attention_mass(query, parts, 0.35, max_score_elements=max_score_elements), dense_mass(query, parts, 0.35)
+        attention_mass(query, parts, 0.35, max_score_elements=max_score_elements)[0], dense_mass(query, parts, 0.35)
     ):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     norms = [torch.rand(*p.visible.shape[:1], 2, query.shape[1] // 2, p.visible.shape[-1]) for p in parts]
-    whole = attention_mass(query, parts, 0.35, value_norms=norms, max_score_elements=2**30)
-    blocked = attention_mass(query, parts, 0.35, value_norms=norms, max_score_elements=max_score_elements)
+    whole = attention_mass(query, parts, 0.35, value_norms=norms, max_score_elements=2**30)[1]
+    blocked = attention_mass(query, parts, 0.35, value_norms=norms, max_score_elements=max_score_elements)[1]
     for g, w in zip(blocked, whole, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("max_score_elements", [1, 2**20])
+def test_one_pass_returns_the_mass_and_the_value_weighted_mass_of_two_separate_computations(max_score_elements):
+    # one call with value norms (the recorder's single pass) against the two computations it replaces: the
+    # unweighted call, and brute-force dense softmaxes summed with and without the weights; in row blocks of 1 and whole
+    query, parts = random_partitions(seed=4, q_len=5)
+    generator = torch.Generator().manual_seed(5)
+    norms = [
+        torch.rand(query.shape[0], 2, query.shape[1] // 2, p.visible.shape[-1], generator=generator) for p in parts
+    ]
+    mass, weighted = attention_mass(query, parts, 0.35, value_norms=norms, max_score_elements=max_score_elements)
+    alone, no_weighted = attention_mass(query, parts, 0.35, max_score_elements=max_score_elements)
+    assert no_weighted is None
+    for got, separate, dense in zip(mass, alone, dense_mass(query, parts, 0.35), strict=True):
+        torch.testing.assert_close(got, separate, rtol=0, atol=0)
+        torch.testing.assert_close(got, dense, rtol=1e-5, atol=1e-6)
+    for got, dense in zip(weighted, dense_mass(query, parts, 0.35, value_norms=norms), strict=True):
+        torch.testing.assert_close(got, dense, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(torch.cat(mass, -1), torch.cat(weighted, -1))  # the weights change the sums
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True])

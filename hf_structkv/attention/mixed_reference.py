@@ -270,27 +270,39 @@ def attention_mass(
     softcap: float | None = None,
     value_norms: list[torch.Tensor] | None = None,
     max_score_elements: int = SCORE_BLOCK_ELEMENTS,
-) -> list[torch.Tensor]:
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Attention probability mass each entry receives, summed over query heads and query rows: the statistic of
     attention-based retention baselines (H2O, SnapKV, MiKV); `summed_mass` of `attention_probabilities`, computed
     over blocks of query rows as `mixed_precision_attention` serves them (``max_score_elements``), so a prompt of
     ``P`` tokens needs ``block x P`` probabilities at once, not ``P x P``; rows are independent, so the sums are the
-    unblocked ones.
+    unblocked ones. With ``value_norms`` the value-weighted mass (CriticalKV) is summed from the same probabilities:
+    one pass over the scores yields both.
+
+    Args:
+        query, partitions, scaling, softcap: as `attention_probabilities`.
+        value_norms: optional, one FP32 ``[B, H_kv, g, n]`` per partition (`projected_value_norms`).
+        max_score_elements: as `mixed_precision_attention`.
 
     Returns:
-        One FP32 tensor ``[B, n]`` per partition (its entries in order); a row that sees no key adds nothing.
+        ``(mass, weighted)``: ``mass`` one FP32 tensor ``[B, n]`` per partition (its entries in order; a row that sees
+        no key adds nothing); ``weighted`` the same for the value-weighted mass, ``None`` without ``value_norms``.
     """
     if isinstance(max_score_elements, bool) or not isinstance(max_score_elements, int) or max_score_elements < 1:
         raise ValueError(f"max_score_elements must be a positive int, got {max_score_elements!r}")
     q_len = query.shape[2]
     rows = _row_block(query, partitions, max_score_elements)
-    total = None
+    mass = [torch.zeros(part.visible.shape[0], part.visible.shape[-1], device=query.device) for part in partitions]
+    weighted = None if value_norms is None else [m.clone() for m in mass]
     for start in range(0, max(q_len, 1), rows):
         block = slice(start, start + rows)
         parts = [replace(part, visible=part.visible[:, block]) for part in partitions]
-        mass = summed_mass(attention_probabilities(query[:, :, block], parts, scaling, softcap), value_norms)
-        total = mass if total is None else [t + m for t, m in zip(total, mass, strict=True)]
-    return total
+        probabilities = attention_probabilities(query[:, :, block], parts, scaling, softcap)
+        for total, block_mass in zip(mass, summed_mass(probabilities), strict=True):
+            total += block_mass
+        if weighted is not None:
+            for total, block_mass in zip(weighted, summed_mass(probabilities, value_norms), strict=True):
+                total += block_mass
+    return mass, weighted
 
 
 def head_output_projections(module: torch.nn.Module, num_query_heads: int, value_dim: int) -> torch.Tensor:

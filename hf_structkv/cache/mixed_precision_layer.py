@@ -242,14 +242,13 @@ class MixedPrecisionLayer(CacheLayerMixin):
         positions = [self.high.view()[1]] if self.high.num_entries() else []
         positions += [self.low.view()[1]] if self.low.num_entries() else []
         positions.append(torch.arange(self.first_recent, seen, device=query.device).expand(query.shape[0], -1))
-        counted_query = query[:, :, rows]
-        weighted = None
+        norms = None
         if stats.value_weighted:
             projections = head_output_projections(module, query.shape[1], recent.values.shape[-1]).to(query.device)
             norms = [projected_value_norms(part, projections) for part in partitions]
-            weighted = _slot_mass(attention_mass(counted_query, counted, scaling, softcap, norms), positions, seen)
-        mass = _slot_mass(attention_mass(counted_query, counted, scaling, softcap), positions, seen)
-        stats.add(self.group, mass, weighted)
+        mass, weighted = attention_mass(query[:, :, rows], counted, scaling, softcap, norms)  # one pass, both sums
+        weighted = None if weighted is None else _slot_mass(weighted, positions, seen)
+        stats.add(self.group, _slot_mass(mass, positions, seen), weighted)
 
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` slots (a negative value removes that many from the end). Tokens already
