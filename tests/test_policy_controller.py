@@ -1,20 +1,24 @@
-"""`PolicyController` (Algorithm 2): hand-computed golden steps, a brute-force reference on random tables, floors never
-crossed over 10^5 random steps, the exact ledger identity, stop tokens, and bit-for-bit rollback."""
+"""`PolicyController` (Algorithm 2): hand-computed golden steps, a brute-force reference on random tables and on every
+shipped decode table, floors never crossed over 10^5 random steps (and on every shipped table), the exact ledger
+identity, stop tokens, and bit-for-bit rollback."""
 
 from __future__ import annotations
 
 import copy
 import random
+from collections.abc import Iterator
 from fractions import Fraction
-from itertools import permutations
+from itertools import islice, permutations
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_policy_table import all_tags, brute_lookup, entry, tables, tag
+from test_policy_table import brute_lookup, entry, tables, tag
 
-from hf_structkv.policy import Action, GroupCosts, PolicyController, PolicyTable, illustrative_policy
+from hf_structkv.policy import Action, GroupCosts, PolicyController, PolicyTable, calibrated_policy, illustrative_policy
+from hf_structkv.policy.shipped import SHIPPED_PAIRS
+from hf_structkv.structure.tags import view_vocabulary
 
 R, L, H = Action.R, Action.L, Action.H
 # One KV head of dimension 4 per layer, 3 layers: m(H, c) = 16 * 8 = 128 bits, m(L, c) = 4 * 8 + 16 * 2 = 64 bits.
@@ -187,44 +191,46 @@ def reference_step(table: PolicyTable, candidates, balance: Fraction) -> tuple[A
     return tuple(Action(a) for a in actions)
 
 
-def random_candidates(rng: random.Random, family: str = "function_calling"):
-    """A token's candidates: ``None`` (stop) 5%, empty (unresolved) 5%, else one to three vocabulary tags."""
-    draw = rng.random()
-    if draw < 0.05:
-        return None
-    if draw < 0.10:
-        return ()
-    tags = all_tags(family)
-    return tuple(rng.choice(tags) for _ in range(rng.choice((1, 1, 1, 2, 3))))
-
-
-@settings(max_examples=150, deadline=None)
-@given(tables(), st.integers(0, 2**32 - 1))
-def test_controller_equals_the_brute_force_reference(table, seed):
+def random_candidates(table: PolicyTable, seed: int) -> Iterator:
+    """Endless tokens' candidates: ``None`` (stop) 5%, empty (unresolved) 5%, else one to three tags of the table's
+    vocabulary under its tag view, each half the time one that resolves to an entry (when the table has one)."""
     rng = random.Random(seed)
+    tags = view_vocabulary(table.family, table.tag_view, table.position_bins)
+    resolved = [t for t in tags if table.entry_key(t) is not None] or tags
+    while True:
+        draw = rng.random()
+        if draw < 0.05:
+            yield None
+        elif draw < 0.10:
+            yield ()
+        else:
+            yield tuple(
+                rng.choice(resolved if rng.random() < 0.5 else tags) for _ in range(rng.choice((1, 1, 1, 2, 3)))
+            )
+
+
+def check_reference(table: PolicyTable, seed: int, steps: int) -> list:
+    """``steps`` random tokens: every decision equals `reference_step` at the exact balance. Returns the decisions."""
     controller = PolicyController(table, table.costs)
     allowance = Fraction(table.budget) * table.costs.full
-    balance = allowance
-    for _ in range(40):
-        candidates = random_candidates(rng)
+    balance, decisions = allowance, []
+    for candidates in islice(random_candidates(table, seed), steps):
         actions = controller.step(candidates)
+        decisions.append(actions)
         if candidates is None:
             assert actions is None
             continue
         assert actions == reference_step(table, candidates, balance)
         balance += allowance - table.costs.total(actions)
+    return decisions
 
 
-@settings(max_examples=100, deadline=None)
-@given(tables(), st.integers(0, 2**32 - 1))
-def test_floors_and_ledger_over_1000_steps_per_table(table, seed):
-    """100 tables x 1000 steps = 10^5 controller steps: floors never crossed, ``R_t = t·b − Σ M(a_i)`` exactly."""
-    rng = random.Random(seed)
+def check_floors_and_ledger(table: PolicyTable, seed: int, steps: int) -> None:
+    """``steps`` random tokens: floors never crossed (Proposition 1), ``R_t = t·b − Σ M(a_i)`` exactly."""
     controller = PolicyController(table, table.costs)
     allowance = Fraction(table.budget) * table.costs.full
     tokens, charged = 0, 0
-    for _ in range(1000):
-        candidates = random_candidates(rng)
+    for candidates in islice(random_candidates(table, seed), steps):
         actions = controller.step(candidates)
         if candidates is None:
             assert actions is None
@@ -235,14 +241,38 @@ def test_floors_and_ledger_over_1000_steps_per_table(table, seed):
             charged += table.costs.total(actions)
         assert controller.scheduled_bits == charged
         assert controller.balance == float((tokens + 1) * allowance - charged)  # R_{t+1}, exactly rounded
-    assert controller.num_steps == 1000
+    assert controller.num_steps == steps
+
+
+@settings(max_examples=150, deadline=None)
+@given(tables(), st.integers(0, 2**32 - 1))
+def test_controller_equals_the_brute_force_reference(table, seed):
+    check_reference(table, seed, 40)
+
+
+@settings(max_examples=100, deadline=None)
+@given(tables(), st.integers(0, 2**32 - 1))
+def test_floors_and_ledger_over_1000_steps_per_table(table, seed):
+    """100 tables x 1000 steps = 10^5 controller steps."""
+    check_floors_and_ledger(table, seed, 1000)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED_PAIRS))
+def test_every_shipped_decode_table_equals_the_reference_keeps_its_floors_and_an_exact_ledger(name):
+    """Every shipped pair's decode table (a newly shipped pair is covered by being in `SHIPPED_PAIRS`): 10 x 100 steps
+    against the brute-force reference, 10 x 1000 steps of floors and ledger; the steps exercise its entries (some
+    decision below H)."""
+    table = calibrated_policy(name=name)
+    decisions = [d for seed in range(10) for d in check_reference(table, seed, 100)]
+    assert any(d is not None and min(d) < H for d in decisions)
+    for seed in range(10):
+        check_floors_and_ledger(table, seed, 1000)
 
 
 @settings(max_examples=60, deadline=None)
 @given(tables(), st.integers(0, 2**32 - 1), st.integers(0, 60), st.integers(0, 60))
 def test_rollback_restores_the_state_bit_for_bit(table, seed, total, back):
-    rng = random.Random(seed)
-    stream = [random_candidates(rng) for _ in range(total + 20)]
+    stream = list(islice(random_candidates(table, seed), total + 20))
     back = min(back, total)
     controller = PolicyController(table, table.costs)
     states, decisions = [], []
