@@ -3,13 +3,14 @@ its score tensors.
 
 Per KV head the compacted prefix and the appended tokens are one key set, the prefix biases and the appended mask
 one additive FP32 mask, and SDPA (FP32 inputs, so FP32 softmax and accumulation) computes the softmax over their
-union in one fused call; the result equals `compacted_attention`'s partition merge (eq. 15) up to rounding. Its
-fused kernel works block by block instead of materialising ``[B, g, q, N]`` scores, exponentials and statistics per
-partition: faster and smaller on long contexts, such as the uncompacted context served during on-policy
-calibration (measured in docs/RESULTS.md). Soft-capping (tanh before the bias) has no SDPA form: the whole call
-goes to the reference. A KV head with no kept entry can leave a padded row without any visible key (SDPA's softmax
-is then NaN where the reference gives zeros): that head alone goes to the reference. INT4 heads are dequantised
-head by head (`CompactedPrefix.head`) once per forward, never kept.
+union in one fused call for the KV head's query heads (`grouped_sdpa`: at a decode step they are query rows of the
+one KV head, so its keys and values are not copied per query head); the result equals `compacted_attention`'s
+partition merge (eq. 15) up to rounding. Its fused kernel works block by block instead of materialising
+``[B, g, q, N]`` scores, exponentials and statistics per partition: faster and smaller on long contexts, such as the
+uncompacted context served during on-policy calibration (measured in docs/RESULTS.md). Soft-capping (tanh before
+the bias) has no SDPA form: the whole call goes to the reference. A KV head with no kept entry can leave a padded
+row without any visible key (SDPA's softmax is then NaN where the reference gives zeros): that head alone goes to
+the reference. INT4 heads are dequantised head by head (`CompactedPrefix.head`) once per forward, never kept.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from .compacted_inputs import AppendedTokens, CompactedPrefix
 from .compacted_reference import appended_scores_mask, compacted_attention, kv_grouping
+from .grouped_sdpa import grouped_sdpa
 
 
 def fused_compacted_attention(
@@ -52,13 +54,6 @@ def fused_compacted_attention(
         keys = torch.cat([prefix_keys.float().expand(batch, 1, -1, -1), appended_h.keys.float()], dim=2)
         values = torch.cat([prefix_values.float().expand(batch, 1, -1, -1), appended_h.values.float()], dim=2)
         bias = prefix_bias.to(torch.float32).expand(mask_batch, 1, q_len, -1)
-        outputs.append(
-            torch.nn.functional.scaled_dot_product_attention(
-                query[:, heads].to(torch.float32),
-                keys.to(torch.float32).expand(-1, group, -1, -1),
-                values.to(torch.float32).expand(-1, group, -1, -1),
-                attn_mask=torch.cat([bias, add_mask.expand(mask_batch, 1, q_len, -1)], dim=-1),
-                scale=scaling,
-            )
-        )  # [B, g, q, D_v]
+        mask = torch.cat([bias, add_mask.expand(mask_batch, 1, q_len, -1)], dim=-1)
+        outputs.append(grouped_sdpa(query[:, heads].to(torch.float32), keys, values, mask, scaling))  # [B, g, q, D_v]
     return torch.cat(outputs, dim=1).transpose(1, 2).contiguous().to(query.dtype)
