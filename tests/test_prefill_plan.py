@@ -1,5 +1,6 @@
-"""The prefill companion's plan (PASK B.4): brute-force optimum on tiny inputs, budget, floors, protection, files, and
-end to end through `generate_calls` on a tiny model with the real tokenizer."""
+"""The prefill companion's plan (PASK B.4): brute-force optimum on tiny inputs, budget, floors, protection (on random
+policies and on every shipped prefill policy), files, and end to end through `generate_calls` on a tiny model with the
+real tokenizer."""
 
 import itertools
 import json
@@ -22,7 +23,7 @@ from hf_structkv.policy.prefill import (
     illustrative_prefill_policy,
     plan_prefill,
 )
-from hf_structkv.policy.shipped import shipped_pair_folders
+from hf_structkv.policy.shipped import SHIPPED_PAIRS, shipped_pair_folders
 from hf_structkv.policy.table import PolicyEntry
 from hf_structkv.structure.prompt_spans import PROMPT_LABELS, label_prompt, token_labels
 from hf_structkv.structured_generation import CALL_INSTRUCTION, generate_calls
@@ -50,15 +51,19 @@ def random_labels(rng, n, labels):
 
 
 def reference_start(policy, labels):
-    """Floors and step priorities of one unprotected token, eq. 12 written out: one label -> its floor and scores;
-    several -> floor = max of their actions and floors, a score only where every label has the same one."""
+    """Floors and step priorities of one unprotected token, eq. 12 written out: a label without an entry -> H, no
+    steps; one label -> its floor and scores; several -> floor = max of their actions and floors, a score only where
+    every label has the same one."""
+    groups = range(len(policy.costs.groups))
+    if any(label not in policy.entries for label in labels):
+        return [H for _ in groups], [[None, None] for _ in groups]
     entries = [policy.entries[label] for label in set(labels)]
     if len(entries) == 1:
         return list(entries[0].floor), [list(pair) for pair in entries[0].priorities]
-    floor = [max(max(e.action[c], e.floor[c]) for e in entries) for c in range(3)]
-    scores = [[e.priorities[c][s] for e in entries] for c in range(3) for s in range(2)]
+    floor = [max(max(e.action[c], e.floor[c]) for e in entries) for c in groups]
+    scores = [[e.priorities[c][s] for e in entries] for c in groups for s in range(2)]
     unique = [score[0] if len(set(score)) == 1 else None for score in scores]
-    return floor, [unique[2 * c : 2 * c + 2] for c in range(3)]
+    return floor, [unique[2 * c : 2 * c + 2] for c in groups]
 
 
 def brute_force(labels, costs, policy, sink, window):
@@ -126,18 +131,19 @@ def test_greedy_equals_the_brute_force_optimum_for_equal_step_costs_and_concave_
 def assert_plan_properties(plan, labels, costs, policy, sink, window):
     n = len(labels)
     target = Fraction(policy.budget) * n * costs.full
-    assert plan.actions.shape == (n, 3) and plan.actions.dtype == torch.int64
+    groups = len(costs.groups)
+    assert plan.actions.shape == (n, groups) and plan.actions.dtype == torch.int64
     assert plan.payload_bits == sum(costs.total(row) for row in plan.actions.tolist())
     assert plan.full_bits == n * costs.full and plan.payload_ratio == plan.payload_bits / plan.full_bits
     floors_bits = 0
     for t, token in enumerate(labels):
         if t < sink or t >= n - window:
-            assert plan.actions[t].tolist() == [H, H, H]  # sinks and the recent window are protected
+            assert plan.actions[t].tolist() == [H] * groups  # sinks and the recent window are protected
             floors_bits += costs.full
             continue
         floor, scores = reference_start(policy, token)
         floors_bits += costs.total(floor)
-        for c in range(3):
+        for c in range(groups):
             a = int(plan.actions[t, c])
             assert a >= floor[c]  # floors are never crossed
             assert all(scores[c][s] is not None for s in range(floor[c], a))  # no ambiguous step taken
@@ -353,23 +359,29 @@ def test_embedded_model_with_the_illustrative_prefill_and_decode_policies(defaul
 
 
 # ---------------------------------------------------------------------------------------------------- calibrated
-CALIBRATED_PREFILL_FOLDER = Path(__file__).parents[1] / "hf_structkv/data/policies" / shipped_pair_folders()[1]
+SHIPPED = sorted(SHIPPED_PAIRS)  # every shipped pair is covered by being in SHIPPED_PAIRS
 
 
-def test_calibrated_prefill_policy_is_the_prefill_stage_of_algorithm_1_on_the_decode_tables_split():
+def shipped_folders(name):
+    """The shipped pair ``name``'s (decode table, prefill policy) folders."""
+    return tuple(Path(__file__).parents[1] / "hf_structkv/data/policies" / f for f in shipped_pair_folders(name))
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_calibrated_prefill_policy_is_the_prefill_stage_of_algorithm_1_on_the_decode_tables_split(name):
     from hf_structkv.policy import calibrated_policy, calibrated_prefill_policy
 
-    policy, decode = calibrated_prefill_policy(), calibrated_policy()
+    policy, decode = calibrated_prefill_policy(name=name), calibrated_policy(name=name)
     assert policy.provenance == "calibrated" and policy.fingerprint == decode.fingerprint
     assert policy.costs == decode.costs and 0 <= policy.budget <= 1 and "alpha_P" in policy.thresholds
     card = dict(policy.calibration)
     assert card["algorithm"] == "PASK Algorithm 1 (prefill)" and card["prefill_budget"] == policy.budget
-    report = json.loads((CALIBRATED_PREFILL_FOLDER / "calibration_report.json").read_text())
-    decode_folder = CALIBRATED_PREFILL_FOLDER.parent / "qwen2.5-coder-0.5b-instruct-calibrated"
+    decode_folder, prefill_folder = shipped_folders(name)
+    report = json.loads((prefill_folder / "calibration_report.json").read_text())
     decode_report = json.loads((decode_folder / "calibration_report.json").read_text())
     assert report["settings"]["stages"] == ["prefill"] and "decode" not in report
     for key in ("calibration_cases", "development_cases", "data"):
-        assert report[key] == decode_report[key], key  # the same split as the shipped decode table
+        assert report[key] == decode_report[key], key  # the same split as the pair's decode table
     selected = report["prefill"]["selected"]
     assert selected == "all-high fallback" or selected["measured_ratio"] == min(
         row["measured_ratio"]
@@ -378,16 +390,43 @@ def test_calibrated_prefill_policy_is_the_prefill_stage_of_algorithm_1_on_the_de
     )
 
 
-def test_shipped_calibrated_prefill_file_is_what_save_pretrained_writes(tmp_path):
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_calibrated_prefill_file_is_what_save_pretrained_writes(name, tmp_path):
     from hf_structkv.policy import calibrated_prefill_policy
 
-    calibrated_prefill_policy().save_pretrained(tmp_path)
-    assert (tmp_path / PREFILL_POLICY_NAME).read_text() == (CALIBRATED_PREFILL_FOLDER / PREFILL_POLICY_NAME).read_text()
+    calibrated_prefill_policy(name=name).save_pretrained(tmp_path)
+    shipped = shipped_folders(name)[1] / PREFILL_POLICY_NAME
+    assert (tmp_path / PREFILL_POLICY_NAME).read_text() == shipped.read_text()
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_prefill_policy_keeps_its_floors_protection_and_budget(name, tokenizer):
+    """The plan of a shipped prefill policy under its pair's sinks and window (and small random ones): on random
+    label sequences up to three times sinks + window long, and on the labelled prompts of `QUESTIONS`."""
+    from hf_structkv.policy import calibrated_policy, calibrated_prefill_policy
+
+    policy, decode = calibrated_prefill_policy(name=name), calibrated_policy(name=name)
+    costs, sink, window = policy.costs, decode.sink_tokens, decode.window
+    rng = random.Random(2)
+    cases = []
+    for _ in range(40):
+        labels = random_labels(rng, rng.randint(1, 3 * (sink + window)), list(PROMPT_LABELS))
+        cases += [(labels, sink, window), (labels, rng.randint(0, 3), rng.randint(0, 3))]
+    for question in QUESTIONS:
+        prompt = prompt_of(tokenizer, question)
+        cases.append((token_labels(tokenizer, prompt, label_prompt(prompt, TOOLS)), sink, window))
+    actions = set()
+    for labels, sink_, window_ in cases:
+        plan = plan_prefill(labels, costs, policy, sink_, window_)
+        assert_plan_properties(plan, labels, costs, policy, sink_, window_)
+        actions |= set(plan.actions.flatten().tolist())
+    assert actions > {H}  # the plans go below H somewhere: the policy's entries are exercised
 
 
 @pytest.mark.slow
-def test_calibrated_prefill_policy_fits_the_embedded_model(default_model):
+@pytest.mark.parametrize("name", SHIPPED)
+def test_calibrated_prefill_policy_fits_the_embedded_model(name, default_model):
     from hf_structkv.policy import calibrated_prefill_policy
 
     model, _ = default_model
-    assert calibrated_prefill_policy(model=model).costs == GroupCosts.from_config(model.config)
+    assert calibrated_prefill_policy(model=model, name=name).costs == GroupCosts.from_config(model.config)
