@@ -9,7 +9,11 @@ and batch, for
   keeping ``T / 10`` and ``T / 50`` entries per KV head on average (ragged: head ``h`` of ``H`` keeps
   ``T / ratio * (0.5 + h / (H-1))``, from half to 1.5x the mean), FP32 biases, shared by the batch as in
   ``CompactedCache``, plus ``APPENDED_TOKENS`` appended tokens per sequence (the question and the answer so far,
-  the current token last);
+  the current token last); each ratio with the prefix stored in BF16 (variant ``10x``) and in INT4 (``10x int4``,
+  `COMPACTED_STORAGES`): every head as ``compact(storage="int4")`` stores it, packed key codes with FP16 per-channel
+  scales and offsets (one row per head, ``INT4_KEY_GROUP``) and packed value codes with FP16 row scales, built
+  through ``CompactedCache.from_selection`` and served as its layer serves it (`int4_prefix`); the kernel reads the
+  codes natively. Rows record ``storage``;
 * ``mixed``: ``hf_structkv.attention.kernels.mixed_attention.triton_mixed_precision_attention`` on the three
   partitions of a ``StructuredMixedPrecisionCache`` layer at payload ratio B = 0.33 and 0.5: the newest ``window``
   tokens BF16 (recent region), of the older ones ``RELEASED_FRACTION`` released and the rest split between BF16 and
@@ -20,15 +24,15 @@ and batch, for
 for two shapes: the embedded model's (14 query heads, 2 KV heads, head_dim 64) and 32 / 8 / 128.
 
 Bytes-read model: the fewest bytes a decode step must move through device memory, each tensor the kernel reads
-counted once and the output written once: query, keys, values (BF16, packed INT4 codes, FP16 scales), FP32 biases
-and head offsets, the mixed kernel's bool visibility rows, and the output. The compacted prefix is shared by the
-batch, so it counts once whatever the batch (the kernel reads it once per sequence; repeats can come from L2).
-Split-KV statistics (written and re-read when a head's keys are split) are not counted. Effective bandwidth =
-bytes read / median time; % of peak is against the H200's 4.8 TB/s HBM datasheet figure (the run also measures a
-device-to-device copy, bytes read + written, as the reachable ceiling). Timing: CUDA events around each call, an
-L2-sized buffer overwritten before each, ``--warmup`` untimed calls, median of ``--reps``. Each call includes its
-Python launch overhead, so small cases are launch-bound. Before timing, each kernel's output on the smallest
-history / batch is compared with its torch reference (relative L2 error, FP32 reference).
+counted once and the output written once: query, keys, values (BF16, packed INT4 codes, FP16 scales and key
+offsets), FP32 biases and head offsets, the mixed kernel's bool visibility rows, and the output. The compacted
+prefix is shared by the batch, so it counts once whatever the batch (the kernel reads it once per sequence; repeats
+can come from L2). Split-KV statistics (written and re-read when a head's keys are split) are not counted. Effective
+bandwidth = bytes read / median time; % of peak is against the H200's 4.8 TB/s HBM datasheet figure (the run also
+measures a device-to-device copy, bytes read + written, as the reachable ceiling). Timing: CUDA events around each
+call, an L2-sized buffer overwritten before each, ``--warmup`` untimed calls, median of ``--reps``. Each call
+includes its Python launch overhead, so small cases are launch-bound. Before timing, each kernel's output on the
+smallest history / batch is compared with its torch reference (relative L2 error, FP32 reference).
 
 Part 2, end to end: TPOT of the embedded model's architecture (Qwen2.5-Coder-0.5B-Instruct: 24 layers, 14 / 2
 heads, head_dim 64) in BF16 on CUDA over a 32K-token context (32,704 random token ids: 32K minus room for the
@@ -100,11 +104,13 @@ from hf_structkv.attention.kernels.biased_attention import triton_compacted_atte
 from hf_structkv.attention.kernels.mixed_attention import triton_mixed_precision_attention
 from hf_structkv.attention.kernels.runtime import interpreter_ready
 from hf_structkv.attention.mixed_reference import DensePartition, Int4Partition, mixed_precision_attention
+from hf_structkv.cache.compacted_layers import Int4Head
 from hf_structkv.cache.mixed_precision import StructuredMixedPrecisionCache
 from hf_structkv.models import load_default_model
 from hf_structkv.policy.costs import Action, GroupCosts
 from hf_structkv.policy.table import DEFAULT_WINDOW, PolicyTable
 from hf_structkv.quant.int4 import quantize_int4
+from hf_structkv.quant.int4_channels import quantize_int4_channels
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helpers, also when imported by path
 from results_json import write_json  # noqa: E402
@@ -114,6 +120,10 @@ H200_PEAK_HBM_BYTES_PER_S = 4.8e12
 L2_FLUSH_BYTES = 256 * 1024**2
 """Overwritten before each timed call so that no input is served from the H200's 60 MB L2."""
 COMPACTION_RATIOS = (10, 50)
+COMPACTED_STORAGES = ("bf16", "int4")
+"""How the compacted prefix of every ``COMPACTION_RATIOS`` case is stored (`int4_prefix` for ``"int4"``)."""
+INT4_KEY_GROUP = None
+"""Kept entries per row of INT4 key scales and offsets: None, one row per head (the package default)."""
 PAYLOAD_RATIOS = (0.33, 0.5)
 RELEASED_FRACTION = 0.2
 """Share of the tokens older than the recent window that the mixed cache releases (the rest are BF16 or INT4)."""
@@ -361,8 +371,37 @@ def sdpa_case(shape: AttentionShape, batch: int, history: int, device: torch.dev
     )
 
 
-def compacted_case(shape: AttentionShape, batch: int, history: int, ratio: int, device: torch.device) -> KernelCase:
-    """Our biased varlen kernel over a context compacted ``ratio`` x (ragged per head, shared by the batch)."""
+def int4_prefix(prefix: CompactedPrefix, key_group: int | None = INT4_KEY_GROUP) -> CompactedPrefix:
+    """``prefix`` with every KV head stored in INT4 as ``compact(storage="int4")`` stores one: keys quantised per
+    channel (`quantize_int4_channels`, a row of FP16 scales and offsets per ``key_group`` entries), values per row
+    (`quantize_int4`), the biases kept; built by ``CompactedCache.from_selection(..., int4=...)`` from a one-layer
+    context cache holding head ``h``'s entries at positions ``0 .. L_h - 1``, and returned as that layer serves it (a
+    `QuantizedPrefix`: the codes and scales, no rows in ``keys`` / ``values``)."""
+    heads = [prefix.head(h) for h in range(prefix.num_kv_heads)]  # (keys [L_h, D], values [L_h, D_v], bias [L_h])
+    int4 = [Int4Head(*quantize_int4_channels(keys, key_group), *quantize_int4(values)) for keys, values, _ in heads]
+    longest = max(keys.shape[0] for keys, _, _ in heads)
+    context_keys = prefix.keys.new_zeros(1, len(heads), longest, prefix.keys.shape[-1])
+    context_values = prefix.values.new_zeros(1, len(heads), longest, prefix.values.shape[-1])
+    for h, (keys, values, _) in enumerate(heads):
+        context_keys[0, h, : keys.shape[0]] = keys
+        context_values[0, h, : values.shape[0]] = values
+    source = DynamicCache()
+    source.update(context_keys, context_values, 0)
+    cache = CompactedCache.from_selection(
+        source,
+        [[torch.arange(keys.shape[0], device=keys.device) for keys, _, _ in heads]],
+        [[bias for _, _, bias in heads]],
+        int4=[int4],
+        key_group=key_group,
+    )
+    return cache.layers[0].served_prefix(None)
+
+
+def compacted_case(
+    shape: AttentionShape, batch: int, history: int, ratio: int, storage: str, device: torch.device
+) -> KernelCase:
+    """Our biased varlen kernel over a context compacted ``ratio`` x (ragged per head, shared by the batch), its
+    prefix stored in ``storage`` (`COMPACTED_STORAGES`)."""
     bf16 = dict(dtype=torch.bfloat16, device=device)
     lengths = ragged_head_lengths(history / ratio, shape.kv_heads)
     offsets = [0]
@@ -371,21 +410,24 @@ def compacted_case(shape: AttentionShape, batch: int, history: int, ratio: int, 
     prefix_keys = torch.randn(offsets[-1], shape.head_dim, **bf16)
     prefix_values = torch.randn_like(prefix_keys)
     prefix_bias = torch.randn(offsets[-1], dtype=torch.float32, device=device)
+    prefix = CompactedPrefix(prefix_keys, prefix_values, prefix_bias, offsets)
+    if storage == "int4":
+        prefix = int4_prefix(prefix)
     appended_keys = torch.randn(batch, shape.kv_heads, APPENDED_TOKENS, shape.head_dim, **bf16)
     appended_values = torch.randn_like(appended_keys)
     query = torch.randn(batch, shape.q_heads, 1, shape.head_dim, **bf16)
-    prefix = CompactedPrefix(prefix_keys, prefix_values, prefix_bias, offsets)
     args = (query, prefix, AppendedTokens(appended_keys, appended_values))
     scaling = shape.head_dim**-0.5
+    quantized = [] if prefix.quantized is None else prefix.quantized.tensors()
     return KernelCase(
         "compacted",
-        f"{ratio}x",
+        f"{ratio}x" if storage == "bf16" else f"{ratio}x {storage}",
         lambda: triton_compacted_attention(*args, scaling),
         lambda: compacted_attention(*args, scaling),
-        tensor_bytes(query, prefix_keys, prefix_values, prefix_bias, appended_keys, appended_values)
+        tensor_bytes(query, prefix.keys, prefix.values, prefix.bias, *quantized, appended_keys, appended_values)
         + 8 * len(offsets)  # int64 head offsets
         + tensor_bytes(query),  # the output has the query's size
-        {"entries_per_head": lengths, "appended_tokens": APPENDED_TOKENS},
+        {"entries_per_head": lengths, "appended_tokens": APPENDED_TOKENS, "storage": storage},
     )
 
 
@@ -435,10 +477,11 @@ def mixed_case(
 
 
 def kernel_cases(shape: AttentionShape, batch: int, history: int, settings: Settings, device: torch.device):
-    """The five decode attention calls compared at one point of the grid (built one at a time)."""
+    """The decode attention calls compared at one point of the grid (built one at a time)."""
     yield lambda: sdpa_case(shape, batch, history, device)
     for ratio in COMPACTION_RATIOS:
-        yield lambda ratio=ratio: compacted_case(shape, batch, history, ratio, device)
+        for storage in COMPACTED_STORAGES:
+            yield lambda ratio=ratio, storage=storage: compacted_case(shape, batch, history, ratio, storage, device)
     for payload_ratio in PAYLOAD_RATIOS:
         yield lambda b=payload_ratio: mixed_case(shape, batch, history, b, settings.window, device)
 

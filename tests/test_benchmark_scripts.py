@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_structkv.attention.compacted_inputs import CompactedPrefix
 from hf_structkv.policy.costs import Action
-from hf_structkv.quant.int4 import quantize_int4
+from hf_structkv.quant.int4 import dequantize_int4, quantize_int4
+from hf_structkv.quant.int4_channels import dequantize_int4_channels, quantize_int4_channels
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPT = BENCHMARKS / "attention_kernels.py"
@@ -85,6 +87,29 @@ def test_ragged_head_lengths_spread_around_the_mean(kv_heads):
         ak.ragged_head_lengths(10.0, 0)
 
 
+@pytest.mark.parametrize("key_group", [None, 3])
+def test_int4_prefix_serves_every_head_quantised_as_compact_stores_it(key_group):
+    # every head round-tripped through the package's INT4 quantisers (keys per channel, values per row), the biases
+    # and ragged offsets kept, no head left in bf16 rows
+    g = torch.Generator().manual_seed(0)
+    offsets = [0, 2, 7, 15]
+    prefix = CompactedPrefix(
+        torch.randn(15, 6, generator=g).bfloat16(), torch.randn(15, 5, generator=g).bfloat16(), torch.randn(15), offsets
+    )
+    got = ak.int4_prefix(prefix, key_group)
+    assert got.offsets == offsets and torch.equal(got.bias, prefix.bias)
+    assert got.quantized.int4_heads == (True,) * 3 and got.quantized.key_group == key_group
+    assert got.keys.shape[0] == got.values.shape[0] == 0
+    for h in range(3):
+        keys, values, bias = prefix.head(h)
+        served_keys, served_values, served_bias = got.head(h)
+        want_keys = dequantize_int4_channels(*quantize_int4_channels(keys, key_group), 6, key_group)
+        torch.testing.assert_close(served_keys, want_keys, rtol=0, atol=0)
+        torch.testing.assert_close(served_values, dequantize_int4(*quantize_int4(values), 5), rtol=0, atol=0)
+        assert torch.equal(served_bias, bias)
+        assert (served_keys - keys.float()).abs().max() < 0.5  # a quantisation, not another tensor
+
+
 @pytest.mark.slow
 def test_embedded_model_config_matches_the_embedded_model(default_model):
     config = default_model[0].config
@@ -111,8 +136,17 @@ def test_attention_kernels_smoke(tmp_path):
     assert result["smoke"] is True and result["copy_bytes_per_s"] > 0
     rows = result["kernels"]
     grid = len(ak.SHAPES) * len(ak.SMOKE.lengths) * len(ak.SMOKE.batches)
-    assert len(rows) == grid * (1 + len(ak.COMPACTION_RATIOS) + len(ak.PAYLOAD_RATIOS))
+    compacted = len(ak.COMPACTION_RATIOS) * len(ak.COMPACTED_STORAGES)
+    assert len(rows) == grid * (1 + compacted + len(ak.PAYLOAD_RATIOS))
     assert {row["kernel"] for row in rows} == {"sdpa", "compacted", "mixed"}
+    by_storage = {}  # (shape, ratio) -> storage -> row
+    for row in (r for r in rows if r["kernel"] == "compacted"):
+        by_storage.setdefault((row["shape"], row["variant"].split()[0]), {})[row["storage"]] = row
+    assert len(by_storage) == len(ak.SHAPES) * len(ak.COMPACTION_RATIOS)
+    for pair in by_storage.values():  # the same entries per head; the INT4 prefix reads fewer bytes
+        assert set(pair) == set(ak.COMPACTED_STORAGES) and pair["int4"]["variant"].endswith(" int4")
+        assert pair["int4"]["entries_per_head"] == pair["bf16"]["entries_per_head"]
+        assert pair["int4"]["bytes_read"] < pair["bf16"]["bytes_read"]
     for row in rows:
         assert math.isfinite(row["seconds"]) and row["seconds"] > 0
         assert row["bytes_read"] > 0 and row["speedup_vs_sdpa"] > 0
