@@ -66,18 +66,29 @@ def kernel_calls(monkeypatch):
 
 @pytest.fixture
 def refuse_int4_dequantisation(monkeypatch):
-    """A switch: once called, every torch dequantisation of the INT4 heads of a compacted prefix
-    (`CompactedPrefix.dense`, `QuantizedHeads.served`) raises for the rest of the test, so whatever still serves them
-    reads their codes (the Triton kernel)."""
+    """A switch: once called, torch dequantisation of INT4 heads of a compacted prefix raises for the rest of the
+    test. ``switch()`` refuses it for every INT4 head (`CompactedPrefix.dense`, `QuantizedHeads.served`), so whatever
+    still serves them reads their codes (the Triton kernel); ``switch(read_from_codes=True)`` only for the heads that
+    the torch path reads from their codes (`CompactedPrefix.head` of a head that `int4_head_stats.reads_codes`), the
+    others may still be dequantised."""
 
-    def switch() -> None:
+    def switch(read_from_codes: bool = False) -> None:
         from hf_structkv.attention.compacted_inputs import CompactedPrefix, QuantizedHeads
+        from hf_structkv.attention.int4_head_stats import reads_codes
 
         def refuse(*_, **__):
-            raise AssertionError("INT4 heads were dequantised in torch, not read as codes by the kernel")
+            raise AssertionError("INT4 heads were dequantised in torch, not read as codes")
 
-        monkeypatch.setattr(CompactedPrefix, "dense", refuse)
-        monkeypatch.setattr(QuantizedHeads, "served", refuse)
+        if not read_from_codes:
+            monkeypatch.setattr(CompactedPrefix, "dense", refuse)
+            monkeypatch.setattr(QuantizedHeads, "served", refuse)
+            return
+        head = CompactedPrefix.head
+
+        def head_unless_read_from_codes(prefix, h):
+            return refuse() if reads_codes(prefix, h) else head(prefix, h)
+
+        monkeypatch.setattr(CompactedPrefix, "head", head_unless_read_from_codes)
 
     return switch
 

@@ -10,7 +10,10 @@ partition merge (eq. 15) up to rounding. Its fused kernel works block by block i
 uncompacted context served during on-policy calibration (measured in docs/RESULTS.md). Soft-capping (tanh before
 the bias) has no SDPA form: the whole call goes to the reference. A KV head with no kept entry can leave a padded
 row without any visible key (SDPA's softmax is then NaN where the reference gives zeros): that head alone goes to
-the reference. INT4 heads are dequantised head by head (`CompactedPrefix.head`) once per forward, never kept.
+the reference. An INT4 head with one row of key scales and even dimensions is read from its codes instead
+(`int4_head_stats`: its softmax statistics, merged with the appended tokens' by eq. 15, without SDPA and without a
+copy of its keys per batch row); other INT4 heads are dequantised head by head (`CompactedPrefix.head`) once per
+forward, never kept.
 """
 
 from __future__ import annotations
@@ -20,12 +23,15 @@ import torch
 from .compacted_inputs import AppendedTokens, CompactedPrefix
 from .compacted_reference import appended_scores_mask, compacted_attention, kv_grouping
 from .grouped_sdpa import grouped_sdpa
+from .int4_head_stats import int4_head_stats, reads_codes
+from .partitions import merge_partitions, partition_stats
 
 
 def fused_compacted_attention(
     query: torch.Tensor, prefix: CompactedPrefix, appended: AppendedTokens, scaling: float, softcap: float | None = None
 ) -> torch.Tensor:
-    """`compacted_attention` (same arguments, shapes and result) with one fused SDPA call per KV head.
+    """`compacted_attention` (same arguments, shapes and result) with one fused SDPA call per KV head (statistics from
+    the codes for the INT4 heads that `reads_codes`).
 
     Args:
         query: ``[B, H_q, q, D]``; prefix: `CompactedPrefix` (keys ``[N, D]``, values ``[N, D_v]``, biases ``[N]``,
@@ -43,9 +49,15 @@ def fused_compacted_attention(
     mask_batch = add_mask.shape[0]
     outputs = []
     for h in range(n_kv_heads):
-        prefix_keys, prefix_values, prefix_bias = prefix.head(h)
         heads = slice(h * group, (h + 1) * group)
         appended_h = AppendedTokens(appended.keys[:, h : h + 1], appended.values[:, h : h + 1], appended.mask)
+        if reads_codes(prefix, h):  # an INT4 head read from its codes: its statistics merged with the appended ones
+            query_h = query[:, heads].to(torch.float32)
+            appended_scores = (query_h @ appended_h.keys.to(torch.float32).transpose(-1, -2)) * scaling + add_mask
+            parts = [int4_head_stats(query_h, prefix, h, scaling), partition_stats(appended_scores, appended_h.values)]
+            outputs.append(merge_partitions(parts))  # [B, g, q, D_v]
+            continue
+        prefix_keys, prefix_values, prefix_bias = prefix.head(h)
         if prefix_keys.shape[0] == 0:  # no kept entry: a padded row may see no key, only the reference gives zeros
             empty_prefix = CompactedPrefix(prefix_keys, prefix_values, prefix_bias, [0, 0])
             out = compacted_attention(query[:, heads], empty_prefix, appended_h, scaling)
