@@ -15,6 +15,7 @@ from transformers import DynamicCache
 import hf_structkv
 from hf_structkv import CompactedCache
 from hf_structkv.attention.mixed_reference import PrefixPartition, mixed_precision_attention
+from hf_structkv.attention.mixed_sdpa import fused_mixed_precision_attention
 from hf_structkv.cache.compacted_layers import CompactedLayer
 from hf_structkv.cache.mixed_precision import StructuredMixedPrecisionCache
 from hf_structkv.generation import generation_inputs
@@ -140,7 +141,8 @@ def assert_dense_attention_over_the_served_entries(model, cache, mask, prefix_of
         query = torch.randn(2, model.config.num_attention_heads, 1, layer.keys.shape[-1])
         parts = layer.partitions(padding.bool()[:, None, None, :], 1)
         assert isinstance(parts[0], PrefixPartition) and parts[0].prefix.keys is layer.context.prefix_keys
-        got = mixed_precision_attention(query, parts, scaling=0.25).double()  # [B, 1, H_q, D]
+        reference = mixed_precision_attention(query, parts, scaling=0.25).double()  # [B, 1, H_q, D]
+        fused = fused_mixed_precision_attention(query, parts, scaling=0.25).double()
         group = query.shape[1] // layer.keys.shape[1]
         for row in range(2):
             for q_head in range(query.shape[1]):
@@ -149,7 +151,8 @@ def assert_dense_attention_over_the_served_entries(model, cache, mask, prefix_of
                 visible = (slots < 0) | padding[row, slots.clamp_min(0)].bool()
                 scores = keys @ query[row, q_head, 0].double() * 0.25 + bias
                 weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), 0)
-                torch.testing.assert_close(got[row, 0, q_head], weights @ values, atol=1e-5, rtol=1e-5)
+                for got in (reference, fused):
+                    torch.testing.assert_close(got[row, 0, q_head], weights @ values, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
@@ -316,10 +319,10 @@ def test_bad_contexts_are_refused_before_any_forward():
         StructuredMixedPrecisionCache(model, H2O(model, sink_tokens=2, window=4, heavy_ratio=0.5), context=mine)
 
 
-def test_a_context_prefix_is_served_by_the_torch_reference_when_triton_is_selected(monkeypatch, kernel_calls):
+def test_a_context_prefix_is_served_by_the_fused_torch_path_when_triton_is_selected(monkeypatch, kernel_calls):
     """The Triton mixed kernel reads slot stores only (no ragged biased prefix): with ``HF_STRUCTKV_ATTENTION_BACKEND``
-    selecting Triton, a layer with a compacted context is served by the torch reference (same tokens as the torch
-    backend, no kernel call), while the same policy without a context does call the kernel."""
+    selecting Triton, a layer with a compacted context is served by the torch backend's fused SDPA path (same tokens
+    as the torch backend, no kernel call), while the same policy without a context does call the kernel."""
     pytest.importorskip("triton", reason="triton is not importable: pip install hf-structkv[triton]")
     from hf_structkv.attention.backend import BACKEND_ENV
     from hf_structkv.attention.kernels import mixed_attention, runtime

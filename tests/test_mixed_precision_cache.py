@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache, LogitsProcessor
 
 from hf_structkv.attention.mixed_reference import mixed_precision_attention
+from hf_structkv.attention.mixed_sdpa import fused_mixed_precision_attention
 from hf_structkv.cache.mixed_precision import StructuredMixedPrecisionCache
 from hf_structkv.cache.mixed_precision_layer import MixedPrecisionLayer
 from hf_structkv.models import tiny_model
@@ -174,12 +175,13 @@ def test_mixed_attention_equals_dense_attention_over_the_stored_entries(arch):
         query = torch.randn(2, model.config.num_attention_heads, 1, keys.shape[-1])
         padding = torch.cat([mask, torch.ones(2, keys.shape[2] - mask.shape[1], dtype=torch.long)], 1).bool()
         attn_mask = padding[:, None, None, :]
-        got = mixed_precision_attention(query, layer.partitions(attn_mask, 1), scaling=0.25)
         group = query.shape[1] // keys.shape[1]
         scores = (query.double() @ keys.double().repeat_interleave(group, 1).transpose(-1, -2)) * 0.25
         scores = scores.masked_fill(~(stored & padding)[:, None, None, :], float("-inf"))
         want = (torch.softmax(scores, -1) @ values.double().repeat_interleave(group, 1)).transpose(1, 2)
-        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+        for attend in (mixed_precision_attention, fused_mixed_precision_attention):
+            got = attend(query, layer.partitions(attn_mask, 1), scaling=0.25)
+            torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
 def tagged_generation(model, policy, new_tokens: int, **inputs) -> tuple[StructuredMixedPrecisionCache, torch.Tensor]:

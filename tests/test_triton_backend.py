@@ -23,6 +23,7 @@ from hf_structkv.attention.backend import (  # noqa: E402
 from hf_structkv.attention.compacted_reference import compacted_attention  # noqa: E402
 from hf_structkv.attention.compacted_sdpa import fused_compacted_attention  # noqa: E402
 from hf_structkv.attention.mixed_reference import mixed_precision_attention  # noqa: E402
+from hf_structkv.attention.mixed_sdpa import fused_mixed_precision_attention  # noqa: E402
 from hf_structkv.models import tiny_model  # noqa: E402
 
 try:
@@ -38,7 +39,8 @@ def test_auto_serves_cpu_tensors_with_torch(monkeypatch):
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     assert choose_backend(torch.zeros(1)) == "torch"
     assert compacted_attention_for(torch.zeros(1)) is fused_compacted_attention
-    assert mixed_precision_attention_for(torch.zeros(1)) is mixed_precision_attention
+    assert mixed_precision_attention_for(torch.zeros(1)) is fused_mixed_precision_attention
+    assert mixed_precision_attention_for(torch.zeros(1), with_prefix=True) is fused_mixed_precision_attention
 
 
 def test_torch_can_be_forced(monkeypatch):
@@ -51,6 +53,7 @@ def test_the_references_can_be_forced(monkeypatch):
     assert choose_backend(torch.zeros(1)) == "reference"
     assert compacted_attention_for(torch.zeros(1)) is compacted_attention
     assert mixed_precision_attention_for(torch.zeros(1)) is mixed_precision_attention
+    assert mixed_precision_attention_for(torch.zeros(1), with_prefix=True) is mixed_precision_attention
 
 
 @requires_triton
@@ -62,6 +65,7 @@ def test_triton_can_be_forced_on_cpu_under_the_interpreter(monkeypatch):
     assert choose_backend(torch.zeros(1)) == "triton"
     assert compacted_attention_for(torch.zeros(1)) is triton_compacted_attention
     assert mixed_precision_attention_for(torch.zeros(1)) is triton_mixed_precision_attention
+    assert mixed_precision_attention_for(torch.zeros(1), with_prefix=True) is fused_mixed_precision_attention
 
 
 @requires_triton

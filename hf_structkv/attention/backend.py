@@ -1,17 +1,18 @@
-"""Which implementation serves attention over a compacted or mixed-precision cache: Triton kernels or torch references.
+"""Which implementation serves attention over a compacted or mixed-precision cache: Triton kernels, torch SDPA or the
+torch references.
 
 ``HF_STRUCTKV_ATTENTION_BACKEND`` = ``auto`` (default: Triton for CUDA tensors when triton imports, torch otherwise),
 ``torch``, ``reference`` or ``triton`` (CPU tensors then need the Triton interpreter: ``TRITON_INTERPRET=1`` set
 before triton is first imported). The kernels (`kernels/`) are imported only when used, never at ``import
-hf_structkv``. With
-``torch``, compacted attention runs through SDPA (`fused_compacted_attention`, the reference where SDPA has no form
-for it) and mixed-precision attention through its reference; ``reference`` runs both references
-(`compacted_attention`, `mixed_precision_attention`), which define what every path computes.
+hf_structkv``. With ``torch``, compacted and mixed-precision attention run through SDPA (`fused_compacted_attention`,
+`fused_mixed_precision_attention`; the references where SDPA has no form for a call, such as soft-capping);
+``reference`` runs both references (`compacted_attention`, `mixed_precision_attention`), which define what every path
+computes.
 
 A mixed-precision layer that serves a compacted context (a composed cache: ``StructuredMixedPrecisionCache(...,
-context=)``, a `PrefixPartition` among its partitions) is always served by the torch reference
-``mixed_precision_attention``, whatever this chooses: the Triton mixed kernel reads slot stores only, not a ragged
-prefix with biases (``registry.structkv_attention`` decides; tests/test_composed_cache.py checks it).
+context=)``, a `PrefixPartition` among its partitions) is served by the fused SDPA path under ``triton`` too (and by
+the reference under ``reference``): the Triton mixed kernel reads slot stores only, not a ragged prefix with biases
+(``mixed_precision_attention_for(..., with_prefix=True)``; tests/test_composed_cache.py checks it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from .compacted_reference import compacted_attention
 from .compacted_sdpa import fused_compacted_attention
 from .mixed_reference import mixed_precision_attention
+from .mixed_sdpa import fused_mixed_precision_attention
 
 BACKEND_ENV = "HF_STRUCTKV_ATTENTION_BACKEND"
 BACKENDS = ("auto", "torch", "reference", "triton")
@@ -87,13 +89,20 @@ def compacted_attention_for(tensor: torch.Tensor) -> Callable[..., torch.Tensor]
     return triton_compacted_attention
 
 
-def mixed_precision_attention_for(tensor: torch.Tensor) -> Callable[..., torch.Tensor]:
-    """The mixed-precision attention function for ``tensor`` (``choose_backend``): the Triton kernel wrapper
-    ``kernels.mixed_attention.triton_mixed_precision_attention`` or the torch reference
-    ``mixed_precision_attention`` (for ``torch`` and ``reference``); both take the same arguments. Not asked for a
-    layer with a compacted context prefix (module docstring): the reference serves it."""
-    if choose_backend(tensor) in ("torch", "reference"):
+def mixed_precision_attention_for(tensor: torch.Tensor, with_prefix: bool = False) -> Callable[..., torch.Tensor]:
+    """The mixed-precision attention function for ``tensor`` (``choose_backend``): torch's
+    ``fused_mixed_precision_attention``, the reference ``mixed_precision_attention`` or the Triton kernel wrapper
+    ``kernels.mixed_attention.triton_mixed_precision_attention``; all take the same arguments.
+
+    Args:
+        with_prefix: the partitions hold a compacted prefix (`PrefixPartition`): under ``triton`` the fused torch path
+            serves it (the kernel reads slot stores only).
+    """
+    chosen = choose_backend(tensor)
+    if chosen == "reference":
         return mixed_precision_attention
+    if chosen == "torch" or with_prefix:
+        return fused_mixed_precision_attention
     from .kernels.mixed_attention import triton_mixed_precision_attention
 
     return triton_mixed_precision_attention

@@ -4,8 +4,9 @@ A layer's visible keys live in exactly one of: a compacted prefix (a shared tool
 per-entry logit biases, `PrefixPartition`), a high-precision store (BF16, or the model dtype), a packed INT4 store
 (codes and FP16 scales per token x KV-head row, dequantised here, inside attention) and the recent region (the
 newest tokens, the current step's included). Each partition yields FP32 softmax statistics; they are merged exactly
-with `merge_partitions`. This defines correctness for the Triton mixed-precision kernel (which serves layers without
-a prefix).
+with `merge_partitions`. This defines correctness for the torch backend's fused path
+(`mixed_sdpa.fused_mixed_precision_attention`: one SDPA call per KV head over all partitions) and for the Triton
+mixed-precision kernel (which serves layers without a prefix); the ``reference`` backend serves it.
 
 A prefill (many query rows over many keys) runs in blocks of query rows, each block's logits bounded by
 ``max_score_elements`` (`SCORE_BLOCK_ELEMENTS` by default), so its memory grows as ``block x keys``, not as
@@ -43,6 +44,10 @@ class DensePartition:
     def float_keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys.float(), self.values.float()
 
+    def float_head(self, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP32 keys ``[B, n, D]`` and values ``[B, n, D_v]`` of KV head ``h``."""
+        return self.keys[:, h].float(), self.values[:, h].float()
+
 
 @dataclass(frozen=True)
 class Int4Partition:
@@ -70,6 +75,13 @@ class Int4Partition:
     def float_keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         keys = dequantize_int4(self.key_codes, self.key_scales, self.head_dim)
         values = dequantize_int4(self.value_codes, self.value_scales, self.value_dim)
+        return keys, values
+
+    def float_head(self, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP32 keys ``[B, n, D]`` and values ``[B, n, D_v]`` of KV head ``h``, dequantised from that head's codes
+        only."""
+        keys = dequantize_int4(self.key_codes[:, h], self.key_scales[:, h], self.head_dim)
+        values = dequantize_int4(self.value_codes[:, h], self.value_scales[:, h], self.value_dim)
         return keys, values
 
 
@@ -140,7 +152,7 @@ def _float_partition(part: Partition) -> Partition:
     return DensePartition(*part.float_keys_values(), part.visible)
 
 
-def _num_entries(part: Partition) -> int:
+def num_entries(part: Partition) -> int:
     """Entries a query row scores in ``part`` (for a prefix: its longest KV head)."""
     if isinstance(part, PrefixPartition):
         offsets = part.prefix.offsets
@@ -148,16 +160,32 @@ def _num_entries(part: Partition) -> int:
     return part.visible.shape[-1]
 
 
+def rows_per_block(q_len: int, logits_per_row: int, max_score_elements: int) -> int:
+    """Query rows per block: the most of ``q_len`` rows whose ``logits_per_row`` FP32 logits each fit
+    ``max_score_elements`` (at least one row).
+
+    Raises:
+        ValueError: ``max_score_elements`` is not a positive int.
+    """
+    if isinstance(max_score_elements, bool) or not isinstance(max_score_elements, int) or max_score_elements < 1:
+        raise ValueError(f"max_score_elements must be a positive int, got {max_score_elements!r}")
+    return max(1, min(q_len, max_score_elements // max(logits_per_row, 1)))
+
+
 def _row_block(query: torch.Tensor, partitions: list[Partition], max_score_elements: int) -> int:
-    """Query rows per block: the most whose logits ``[B, H_q, rows, n]`` of the largest partition fit
-    ``max_score_elements`` (at least one row)."""
+    """Query rows per block of the reference: the most whose logits ``[B, H_q, rows, n]`` of the largest partition
+    fit ``max_score_elements``."""
     batch, n_q_heads, q_len, _ = query.shape
-    per_row = batch * n_q_heads * max(_num_entries(part) for part in partitions)
-    return max(1, min(q_len, max_score_elements // max(per_row, 1)))
+    per_row = batch * n_q_heads * max(num_entries(part) for part in partitions)
+    return rows_per_block(q_len, per_row, max_score_elements)
 
 
-def _grouped_query(query: torch.Tensor, partitions: list[Partition]) -> torch.Tensor:
-    """``query`` ``[B, H_q, q, D]`` as FP32 ``[B, H_kv, g, q, D]`` over the partitions' KV heads."""
+def group_query(query: torch.Tensor, partitions: list[Partition]) -> torch.Tensor:
+    """``query`` ``[B, H_q, q, D]`` as FP32 ``[B, H_kv, g, q, D]`` over the partitions' KV heads.
+
+    Raises:
+        ValueError: no partition, partitions with different numbers of KV heads, or ``H_q`` not a multiple of them.
+    """
     if not partitions:
         raise ValueError("partitions must hold at least one partition")
     batch, n_q_heads, q_len, head_dim = query.shape
@@ -191,10 +219,8 @@ def mixed_precision_attention(
     Returns:
         ``[B, q, H_q, D_v]`` in ``query.dtype``; a row that sees no key gets zeros.
     """
-    if isinstance(max_score_elements, bool) or not isinstance(max_score_elements, int) or max_score_elements < 1:
-        raise ValueError(f"max_score_elements must be a positive int, got {max_score_elements!r}")
     batch, n_q_heads, q_len, _ = query.shape
-    grouped = _grouped_query(query, partitions)
+    grouped = group_query(query, partitions)
     served = [_float_partition(part) for part in partitions]
     rows = _row_block(query, served, max_score_elements)
     blocks = []
@@ -231,7 +257,7 @@ def attention_probabilities(
             "attention probabilities are per slot of a mixed-precision layer; a compacted prefix (PrefixPartition) "
             "has no slots: leave it out"
         )
-    grouped = _grouped_query(query, partitions)
+    grouped = group_query(query, partitions)
     scores = [_scores(grouped, part, scaling, softcap)[0] for part in partitions]  # each [B, H_kv, g, q, n]
     row_max = torch.stack([s.amax(dim=-1) if s.shape[-1] else s.new_full(s.shape[:-1], -torch.inf) for s in scores])
     row_max = row_max.amax(dim=0)  # [B, H_kv, g, q]
@@ -287,8 +313,6 @@ def attention_mass(
         ``(mass, weighted)``: ``mass`` one FP32 tensor ``[B, n]`` per partition (its entries in order; a row that sees
         no key adds nothing); ``weighted`` the same for the value-weighted mass, ``None`` without ``value_norms``.
     """
-    if isinstance(max_score_elements, bool) or not isinstance(max_score_elements, int) or max_score_elements < 1:
-        raise ValueError(f"max_score_elements must be a positive int, got {max_score_elements!r}")
     q_len = query.shape[2]
     rows = _row_block(query, partitions, max_score_elements)
     mass = [torch.zeros(part.visible.shape[0], part.visible.shape[-1], device=query.device) for part in partitions]

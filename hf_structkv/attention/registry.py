@@ -23,7 +23,7 @@ from .backend import compacted_attention_for, mixed_precision_attention_for
 from .compacted_inputs import AppendedTokens
 from .kwargs import MIXED_KWARG, PREFIX_KWARG
 from .masks import structkv_mask
-from .mixed_reference import PrefixPartition, mixed_precision_attention
+from .mixed_reference import PrefixPartition
 
 ATTENTION_NAME = "hf_structkv"
 DEBUG_VARIABLE = "HF_STRUCTKV_DEBUG"
@@ -67,9 +67,9 @@ def structkv_attention(
             raise ValueError("a mixed-precision cache is for inference: put the model in eval mode (dropout must be 0)")
         partitions = mixed_layer.partitions(attention_mask, query.shape[-2], module)
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-        # A compacted prefix (PrefixPartition) is merged by the torch reference; the Triton kernel reads slot stores.
+        # The Triton kernel reads slot stores only: a compacted prefix (PrefixPartition) goes to the torch paths.
         with_prefix = any(isinstance(part, PrefixPartition) for part in partitions)
-        attend = mixed_precision_attention if with_prefix else mixed_precision_attention_for(query)
+        attend = mixed_precision_attention_for(query, with_prefix=with_prefix)
         out = attend(query, partitions, scaling=scaling, softcap=kwargs.get("softcap"))
         mixed_layer.record_attention(query, partitions, scaling, kwargs.get("softcap"), module)  # no-op unless asked
         return _checked(out, module, "mixed-precision")

@@ -46,7 +46,6 @@ from ..attention.mixed_reference import (
     PrefixPartition,
     attention_mass,
     head_output_projections,
-    mixed_precision_attention,
     projected_value_norms,
 )
 from ..policy.costs import Action
@@ -231,9 +230,9 @@ class MixedPrecisionLayer(CacheLayerMixin):
         rows = stats.counted_rows(seen - q_len, q_len)
         if rows is None:
             return
-        from ..attention.backend import BACKEND_ENV, mixed_precision_attention_for
+        from ..attention.backend import BACKEND_ENV, choose_backend
 
-        if mixed_precision_attention_for(query) is not mixed_precision_attention:
+        if choose_backend(query) == "triton":
             raise ValueError(
                 "attention statistics (H2O / SnapKV / MiKV / CriticalKV baselines) are computed by the torch reference "
                 f"only: set {BACKEND_ENV}=torch, or use a policy without attention statistics"

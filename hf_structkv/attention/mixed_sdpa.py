@@ -1,0 +1,99 @@
+"""Mixed-precision attention through torch's fused ``scaled_dot_product_attention``: the reference's computation
+without its per-partition score tensors.
+
+Per KV head, every partition of a mixed-precision layer (a compacted prefix, the high store, the INT4 store
+dequantised for that head only, the recent region) becomes one key/value set, and the partitions' visibility and
+the prefix biases one additive FP32 mask (``-inf`` where a row does not see a slot, ``bias_j`` on prefix entry
+``j``); one SDPA call (FP32 inputs, so FP32 softmax and accumulation) per KV head and block of query rows computes the
+softmax over their union, which equals `mixed_precision_attention`'s partition merge (eq. 15) up to rounding.
+Blocks of query rows are bounded by the same ``max_score_elements`` as the reference's, counted over the logits
+``[B, g, rows, N]`` one call would hold (``N`` every partition's entries of the KV head). A row that sees no key
+(padding) gets zeros, as in the reference (SDPA's softmax over nothing may give NaN). Soft-capping (tanh) has no SDPA
+form: such a call goes to the reference.
+
+Attention statistics (H2O / SnapKV / MiKV / CriticalKV) are not computed here: the layer computes them afterwards
+in a second pass with the reference's `attention_mass` whichever function served the output
+(`MixedPrecisionLayer.record_attention`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .mixed_reference import (
+    SCORE_BLOCK_ELEMENTS,
+    DensePartition,
+    Int4Partition,
+    Partition,
+    PrefixPartition,
+    group_query,
+    mixed_precision_attention,
+    num_entries,
+    rows_per_block,
+)
+
+
+def _head_entries(
+    h: int, batch: int, prefixes: list[PrefixPartition], slots: list[DensePartition | Int4Partition]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KV head ``h``'s entries of every partition, prefixes first: FP32 keys ``[B, N, D]``, values ``[B, N, D_v]``
+    and the prefix entries' biases ``[L]`` (``L <= N``: the first ``L`` entries)."""
+    prefix_heads = [part.prefix.head(h) for part in prefixes]  # each ([L_h, D], [L_h, D_v], [L_h])
+    slot_heads = [part.float_head(h) for part in slots]  # each ([B, n, D], [B, n, D_v])
+    keys = [k.float().expand(batch, -1, -1) for k, _, _ in prefix_heads] + [k for k, _ in slot_heads]
+    values = [v.float().expand(batch, -1, -1) for _, v, _ in prefix_heads] + [v for _, v in slot_heads]
+    bias = [b.float() for _, _, b in prefix_heads]
+    return torch.cat(keys, dim=1), torch.cat(values, dim=1), torch.cat(bias) if bias else keys[0].new_zeros(0)
+
+
+def fused_mixed_precision_attention(
+    query: torch.Tensor,
+    partitions: list[Partition],
+    scaling: float,
+    softcap: float | None = None,
+    max_score_elements: int = SCORE_BLOCK_ELEMENTS,
+) -> torch.Tensor:
+    """`mixed_precision_attention` (same arguments, shapes and result up to rounding) with one fused SDPA call per KV
+    head and block of query rows.
+
+    Args:
+        query: ``[B, H_q, q, D]``; partitions: `DensePartition` / `Int4Partition` (visibility ``[B, q, n]``) and
+            `PrefixPartition` (visible to every row, per-entry biases), ``H_kv`` KV heads each.
+        scaling: logit scale; softcap: optional tanh soft-capping (served by the reference).
+        max_score_elements: the most FP32 logits ``B x g x rows x N`` one call covers (``N``: every partition's
+            entries, a prefix's longest KV head): blocks of ``max(1, max_score_elements // (B * g * N))`` query rows.
+
+    Returns:
+        ``[B, q, H_q, D_v]`` in ``query.dtype``; a row that sees no key gets zeros.
+    """
+    if softcap:
+        return mixed_precision_attention(query, partitions, scaling, softcap, max_score_elements)
+    grouped = group_query(query, partitions)  # [B, H_kv, g, q, D] FP32
+    batch, n_kv_heads, group, q_len, _ = grouped.shape
+    rows = rows_per_block(q_len, batch * group * sum(num_entries(part) for part in partitions), max_score_elements)
+    prefixes = [part for part in partitions if isinstance(part, PrefixPartition)]
+    slots = [part for part in partitions if not isinstance(part, PrefixPartition)]
+    heads = []
+    for h in range(n_kv_heads):
+        keys, values, bias = _head_entries(h, batch, prefixes, slots)  # [B, N, D], [B, N, D_v], [L]
+        out = values.new_zeros(batch, group, q_len, values.shape[-1])  # rows without a visible key stay zero
+        if keys.shape[1] == 0:
+            heads.append(out)
+            continue
+        keys, values = keys.unsqueeze(1).expand(-1, group, -1, -1), values.unsqueeze(1).expand(-1, group, -1, -1)
+        for start in range(0, q_len, rows):
+            block = slice(start, start + rows)
+            block_query = grouped[:, h, :, block]  # [B, g, r, D]
+            mask = [bias.expand(batch, block_query.shape[-2], -1)]  # [B, r, L]
+            if slots:
+                visible = torch.cat([part.visible[:, block] for part in slots], dim=-1)  # [B, r, n]
+                mask.append(torch.zeros(visible.shape, dtype=torch.float32, device=keys.device))
+                mask[-1].masked_fill_(~visible, float("-inf"))
+            attended = torch.nn.functional.scaled_dot_product_attention(
+                block_query, keys, values, attn_mask=torch.cat(mask, dim=-1).unsqueeze(1), scale=scaling
+            )  # [B, g, r, D_v]
+            if bias.numel() == 0:  # without prefix entries a padded row may see nothing: zeros, as the reference
+                attended = attended.masked_fill(~visible.any(dim=-1)[:, None, :, None], 0.0)
+            out[:, :, block] = attended
+        heads.append(out)
+    return torch.cat(heads, dim=1).transpose(1, 2).contiguous().to(query.dtype)
