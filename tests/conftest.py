@@ -69,8 +69,9 @@ def refuse_int4_dequantisation(monkeypatch):
     """A switch: once called, torch dequantisation of INT4 heads of a compacted prefix raises for the rest of the
     test. ``switch()`` refuses it for every INT4 head (`CompactedPrefix.dense`, `QuantizedHeads.served`), so whatever
     still serves them reads their codes (the Triton kernel); ``switch(read_from_codes=True)`` only for the heads that
-    the torch path reads from their codes (`CompactedPrefix.head` of a head that `int4_head_stats.reads_codes`), the
-    others may still be dequantised."""
+    the torch path reads from their codes at a decode step (`CompactedPrefix.head` of a head that
+    `int4_head_stats.reads_codes`), the others may still be dequantised: switch it on for calls of one query per
+    row (at several, the torch path dequantises every INT4 head)."""
 
     def switch(read_from_codes: bool = False) -> None:
         from hf_structkv.attention.compacted_inputs import CompactedPrefix, QuantizedHeads

@@ -8,6 +8,7 @@ from test_compacted_attention import causal_visible, random_problem
 from test_compacted_int4_cache import context_ids, generate, int4_cache, left_padded_batch
 
 import hf_structkv
+from hf_structkv.attention import compacted_sdpa
 from hf_structkv.attention.backend import BACKEND_ENV
 from hf_structkv.attention.compacted_inputs import QuantizedHeads, QuantizedPrefix
 from hf_structkv.attention.compacted_reference import compacted_attention
@@ -80,16 +81,30 @@ def test_statistics_equal_those_of_the_dequantised_head(dtype, q_len):
 @pytest.mark.parametrize("q_len", [1, 3])
 @pytest.mark.parametrize("key_group", [None, 8])
 def test_fused_path_equals_the_reference(dtype, q_len, key_group, refuse_int4_dequantisation):
-    """INT4 heads of one row of key scales (read from codes) beside an INT4 head of several (key_group 8: the head of
-    20 entries, dequantised), a head in the dtype and an empty one; GQA, a left-padded batch of two. The heads read
-    from codes are never dequantised."""
+    """INT4 heads of one row of key scales beside an INT4 head of several (key_group 8: the head of 20 entries), a
+    head in the dtype and an empty one; GQA, a left-padded batch of two. At one query per row the heads of one row
+    of key scales are read from codes (never dequantised); at three, every INT4 head is dequantised."""
     query, prefix, appended = problem((5, 20, 7, 0), (True, True, False, True), key_group, q_len=q_len, dtype=dtype)
     assert reads_codes(prefix, 1) == (key_group is None)
     want = compacted_attention(query, prefix, appended, scaling=0.4)
-    refuse_int4_dequantisation(read_from_codes=True)
+    if q_len == 1:
+        refuse_int4_dequantisation(read_from_codes=True)
     got = fused_compacted_attention(query, prefix, appended, scaling=0.4)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCES[dtype], rtol=TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize(("q_len", "read"), [(1, [0, 1]), (2, [])])
+def test_codes_are_read_at_decode_steps_only(q_len, read, monkeypatch):
+    calls = []
+
+    def spy(query, prefix, h, scaling):
+        calls.append(h)
+        return int4_head_stats(query, prefix, h, scaling)
+
+    monkeypatch.setattr(compacted_sdpa, "int4_head_stats", spy)
+    fused_compacted_attention(*problem((5, 6, 3), (True, True, False), q_len=q_len), scaling=0.4)
+    assert calls == read
 
 
 def test_odd_dims_are_dequantised_and_match():
@@ -135,7 +150,8 @@ def test_bad_heads_and_queries_are_named():
 
 def test_int4_cache_generates_as_the_reference_through_the_torch_path(monkeypatch, refuse_int4_dequantisation):
     """A cache of INT4 heads with one row of key scales each (``key_group`` None), a left-padded batch: the torch
-    path generates the reference's tokens without dequantising them."""
+    path generates the reference's tokens, its decode steps without dequantising them (the question but its last
+    token is prefilled first: several queries per row dequantise)."""
     torch.manual_seed(0)
     model = tiny_model("qwen2")  # 4 query heads over 2 KV heads (GQA)
     cache, _ = int4_cache(model, context_ids(), key_group=None, plain_heads=())
@@ -144,5 +160,7 @@ def test_int4_cache_generates_as_the_reference_through_the_torch_path(monkeypatc
     monkeypatch.setenv(BACKEND_ENV, "reference")
     want = generate(model, ids, mask, cache.copy())
     monkeypatch.setenv(BACKEND_ENV, "torch")
+    served = cache.copy()
+    generate(model, ids[:, :-1], mask[:, :-1], served, n=1)
     refuse_int4_dequantisation(read_from_codes=True)
-    assert torch.equal(generate(model, ids, mask, cache.copy()), want)
+    assert torch.equal(generate(model, ids, mask, served), want)

@@ -14,8 +14,9 @@ The codes are packed two per byte, channel ``2i`` in the low nibble of byte ``i`
 odd ones, each nibble sign-extended by an arithmetic shift of its byte (no reordering of the codes): the scaled query's
 channels are put in that order, and the value sum is put back in channel order. The products are FP32, as the
 reference's over dequantised keys and values; the two agree up to rounding. The prefix is shared by the batch, so the
-``B · g · q`` query rows of a KV head are the rows of one matrix product. A head with several rows of key scales, or
-an odd key or value dimension, is not read here (`reads_codes`).
+``B · g · q`` query rows of a KV head are the rows of one matrix product (its ``[B·g·q, L]`` scores are formed
+whole, as the reference's). A head with several rows of key scales, or an odd key or value dimension, is not read
+here (`reads_codes`). `fused_compacted_attention` reads INT4 heads this way at decode steps (one query per row).
 """
 
 from __future__ import annotations
