@@ -22,8 +22,9 @@ TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}  # bf16: an output ul
 
 
 def quantized(prefix, int4_heads, key_group):
-    """``prefix`` (keys scaled so that codes span their range) with the KV heads flagged in ``int4_heads`` stored in
-    INT4 (keys per channel in groups of ``key_group`` entries, values per row), the others left in the dtype."""
+    """``prefix`` with the KV heads flagged in ``int4_heads`` stored in INT4 (keys per channel in groups of
+    ``key_group`` entries, values per row), the others left in the dtype (as tests/test_triton_biased_attention.py
+    builds them; that module is skipped where triton cannot be imported)."""
     plain_keys, plain_values, parts, lengths = [prefix.keys[:0]], [prefix.values[:0]], [], []
     for h, is_int4 in enumerate(int4_heads):
         keys, values, _ = prefix.head(h)
