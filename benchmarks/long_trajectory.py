@@ -22,14 +22,16 @@ at B = 0.33, and against PASK after a compacted tool catalogue, side by side in 
   line; a rerun with other settings is refused) and skipped when rerun.
 
 On a GPU the Triton kernels change the attention part: the mixed-precision kernel reads the stores in place (INT4
-dequantised in registers, split-KV over long histories), where on this CPU the torch reference dequantises every
-stored INT4 entry and gathers the stores at each step, which is what makes PASK's step slower than a DynamicCache's
-at short histories; a layer with a compacted catalogue is served by the torch reference on every device (the Triton
-mixed kernel has no prefix partition, attention/backend.py).
+dequantised in registers, split-KV over long histories), where on this CPU the fused torch path
+(`attention/mixed_sdpa.py`, one SDPA call per KV head over all partitions) dequantises every stored INT4 entry and
+gathers the stores at each step, which is what makes PASK's step slower than a DynamicCache's at short histories; a
+layer with a compacted catalogue is served by the fused torch path on every device (the Triton mixed kernel has no
+prefix partition, attention/backend.py).
 
-Each prompt is prefilled in one forward, as ``generate`` does; the mixed-precision cache's torch reference serves the
-prompt's query rows in blocks whose FP32 logits stay within ``SCORE_BLOCK_ELEMENTS`` per partition
-(`mixed_precision_attention`), so its attention memory grows as ``block x P``, not ``P^2``; what still grows as
+Each prompt is prefilled in one forward, as ``generate`` does; the mixed-precision cache's torch paths serve the
+prompt's query rows in blocks whose FP32 logits stay within ``SCORE_BLOCK_ELEMENTS`` (per partition in
+`mixed_precision_attention`, over all partitions in `fused_mixed_precision_attention`), so its attention memory
+grows as ``block x P``, not ``P^2``; what still grows as
 ``B P^2`` is transformers' boolean attention mask of a padded batch (``B P^2`` bytes: 4 GiB at 32K and batch 4). A
 prompt may also be prefilled in chunks (``StructuredMixedPrecisionCache(..., prompt_length=P)`` with ``generate``'s
 ``prefill_chunk_size``; equal to one forward), which this benchmark does not use.

@@ -12,12 +12,13 @@ it), a compacted cache in the model's dtype (storage ``"bf16"``) at ``BF16_RATIO
 cache at ``INT4_RATIO`` x fewer bytes (storage ``"int4"``), both sized as ``compact(budgets="uniform")`` sizes them,
 and the weights-only floor (the same decode with no context). Keys and values are drawn N(0, 1) in the model's
 dtype: a decode step's cost does not depend on the numbers. The compacted caches are served by hf_structkv's attention
-(``attention_backend`` in the JSON), which dequantises the INT4 heads to float32 at every forward, so their time
+(``attention_backend`` in the JSON); on CPU at a decode step the INT4 heads (one row of key scales, even head dims)
+are read from their codes (`attention/int4_head_stats.py`), other steps dequantise them per forward, so their time
 includes that. Targets (issue 31, at the longest context measured):
 the INT4 cache at least ``TARGET_SPEEDUP`` x faster than the DynamicCache at batch 4, and within
 ``TARGET_FLOOR_RATIO`` x of the floor at batch 1.
 
-    OMP_NUM_THREADS=2 python benchmarks/serving_cost.py --random-kv --contexts 4096 16384 --batches 1 4 \
+    OMP_NUM_THREADS=1 python benchmarks/serving_cost.py --random-kv --contexts 4096 16384 --batches 1 4 \
         --out benchmarks/results/serving_cost_random_kv.json
 
 ``--tiny`` (random K/V only) runs the same code on a random tiny model (a smoke test, times meaningless).

@@ -2,7 +2,8 @@
 
 The torch reference (`compacted_attention`), the fused SDPA path and the Triton kernel all take these two tuples. A
 prefix may hold some KV heads in INT4 (`QuantizedHeads`); `CompactedPrefix.head` serves them dequantised, per call,
-so no dequantised copy outlives the forward that reads it (the Triton kernel reads their codes and scales instead).
+so no dequantised copy outlives the forward that reads it (the Triton kernel, and the fused SDPA path at a decode step
+through `int4_head_stats`, read their codes and scales instead).
 """
 
 from __future__ import annotations
