@@ -17,28 +17,41 @@ managing the rest at B = 0.33, scored by BFCL's AST checker.
   case's own functions (a call to another catalogue function is wrong).
 - Rows: ``full_kv`` (the catalogue kept whole: every entry, bias 0, which answers token for token what the full
   prompt answers, tests/test_tool_catalogue.py); per ``--ratios`` r, ``kv_surgeon@rx`` (`compact_catalogue`,
-  ``storage="bf16"``: kept entries in the model's dtype), ``kv_surgeon_int4@rx`` (``storage="int4"``: the ratio is a
-  byte ratio), each ``--baselines`` method ``@rx`` (query-free, model dtype) and ``kv_surgeon_int4@rx+pask@0.33``
-  (that catalogue, the shipped calibrated PASK decode table and prefill policy served at B_D = B_P = 0.33 on the
-  conversation and the reply). Decode is all-high on the other rows.
+  ``storage="bf16"``: kept entries in the model's dtype, calibrated by the repeat pass), ``kv_surgeon_int4@rx``
+  (``storage="int4"``: the ratio is a byte ratio), with ``--task-questions N`` also ``kv_surgeon_tasks@rx`` and
+  ``kv_surgeon_int4_tasks@rx`` (the same two calibrated by the self-study tier with N task questions,
+  ``compact_catalogue(..., questions=)``: see below), each ``--baselines`` method ``@rx`` (query-free, model dtype)
+  and ``kv_surgeon_int4@rx+pask@0.33`` (that catalogue, the shipped calibrated PASK decode table and prefill policy
+  served at B_D = B_P = 0.33 on the conversation and the reply). Decode is all-high on the other rows.
+- Task questions (``--task-questions N``): N cases of BFCL's **calibration** partition (`pick_cases` with
+  ``split="calibration"``, the same seed: the categories in turn, no system message), disjoint from the evaluated
+  cases, which come from the test partition. Each ``*_tasks`` catalogue is calibrated with the repetition, the four
+  self-study conversations and one conversation per question: the question's turn as ``generate_calls`` feeds it
+  after that catalogue, then the model's sampled reply (`catalogue_task_study`); the same N questions for every
+  catalogue. On the embedded model the four self-study conversations generated no token in the smoke run (their
+  prompts follow the catalogue's closing ``<|im_start|>`` without a user turn), so there the calibration is the
+  repetition plus the questions' turns and replies.
 - Reported per row: accuracy (overall, per category), the paired exact McNemar p-value against ``full_kv``
   (`paired_comparison`, as ``bfcl_budget.py --compare``), the catalogue's stored bytes and their ratio to the whole
   catalogue's, the mean bytes of the cache after each case (catalogue + conversation + reply) and wall time per case,
   the compaction's wall time; the best query-free baseline per ratio is marked. ``--out`` JSON, a printed table,
   ``--plot`` (accuracy against mean cache bytes per case).
 - Resumable: every answered case is appended to ``<out>.cases.jsonl`` (the run's settings on its first line; a rerun
-  with other settings is refused) and compacted catalogues are saved under ``<out>.catalogues/`` (not results: do not
-  commit them); a rerun skips what is done and reloads the catalogues.
+  with other settings is refused, except that a key of `ADDED_SETTINGS` missing from the log or from the rerun is not
+  compared, so a log written without ``--task-questions`` resumes with it) and compacted catalogues are saved under
+  ``<out>.catalogues/`` (not results: do not commit them); a rerun skips what is done and reloads the catalogues.
+  Rows, ratios and baselines are not settings: a rerun may add some.
 
-The runs of issue 33 (embedded model, float32 on CPU, 1 thread; hours):
+The runs of issue 33 (embedded model, float32 on CPU, 1 thread; hours). The 4K run resumes the committed partial
+``tool_catalogue_4k.cases.jsonl``, started without ``--task-questions`` (tests/test_agent_benchmarks.py checks it):
 
-    python benchmarks/tool_catalogue.py --cases 64 --catalogue-tokens 4096 --threads 1 \\
-        --out benchmarks/results/tool_catalogue_4k.json --plot docs/img/tool_catalogue_4k.png
-    python benchmarks/tool_catalogue.py --cases 64 --catalogue-tokens 16384 --threads 1 \\
+    python benchmarks/tool_catalogue.py --cases 64 --catalogue-tokens 4096 --threads 1 --ratios 4 --baselines \\
+        --task-questions 8 --out benchmarks/results/tool_catalogue_4k.json --plot docs/img/tool_catalogue_4k.png
+    python benchmarks/tool_catalogue.py --cases 64 --catalogue-tokens 16384 --threads 1 --task-questions 8 \\
         --out benchmarks/results/tool_catalogue_16k.json --plot docs/img/tool_catalogue_16k.png
 
 Smoke run (minutes; numbers meaningless): ``--cases 2 --ratios 4 --catalogue-tokens 1024 --baselines streaming_llm
---max-new-tokens 48 --out /tmp/tool_catalogue_smoke.json``.
+--task-questions 2 --max-new-tokens 48 --out /tmp/tool_catalogue_smoke.json``.
 """
 
 from __future__ import annotations
@@ -76,18 +89,22 @@ RATIOS = (2.0, 4.0, 10.0)
 QUERY_FREE = ("streaming_llm", "key_norm", "q_filters", "random")
 PASK_BUDGET = 0.33
 FULL = "full_kv"
+ADDED_SETTINGS = ("task_questions",)
+"""Settings keys added after logs were written (`same_settings`): ``task_questions`` (the ids of the task questions,
+present only with ``--task-questions``)."""
 
 
 @dataclass(frozen=True)
 class Row:
     """One method: ``method`` None = the catalogue kept whole; ``storage`` of `compact`; ``pask`` = served with the
-    calibrated PASK pair at `PASK_BUDGET` (else all-high)."""
+    calibrated PASK pair at `PASK_BUDGET` (else all-high); ``tasks`` = calibrated with the task questions."""
 
     label: str
     method: str | None = None
     ratio: float | None = None
     storage: str = "bf16"
     pask: bool = False
+    tasks: bool = False
 
     @property
     def catalogue_label(self) -> str:
@@ -95,21 +112,29 @@ class Row:
         return self.label.split("+")[0]
 
 
-def method_rows(ratios: Sequence[float], baselines: Sequence[str]) -> list[Row]:
-    """Full KV, then per ratio KV-Surgeon (model dtype, INT4), the baselines and KV-Surgeon INT4 + PASK."""
+def method_rows(ratios: Sequence[float], baselines: Sequence[str], tasks: bool = False) -> list[Row]:
+    """Full KV, then per ratio KV-Surgeon (model dtype, INT4), with ``tasks`` the same two calibrated with the task
+    questions, the baselines and KV-Surgeon INT4 + PASK."""
     rows = [Row(FULL)]
     for r in ratios:
         name = f"{r:g}x"
         rows += [Row(f"kv_surgeon@{name}", "kv_surgeon", r), Row(f"kv_surgeon_int4@{name}", "kv_surgeon", r, "int4")]
+        if tasks:
+            rows += [
+                Row(f"kv_surgeon_tasks@{name}", "kv_surgeon", r, tasks=True),
+                Row(f"kv_surgeon_int4_tasks@{name}", "kv_surgeon", r, "int4", tasks=True),
+            ]
         rows += [Row(f"{method}@{name}", method, r) for method in baselines]
         rows.append(Row(f"kv_surgeon_int4@{name}+pask@{PASK_BUDGET:g}", "kv_surgeon", r, "int4", pask=True))
     return rows
 
 
-def pick_cases(categories: Sequence[str], count: int, seed: int) -> list[BfclEntry]:
-    """``count`` test cases, one category after the other in turn (each category's seeded order), leaving out cases
-    that open with a system message or whose functions contradict an earlier case's (same name, other definition)."""
-    queues = {c: list(bfcl_split([c], "test", seed=seed)) for c in categories}
+def pick_cases(categories: Sequence[str], count: int, seed: int, split: str = "test") -> list[BfclEntry]:
+    """``count`` cases of the ``split`` partition (`bfcl_split`), one category after the other in turn (each
+    category's seeded order), leaving out cases that open with a system message or whose functions contradict an
+    earlier case's (same name, other definition). The evaluated cases come from ``"test"``, the task questions from
+    ``"calibration"`` (disjoint partitions)."""
+    queues = {c: list(bfcl_split([c], split, seed=seed)) for c in categories}
     chosen, known = [], {}
     while len(chosen) < count and any(queues.values()):
         for category in categories:
@@ -123,7 +148,7 @@ def pick_cases(categories: Sequence[str], count: int, seed: int) -> list[BfclEnt
                 chosen.append(entry)
                 break
     if len(chosen) < count:
-        raise ValueError(f"only {len(chosen)} usable test cases in {list(categories)}, asked for {count}")
+        raise ValueError(f"only {len(chosen)} usable {split} cases in {list(categories)}, asked for {count}")
     return chosen
 
 
@@ -207,24 +232,38 @@ def keep_all_catalogue(model, tokenizer, tools: list[dict]) -> CompactedCache:
     return CompactedCache.from_selection(full, indices, metadata=metadata)
 
 
+def same_settings(logged: dict, settings: dict) -> bool:
+    """Whether a log's ``logged`` settings fit a run's ``settings``: equal on every key, except a key of
+    `ADDED_SETTINGS` that one of them lacks (a log written before the key existed, or a run that does not use it)."""
+    skipped = {key for key in ADDED_SETTINGS if key not in logged or key not in settings}
+    return all(logged.get(key) == settings.get(key) for key in (set(logged) | set(settings)) - skipped)
+
+
 class CaseLog:
     """The run's JSONL (``<out>.cases.jsonl``): the settings on the first line, then one line per answered case
-    (``row``, ``id``, its record) or per made catalogue (``catalogue``, its compaction seconds)."""
+    (``row``, ``id``, its record), per made catalogue (``catalogue``, its compaction seconds) or per run that
+    brought keys of `ADDED_SETTINGS` the log lacked (``added_settings``: those keys, compared from then on)."""
 
     def __init__(self, path: Path, settings: dict):
         self.path, self.cases, self.catalogues = path, {}, {}
         if path.is_file():
             lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            if not lines or lines[0].get("settings") != settings:
-                raise ValueError(
-                    f"{path} holds a run with other settings ({lines[0].get('settings') if lines else 'none'}): "
-                    "choose another --out, or delete it to start over"
-                )
+            logged = lines[0].get("settings") if lines else None
             for line in lines[1:]:
-                if "catalogue" in line:
+                if "added_settings" in line:
+                    logged = {**(logged or {}), **line["added_settings"]}
+                elif "catalogue" in line:
                     self.catalogues[line["catalogue"]] = line
                 else:
                     self.cases[(line["row"], line["id"])] = line
+            if not isinstance(logged, dict) or not same_settings(logged, settings):
+                raise ValueError(
+                    f"{path} holds a run with other settings ({logged or 'none'}): choose another --out, or delete "
+                    "it to start over"
+                )
+            added = {key: settings[key] for key in ADDED_SETTINGS if key in settings and key not in logged}
+            if added:
+                self._append({"added_settings": added})
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._append({"settings": settings})
@@ -242,9 +281,12 @@ class CaseLog:
         self._append(line)
 
 
-def catalogue_for(model, tokenizer, tools, row: Row, group: int, folder: Path, log: CaseLog, args) -> CompactedCache:
+def catalogue_for(
+    model, tokenizer, tools, row: Row, group: int, folder: Path, log: CaseLog, args, questions: list[BfclEntry]
+) -> CompactedCache:
     """The row's catalogue of case group ``group``: kept whole (Full KV; prefilled again on each run), else loaded from
-    ``folder`` or compacted (and saved there, its seconds logged under ``<catalogue label>/g<group>``)."""
+    ``folder`` or compacted (and saved there, its seconds logged under ``<catalogue label>/g<group>``); a ``tasks``
+    row's calibrated with the task ``questions`` (their chat messages)."""
     if row.method is None:
         return keep_all_catalogue(model, tokenizer, tools)
     label = f"{row.catalogue_label}/g{group}"
@@ -263,6 +305,7 @@ def catalogue_for(model, tokenizer, tools, row: Row, group: int, folder: Path, l
         on_policy=args.on_policy,
         query_cap=args.query_cap,
         progress=False,
+        questions=[list(question.messages) for question in questions] if row.tasks else None,
     )
     seconds = time.perf_counter() - start
     cache.save_pretrained(saved)
@@ -386,7 +429,8 @@ def plot(summaries: list[dict], title: str, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def arguments() -> argparse.ArgumentParser:
+    """The command line (module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", type=int, default=64, help="test cases in all, the categories in turn")
     parser.add_argument("--catalogue-tokens", type=int, default=4096, help="catalogue size (at most), in tokens")
@@ -401,31 +445,79 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--query-cap", type=int, default=2048, help="KV-Surgeon's fitting queries per KV head")
     parser.add_argument("--on-policy", action="store_true", help="KV-Surgeon's on-policy calibration (BlockReplay)")
+    parser.add_argument(
+        "--task-questions",
+        type=int,
+        default=0,
+        help="add KV-Surgeon rows calibrated with this many questions of BFCL's calibration partition (0: none)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="split, catalogue and compaction seed")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/tool_catalogue.json")
     parser.add_argument("--plot", default=None)
+    return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``argv`` parsed and checked (``parser.error`` on a bad value)."""
     args = parser.parse_args(argv)
     for name in ("cases", "catalogue_tokens", "max_new_tokens", "query_cap", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.task_questions < 0:
+        parser.error(f"--task-questions must be >= 0, got {args.task_questions}")
     if not 0 < args.own_share <= 1:
         parser.error(f"--own-share must lie in (0, 1], got {args.own_share}")
     if any(not r >= 1 for r in args.ratios):
         parser.error(f"--ratios must be >= 1, got {args.ratios}")
+    return args
+
+
+@dataclass
+class Plan:
+    """What a run answers and with what: its cases, their groups, each group's catalogue (tools) and the task
+    questions (empty without ``--task-questions``)."""
+
+    cases: list[BfclEntry]
+    groups: list[list[BfclEntry]]
+    catalogues: list[list[dict]]
+    questions: list[BfclEntry]
+
+    @classmethod
+    def make(cls, tokenizer, args: argparse.Namespace) -> Plan:
+        """The plan of ``args``: `pick_cases` (test), `group_cases`, `build_catalogue`, `pick_cases` (calibration)."""
+        cases = pick_cases(CATEGORIES, args.cases, args.seed)
+        groups = group_cases(tokenizer, cases, int(args.own_share * args.catalogue_tokens))
+        catalogues = [build_catalogue(tokenizer, g, CATEGORIES, args.catalogue_tokens, args.seed) for g in groups]
+        questions = []
+        if args.task_questions:
+            questions = pick_cases(CATEGORIES, args.task_questions, args.seed, split="calibration")
+        return cls(cases, groups, catalogues, questions)
+
+    def settings(self, model_name: str, tokenizer, args: argparse.Namespace) -> dict:
+        """The settings a `CaseLog` of this run holds (``task_questions``, the questions' ids, only when there are
+        questions)."""
+        settings = {
+            "model": model_name,
+            "catalogues": [catalogue_metadata(tokenizer, tools) for tools in self.catalogues],
+            "groups": [[case.id for case in group] for group in self.groups],
+            **{key: getattr(args, key) for key in ("max_new_tokens", "query_cap", "on_policy", "seed")},
+        }
+        if self.questions:
+            settings["task_questions"] = [question.id for question in self.questions]
+        return settings
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = arguments()
+    args = parse_args(parser, argv)
     started = time.perf_counter()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_default_model()
-    cases = pick_cases(CATEGORIES, args.cases, args.seed)
-    groups = group_cases(tokenizer, cases, int(args.own_share * args.catalogue_tokens))
-    catalogues = [build_catalogue(tokenizer, g, CATEGORIES, args.catalogue_tokens, args.seed) for g in groups]
-    metadata = [catalogue_metadata(tokenizer, tools) for tools in catalogues]
-    settings = {
-        "model": model.config.name_or_path,
-        "catalogues": metadata,
-        "groups": [[case.id for case in group] for group in groups],
-        **{key: getattr(args, key) for key in ("max_new_tokens", "query_cap", "on_policy", "seed")},
-    }
+    plan = Plan.make(tokenizer, args)
+    cases, groups, catalogues = plan.cases, plan.groups, plan.catalogues
+    settings = plan.settings(model.config.name_or_path, tokenizer, args)
+    metadata = settings["catalogues"]
     out = Path(args.out)
     try:
         log = CaseLog(out.with_suffix(".cases.jsonl"), settings)
@@ -436,7 +528,7 @@ def main(argv: list[str] | None = None) -> dict:
     table, prefill, provenance = load_pask("calibrated", model)
     pask = pask_at(table, prefill, PASK_BUDGET)
     all_high = PolicyTable.all_high(model)
-    rows = method_rows(args.ratios, args.baselines)
+    rows = method_rows(args.ratios, args.baselines, tasks=bool(plan.questions))
     results: dict[str, list[dict]] = {}
     for row in rows:
         policy, prefill_policy = pask if row.pask else (all_high, None)
@@ -444,7 +536,8 @@ def main(argv: list[str] | None = None) -> dict:
             todo = [case for case in group if (row.label, case.id) not in log.cases]
             if not todo:
                 continue
-            context = catalogue_for(model, tokenizer, tools, row, index, Path(f"{out}.catalogues"), log, args)
+            folder = Path(f"{out}.catalogues")
+            context = catalogue_for(model, tokenizer, tools, row, index, folder, log, args, plan.questions)
             for case in todo:
                 record = answer(model, tokenizer, case, tools, context, policy, prefill_policy, args.max_new_tokens)
                 log.add_case(row.label, {**record, "group": index})

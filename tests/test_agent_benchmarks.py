@@ -2,11 +2,12 @@
 case choice, the catalogue's size and contents, resumable logs, the synthetic trajectory, the summaries."""
 
 import json
+import shutil
 
 import pytest
 from test_benchmark_scripts import BENCHMARKS, load_script
 
-from hf_structkv.eval.bfcl import load_bfcl
+from hf_structkv.eval.bfcl import bfcl_split, load_bfcl
 from hf_structkv.structured_generation import call_prompt, catalogue_text
 
 tc = load_script(BENCHMARKS / "tool_catalogue.py")
@@ -79,6 +80,68 @@ def test_the_case_log_resumes_and_refuses_other_settings(tmp_path):
         tc.CaseLog(path, {"seed": 1})
 
 
+def test_a_log_without_an_added_setting_resumes_with_it_and_compares_it_from_then_on(tmp_path):
+    assert tc.ADDED_SETTINGS == ("task_questions",)
+    path = tmp_path / "run.cases.jsonl"
+    tc.CaseLog(path, {"seed": 0}).add_case("full_kv", {"id": "a", "valid": True})  # written before the flag
+    with pytest.raises(ValueError, match="other settings"):
+        tc.CaseLog(path, {"seed": 0, "other": 1})  # a key not in ADDED_SETTINGS is never skipped
+    with pytest.raises(ValueError, match="other settings"):
+        tc.CaseLog(path, {"seed": 1, "task_questions": ["q1"]})
+    resumed = tc.CaseLog(path, {"seed": 0, "task_questions": ["q1", "q2"]})
+    assert list(resumed.cases) == [("full_kv", "a")]
+    assert json.loads(path.read_text().splitlines()[-1]) == {"added_settings": {"task_questions": ["q1", "q2"]}}
+    resumed.add_case("kv_surgeon_tasks@4x", {"id": "a", "valid": False})
+    again = tc.CaseLog(path, {"seed": 0, "task_questions": ["q1", "q2"]})  # the recorded value matches: no new line
+    assert set(again.cases) == {("full_kv", "a"), ("kv_surgeon_tasks@4x", "a")}
+    assert len(path.read_text().splitlines()) == 4
+    with pytest.raises(ValueError, match="other settings"):
+        tc.CaseLog(path, {"seed": 0, "task_questions": ["q3"]})  # other questions than the logged tasks rows'
+    assert set(tc.CaseLog(path, {"seed": 0}).cases) == set(again.cases)  # a run without the flag resumes too
+    assert tc.same_settings({"a": 1}, {"a": 1, "task_questions": []}) and not tc.same_settings({"a": 1}, {"a": 2})
+
+
+def test_task_questions_come_from_the_calibration_partition_never_the_evaluated_cases():
+    questions = tc.pick_cases(tc.CATEGORIES, 6, seed=0, split="calibration")
+    assert [q.category for q in questions] == list(tc.CATEGORIES) * 2
+    assert all(q.messages[0]["role"] != "system" for q in questions)
+    calibration = {e.id for e in bfcl_split(tc.CATEGORIES, "calibration", seed=0)}
+    assert {q.id for q in questions} <= calibration
+    assert not calibration & {e.id for e in bfcl_split(tc.CATEGORIES, "test", seed=0)}  # every evaluated case is test
+    assert [q.id for q in tc.pick_cases(tc.CATEGORIES, 6, seed=0, split="calibration")] == [q.id for q in questions]
+    assert [q.id for q in tc.pick_cases(tc.CATEGORIES, 6, seed=1, split="calibration")] != [q.id for q in questions]
+    with pytest.raises(ValueError, match="usable calibration cases"):
+        tc.pick_cases(["simple_python"], 10**6, seed=0, split="calibration")
+
+
+def test_the_task_question_flag_is_checked(capsys):
+    assert tc.parse_args(tc.arguments(), ["--task-questions", "8"]).task_questions == 8
+    assert tc.parse_args(tc.arguments(), []).task_questions == 0
+    with pytest.raises(SystemExit):
+        tc.parse_args(tc.arguments(), ["--task-questions", "-1"])
+    assert "--task-questions must be >= 0, got -1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_committed_4k_log_resumes_with_task_questions(tmp_path, tokenizer):
+    """The committed partial log (``--cases 64 --catalogue-tokens 4096 --threads 1 --ratios 4 --baselines``, before
+    ``--task-questions`` existed) resumes when ``--task-questions 8`` is added: the settings this code makes for that
+    command are the logged ones plus ``task_questions``. The model entry is the logged path (a machine's own); about
+    a minute of catalogue building on CPU."""
+    committed = BENCHMARKS / "results" / "tool_catalogue_4k.cases.jsonl"
+    logged = json.loads(committed.read_text().splitlines()[0])["settings"]
+    argv = "--cases 64 --catalogue-tokens 4096 --threads 1 --ratios 4 --baselines --task-questions 8".split()
+    args = tc.parse_args(tc.arguments(), argv)
+    plan = tc.Plan.make(tokenizer, args)
+    settings = plan.settings(logged["model"], tokenizer, args)
+    assert {key: value for key, value in settings.items() if key != "task_questions"} == logged
+    assert len(settings["task_questions"]) == 8 and not set(settings["task_questions"]) & {c.id for c in plan.cases}
+    copy = tmp_path / "tool_catalogue_4k.cases.jsonl"
+    shutil.copy(committed, copy)  # CaseLog appends to the log it resumes: never the committed file
+    log = tc.CaseLog(copy, settings)
+    assert log.cases and all(row == tc.FULL for row, _ in log.cases)
+
+
 def test_rows_and_the_best_query_free_baseline():
     rows = tc.method_rows([4.0], ["streaming_llm", "key_norm"])
     assert [r.label for r in rows] == [
@@ -90,6 +153,17 @@ def test_rows_and_the_best_query_free_baseline():
         "kv_surgeon_int4@4x+pask@0.33",
     ]
     assert rows[-1].pask and rows[-1].catalogue_label == "kv_surgeon_int4@4x" and rows[-1].storage == "int4"
+    tasks = tc.method_rows([4.0], [], tasks=True)
+    assert [r.label for r in tasks] == [
+        "full_kv",
+        "kv_surgeon@4x",
+        "kv_surgeon_int4@4x",
+        "kv_surgeon_tasks@4x",
+        "kv_surgeon_int4_tasks@4x",
+        "kv_surgeon_int4@4x+pask@0.33",
+    ]
+    assert [(r.tasks, r.storage) for r in tasks[3:5]] == [(True, "bf16"), (True, "int4")]
+    assert not any(r.tasks for r in rows) and tasks[3].catalogue_label == "kv_surgeon_tasks@4x"
     summaries = [
         {"method": "streaming_llm", "ratio": 4.0, "accuracy": 0.5},
         {"method": "key_norm", "ratio": 4.0, "accuracy": 0.5},

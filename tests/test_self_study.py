@@ -1,9 +1,13 @@
 """Self-study calibration: seeded generation of the conversations and the queries of their answer tokens."""
 
+import dataclasses
+import json
+
 import pytest
 import torch
 
 import hf_structkv
+from hf_structkv import CompactedCache
 from hf_structkv.compaction import (
     QUERY_TIERS,
     SelfStudy,
@@ -76,6 +80,30 @@ def test_self_study_settings():
         SelfStudyTask("t", "p", 4, 0.7, 0.0, 20)
 
 
+def test_task_prompts_are_stored_described_and_validated():
+    study = SelfStudy(answer_tokens=5, prompts=["Book a table?", "Weather in Oslo?"])
+    assert study.prompts == ("Book a table?", "Weather in Oslo?") and hash(study) == hash(dataclasses.replace(study))
+    assert study.tasks == SMALL.tasks[:3] + (dataclasses.replace(SMALL.tasks[3], max_new_tokens=96),)
+    assert study.prompt_tasks == (
+        SelfStudyTask("prompt_0", "Book a table?", 5, 0.7, 0.8, 20),
+        SelfStudyTask("prompt_1", "Weather in Oslo?", 5, 0.7, 0.8, 20),
+    )
+    assert all(t.temperature == 0 for t in dataclasses.replace(study, greedy=True).prompt_tasks)
+    described = study.describe()
+    assert described["prompt_tasks"] == [dataclasses.asdict(t) for t in study.prompt_tasks]
+    assert json.loads(json.dumps(described)) == described  # JSON's own types: a saved description compares equal
+    assert "prompt_tasks" not in SelfStudy().describe()  # a study without prompts is described as before
+    assert SelfStudy(prompts=[]).describe() == SelfStudy().describe()
+    for bad, error, message in [
+        ("Book a table?", TypeError, "SelfStudy.prompts must be a sequence of str, got str"),
+        (None, TypeError, "SelfStudy.prompts must be a sequence of str, got NoneType"),
+        (["ok", 3], TypeError, r"SelfStudy.prompts\[1\] must be a str, got int"),
+        (["ok", ""], ValueError, r"SelfStudy.prompts\[1\] is empty"),
+    ]:
+        with pytest.raises(error, match=message):
+            SelfStudy(prompts=bad)
+
+
 # ---------------------------------------------------------------------------------------------------- generation
 def greedy(tokens: int) -> SelfStudyTask:
     return SelfStudyTask("t", "p", tokens, 0.0, 1.0, 20)
@@ -146,6 +174,33 @@ def test_conversations_are_seeded_and_prompted_with_the_task_and_turn_suffix():
         self_study_conversations(model, None, cache)
 
 
+def test_task_prompts_add_conversations_whose_answer_is_the_prompt_then_the_reply():
+    model = tiny_model("qwen2")
+    cache = prefill_context(model, token_ids(24))
+    config = SelfStudy(answer_tokens=6, question_tokens=9, turn_suffix="|A:", prompts=["Q one?", "Where is it"])
+    got = self_study_conversations(model, CharTokenizer(), cache, config, seed=4)
+    plain = self_study_conversations(model, CharTokenizer(), cache, dataclasses.replace(config, prompts=()), seed=4)
+    assert [c.name for c in got] == ["summary", "key_facts", "json", "questions", "prompt_0", "prompt_1"]
+    for a, b in zip(got[:4], plain):  # the four draw first: the prompts change nothing before them
+        assert torch.equal(a.prompt_ids, b.prompt_ids) and torch.equal(a.answer_ids, b.answer_ids)
+    for conversation, prompt in zip(got[4:], config.prompts):
+        question = encode(prompt + "|A:")
+        assert conversation.prompt_ids.shape == (0,) and conversation.prompt_ids.dtype == torch.long
+        assert torch.equal(conversation.answer_ids[: question.numel()], question)
+        assert question.numel() < conversation.answer_ids.numel() <= question.numel() + 6
+    again = self_study_conversations(model, CharTokenizer(), cache, config, seed=4)
+    assert all(torch.equal(a.answer_ids, b.answer_ids) for a, b in zip(got, again))
+    # greedy: the reply is the model's greedy continuation of context + prompt, whatever came before
+    greedy_config = dataclasses.replace(config, greedy=True)
+    last = self_study_conversations(model, CharTokenizer(), cache, greedy_config, seed=4)[-1]
+    question = encode("Where is it|A:")
+    reply = sample_answer(model, question, context_copy(cache), greedy(6), torch.Generator())
+    assert torch.equal(last.answer_ids, torch.cat([question, reply]))
+    excerpt = token_ids(5, seed=9)
+    quoted = self_study_conversations(model, CharTokenizer(), cache, config, seed=4, excerpt_ids=excerpt)
+    assert quoted[4].prompt_ids.numel() == 0  # task prompts do not quote a chunk
+
+
 # ---------------------------------------------------------------------------------------------------- queries
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
 def test_queries_are_the_repetition_then_the_generated_answer_tokens(arch):
@@ -189,6 +244,25 @@ def test_queries_continue_a_partially_compacted_cache():
     assert compacted.get_seq_length() == 30
 
 
+def test_task_prompt_tokens_are_calibration_queries_with_their_reply():
+    """The queries of a task prompt's conversation start at the prompt's first token (brute force: one forward over
+    context + prompt + reply, positions from the end of the context)."""
+    model, tokenizer = tiny_model("llama"), CharTokenizer()
+    context = token_ids(16)
+    config = dataclasses.replace(SMALL, prompts=["Call f(x)?", "Call g"])
+    got = self_study_queries(model, tokenizer, context, config=config, cap=None, seed=2)
+    without = self_study_queries(model, tokenizer, context, config=SMALL, cap=None, seed=2)
+    conversations = self_study_conversations(model, tokenizer, prefill_context(model, context), config, seed=2)
+    tasks = [
+        capture_queries(model, torch.cat([context[0], c.answer_ids])[None], slice(16, None)) for c in conversations[4:]
+    ]
+    added = sum(c.answer_ids.numel() for c in conversations[4:])
+    for layer, queries in got.items():
+        assert queries.shape == (N_KV_HEADS, without[layer].shape[1] + GROUP * added, HEAD_DIM)
+        expected = torch.cat([without[layer], *[t[layer] for t in tasks]], dim=1)
+        torch.testing.assert_close(queries, expected, atol=1e-5, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------------- compact
 def test_compact_with_self_study_is_deterministic_under_a_seed_and_records_its_settings():
     model, tokenizer, context = tiny_model("gemma3"), CharTokenizer(), token_ids(40)
@@ -207,6 +281,22 @@ def test_compact_with_self_study_is_deterministic_under_a_seed_and_records_its_s
     assert set(tokens[0]) == {"repetition", "summary", "key_facts", "json", "questions"}
     assert repeat.metadata["calibration"]["answer_tokens_per_chunk"] == [{"repetition": 40}]
     assert "self_study" not in repeat.metadata["calibration"]
+
+
+def test_compact_with_task_prompts_records_them_and_keeps_them_through_a_save(tmp_path):
+    model, tokenizer, context = tiny_model("gemma3"), CharTokenizer(), token_ids(40)
+    study = dataclasses.replace(SMALL, prompts=["Which tool?", "Call it"])
+    cache = compact(model, tokenizer, context, ratio=4, queries="self_study", self_study=study, seed=3)
+    plain = compact(model, tokenizer, context, ratio=4, queries="self_study", self_study=SMALL, seed=3)
+    assert not torch.equal(cache.layers[1].prefix_bias, plain.layers[1].prefix_bias)  # the prompts enter the fit
+    calibration = cache.metadata["calibration"]
+    assert calibration["self_study"]["prompt_tasks"] == [dataclasses.asdict(t) for t in study.prompt_tasks]
+    tokens = calibration["answer_tokens_per_chunk"][0]
+    assert [tokens[f"prompt_{i}"] > len(p) for i, p in enumerate(study.prompts)] == [True, True]
+    cache.save_pretrained(tmp_path / "saved")
+    loaded = CompactedCache.from_pretrained(tmp_path / "saved")
+    assert loaded.metadata["calibration"] == calibration
+    assert "Which tool?" in (tmp_path / "saved" / "README.md").read_text()
 
 
 @pytest.mark.slow

@@ -204,3 +204,69 @@ def test_a_prefill_policy_plans_the_conversation_after_the_catalogue(model, toke
             _, positions = layer.high.view() if layer.high.num_entries() else (None, torch.empty(2, 0))
             stored = sorted(p - start for p in positions[row].tolist() if start <= p < start + width)
             assert stored == (want[:, layer.group] == Action.H).nonzero().flatten().tolist()
+
+
+# ---------------------------------------------------------------------------------------------------- task questions
+def test_a_task_study_holds_each_questions_turn_after_the_catalogue(tokenizer):
+    from hf_structkv.compaction import SelfStudy
+    from hf_structkv.compaction.catalogue import catalogue_task_study
+
+    chat = [{"role": "user", "content": "Book for 4 at Noma."}]
+    study = catalogue_task_study(tokenizer, MORE_TOOLS, [*QUESTIONS, chat], SelfStudy(answer_tokens=7, greedy=True))
+    catalogue = catalogue_text(tokenizer, MORE_TOOLS)
+    assert study.answer_tokens == 7 and study.greedy and len(study.prompts) == 3
+    for prompt, question in zip(study.prompts, [*QUESTIONS, chat]):
+        full = call_prompt(tokenizer, question, MORE_TOOLS)
+        assert catalogue + prompt == full  # the turn generate_calls feeds after the catalogue, token for token
+        ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in (catalogue, prompt, full)]
+        assert ids[0] + ids[1] == ids[2]
+    assert study.prompts[1].count("Lima") == 1 and study.prompts[1].rstrip().endswith("assistant")
+    assert catalogue_task_study(tokenizer, TOOLS, QUESTIONS[:1]) == SelfStudy(
+        prompts=[
+            conversation_text(tokenizer, call_prompt(tokenizer, QUESTIONS[0], TOOLS), catalogue_text(tokenizer, TOOLS))
+        ]
+    )
+    own_system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"}]
+    for bad, error, message in [
+        ("Weather in Oslo?", TypeError, "questions must be a list of questions, got str"),
+        ([], ValueError, "questions must hold at least one question"),
+        ([QUESTIONS[0], own_system], ValueError, r"questions\[1\]: the prompt does not start with the tool catalogue"),
+        ([QUESTIONS[0], ""], ValueError, r"questions\[1\]: each question must be a non-empty string"),
+    ]:
+        with pytest.raises(error, match=message):
+            catalogue_task_study(tokenizer, TOOLS, bad)
+    with pytest.raises(TypeError, match="config must be a SelfStudy or None, got dict"):
+        catalogue_task_study(tokenizer, TOOLS, QUESTIONS, {"answer_tokens": 4})
+
+
+def test_compact_catalogue_with_questions_calibrates_on_them_and_serves(model, tokenizer):
+    from hf_structkv.compaction import SelfStudy
+    from hf_structkv.compaction.catalogue import catalogue_task_study, compact_catalogue
+
+    study = SelfStudy(answer_tokens=4, question_tokens=4)
+    kwargs = {"ratio": 2, "self_study": study, "on_policy": False, "progress": False, "seed": 1}
+    cache = compact_catalogue(model, tokenizer, MORE_TOOLS, questions=QUESTIONS, **kwargs)
+    generic = compact_catalogue(model, tokenizer, MORE_TOOLS, queries="self_study", **kwargs)
+    repeat = compact_catalogue(model, tokenizer, MORE_TOOLS, ratio=2, on_policy=False, progress=False, seed=1)
+    calibration = cache.metadata["calibration"]
+    prompts = catalogue_task_study(tokenizer, MORE_TOOLS, QUESTIONS).prompts
+    assert calibration["queries"] == "self_study" and repeat.metadata["calibration"]["queries"] == "repeat"
+    assert [task["prompt"] for task in calibration["self_study"]["prompt_tasks"]] == list(prompts)
+    tokens = calibration["answer_tokens_per_chunk"][0]
+    for index, prompt in enumerate(prompts):
+        question = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        assert question <= tokens[f"prompt_{index}"] <= question + 4  # the question's tokens count, then the reply
+    assert cache.metadata["catalogue"] == catalogue_metadata(tokenizer, MORE_TOOLS)
+    assert cache.head_lengths() == repeat.head_lengths() == generic.head_lengths()
+    for other in (generic, repeat):  # the questions' queries change what is kept
+        pairs = zip(cache.layers, other.layers)
+        assert any(not torch.equal(x, y) for a, b in pairs for x, y in zip(a.context_tensors(), b.context_tensors()))
+    policy = PolicyTable.all_high(model.config, window=2)
+    served = generate_calls(model, tokenizer, QUESTIONS, MORE_TOOLS, policy, max_new_tokens=8, context=cache)
+    assert served.prompt_length > cache.original_length and len(served.calls) == 2
+    with pytest.raises(ValueError, match="questions calibrate with queries='self_study', got queries='repeat'"):
+        compact_catalogue(model, tokenizer, TOOLS, questions=QUESTIONS, queries="repeat")
+    with pytest.raises(ValueError, match="method 'streaming_llm' uses none"):
+        compact_catalogue(model, tokenizer, TOOLS, questions=QUESTIONS, method="streaming_llm", ratio=2)
+    with pytest.raises(TypeError, match="questions must be a list of questions"):
+        compact_catalogue(model, tokenizer, TOOLS, questions="Weather in Oslo?")

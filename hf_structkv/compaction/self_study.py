@@ -6,10 +6,16 @@ structuring of the content, and three self-written questions with their answers.
 the last four (seeded sampling, or greedy) after a cache holding the context; `self_study_queries` returns the queries
 of every answer token, the repetition's included. The conversations are generated once, from the full cache; on-policy
 calibration re-runs the same token sequences through a partially compacted cache (`conversation_queries`).
+
+Task prompts (``SelfStudy(prompts=...)``): user prompts of the task the context serves (e.g. questions that need a
+tool catalogue) add one conversation each, whose prompt part is empty and whose answer part is the prompt's tokens
+followed by the model's sampled answer: the prompt's tokens, which read the context as the task's questions will, are
+calibration queries too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -80,12 +86,17 @@ class SelfStudy:
         greedy: decode every answer greedily instead of sampling.
         turn_suffix: text after each prompt, e.g. the end of the user turn and the assistant header of a chat
             template (the ``question_suffix`` of `hf_structkv.prompts.document_chat_prompt`); empty by default.
+        prompts: task prompts (texts, e.g. the questions a tool catalogue will be asked, each in its chat turn), one
+            more conversation each after the four (`prompt_tasks`): its answer is the prompt's text followed by at
+            most ``answer_tokens`` sampled tokens (temperature 0.7, top-p 0.8, top-k 20, or greedy). Stored as a
+            tuple; empty by default.
     """
 
     answer_tokens: int = 48
     question_tokens: int = 96
     greedy: bool = False
     turn_suffix: str = ""
+    prompts: Sequence[str] = ()
 
     def __post_init__(self):
         for name in ("answer_tokens", "question_tokens"):
@@ -93,34 +104,55 @@ class SelfStudy:
         check_bool("SelfStudy.greedy", self.greedy)
         if not isinstance(self.turn_suffix, str):
             raise TypeError(f"SelfStudy.turn_suffix must be a str, got {type(self.turn_suffix).__name__}")
+        if isinstance(self.prompts, str) or not isinstance(self.prompts, Sequence):
+            raise TypeError(f"SelfStudy.prompts must be a sequence of str, got {type(self.prompts).__name__}")
+        for index, prompt in enumerate(self.prompts):
+            if not isinstance(prompt, str):
+                raise TypeError(f"SelfStudy.prompts[{index}] must be a str, got {type(prompt).__name__}")
+            if not prompt:
+                raise ValueError(f"SelfStudy.prompts[{index}] is empty: a task prompt needs text")
+        object.__setattr__(self, "prompts", tuple(self.prompts))
 
     @classmethod
     def paper(cls, turn_suffix: str = "") -> SelfStudy:
         """The seed's lengths: 2048 tokens per answer, 8192 + 4096 for the questions conversation."""
         return cls(answer_tokens=2048, question_tokens=8192 + 4096, turn_suffix=turn_suffix)
 
+    def _task(self, name: str, prompt: str, tokens: int, temperature: float, top_p: float) -> SelfStudyTask:
+        return SelfStudyTask(name, prompt, tokens, 0.0 if self.greedy else temperature, top_p, 20)
+
     @property
     def tasks(self) -> tuple[SelfStudyTask, ...]:
         """The four generated conversations, in order: summary, key facts, JSON, questions."""
-
-        def task(name: str, tokens: int, temperature: float, top_p: float) -> SelfStudyTask:
-            return SelfStudyTask(name, SELF_STUDY_PROMPTS[name], tokens, 0.0 if self.greedy else temperature, top_p, 20)
-
         return (
-            task("summary", self.answer_tokens, 0.7, 0.8),
-            task("key_facts", self.answer_tokens, 0.7, 0.8),
-            task("json", self.answer_tokens, 0.7, 0.8),
-            task("questions", self.question_tokens, 0.6, 0.95),
+            self._task("summary", SELF_STUDY_PROMPTS["summary"], self.answer_tokens, 0.7, 0.8),
+            self._task("key_facts", SELF_STUDY_PROMPTS["key_facts"], self.answer_tokens, 0.7, 0.8),
+            self._task("json", SELF_STUDY_PROMPTS["json"], self.answer_tokens, 0.7, 0.8),
+            self._task("questions", SELF_STUDY_PROMPTS["questions"], self.question_tokens, 0.6, 0.95),
+        )
+
+    @property
+    def prompt_tasks(self) -> tuple[SelfStudyTask, ...]:
+        """One conversation per task prompt, after `tasks`: ``prompt_0``, ``prompt_1``, ... (each prompt's text is
+        the start of its conversation's answer, see `self_study_conversations`)."""
+        return tuple(
+            self._task(f"prompt_{index}", prompt, self.answer_tokens, 0.7, 0.8)
+            for index, prompt in enumerate(self.prompts)
         )
 
     def describe(self) -> dict:
-        """JSON-serialisable record of every setting (for a cache's metadata)."""
-        return {
+        """JSON-serialisable record of every setting (for a cache's metadata), made of JSON's own types (lists, not
+        tuples), so that it equals itself after a JSON round trip; ``prompt_tasks`` (the task prompts' texts and
+        sampling) only when there are prompts, so a study without them is described as before they existed."""
+        description = {
             "turn_suffix": self.turn_suffix,
             "excerpt_intro": EXCERPT_INTRO,
             "excerpt_outro": EXCERPT_OUTRO,
             "tasks": [asdict(task) for task in self.tasks],
         }
+        if self.prompts:
+            description["prompt_tasks"] = [asdict(task) for task in self.prompt_tasks]
+        return description
 
 
 def _stop_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
@@ -181,19 +213,23 @@ def self_study_conversations(
     seed: int = 0,
     excerpt_ids: torch.Tensor | None = None,
 ) -> list[Conversation]:
-    """Generate the summary, key-facts, JSON and questions conversations after the context held by ``context_cache``.
+    """Generate the summary, key-facts, JSON and questions conversations, then one per task prompt of
+    ``config.prompts``, after the context held by ``context_cache``.
 
     Args:
         context_cache: a cache holding the context and nothing after it; each conversation continues a
             `context_copy` (the cache is left as it is).
         config: lengths, sampling and the turn suffix (default ``SelfStudy()``).
         seed: seeds one ``torch.Generator`` drawn from by the four conversations in order.
-        excerpt_ids: ``[1, E]`` or ``[E]``, one chunk of a context compacted chunk by chunk: each prompt then quotes
-            it (``EXCERPT_INTRO + excerpt + EXCERPT_OUTRO + task``), so the conversations are about that chunk.
+        excerpt_ids: ``[1, E]`` or ``[E]``, one chunk of a context compacted chunk by chunk: each prompt of
+            ``config.tasks`` then quotes it (``EXCERPT_INTRO + excerpt + EXCERPT_OUTRO + task``), so the conversations
+            are about that chunk; the task prompts' conversations do not (they are about the whole context).
 
     Returns:
         One `Conversation` per task of ``config.tasks``: prompt ``[excerpt part +] task prompt + turn_suffix``, answer
-        the generated ids without the end-of-sequence token.
+        the generated ids without the end-of-sequence token; then one per task of ``config.prompt_tasks``: prompt
+        ``[0]`` (empty), answer ``[Q + A]``, the ``Q`` ids of ``task prompt + turn_suffix`` followed by the ``A``
+        generated ids. The four draw from the generator first, so they do not depend on the task prompts.
     """
     if tokenizer is None:
         raise ValueError("self-study calibration needs the tokenizer (its prompts are text); pass tokenizer=")
@@ -212,6 +248,10 @@ def self_study_conversations(
         prompt = torch.cat([prefix, ids(task.prompt + config.turn_suffix)])
         answer = sample_answer(model, prompt, context_copy(context_cache), task, generator, stops)
         conversations.append(Conversation(task.name, prompt, answer.cpu()))
+    for task in config.prompt_tasks:
+        question = ids(task.prompt + config.turn_suffix)
+        answer = sample_answer(model, question, context_copy(context_cache), task, generator, stops)
+        conversations.append(Conversation(task.name, question[:0], torch.cat([question, answer.cpu()])))
     return conversations
 
 
@@ -234,7 +274,8 @@ def self_study_queries(
         cap: at most this many queries per KV head (`cap_queries`); ``None`` keeps them all.
 
     Returns:
-        ``{layer_idx: [H_kv, min(g * A, cap), D]}`` for each global layer, ``A = T + `` generated answer tokens.
+        ``{layer_idx: [H_kv, min(g * A, cap), D]}`` for each global layer, ``A = T + `` the answer tokens of the
+        generated conversations (a task prompt's tokens included).
     """
     if context_cache is None:
         context_cache = prefill_context(model, context_ids)
