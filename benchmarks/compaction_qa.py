@@ -78,6 +78,17 @@ multiple-choice protocol of docs/RESULTS.md with ``streaming_llm``, the best que
         --choices 4 --questions 24 --seeds 0 --storage bf16 int4 auto --ratios 2 3 5 10 20 50 --threads 1 \
         --out benchmarks/results/compaction_qa_4k_bytes.json --plot docs/img/compaction_qa_4k_bytes.png
 
+Resumable: the JSON is rewritten after every cache's run (``complete: false`` until the end). Rerun the same command
+and it resumes: when ``--out`` holds this run's settings (the ``settings`` the JSON records, equal but for
+`UNCOMPARED_SETTINGS`: ``--threads``, which changes speed only; ``--out`` and ``--plot`` are not settings), its runs
+are kept and only the missing ones computed, a run being its ``(seed, document, cache label, ratio, storage)``
+(`run_key`). Each document is rebuilt and must equal the file's; the full cache is prefilled again only for a document
+whose full-cache run is missing (`compact` prefills for itself, and the paired comparisons read the full cache's
+stored rows). Runs are written in an uninterrupted run's order, so the summary, the paired comparisons and
+``byte_ratio_kept_95`` are those of an uninterrupted run. A file with other settings is refused (a ValueError naming
+them), so two runs never mix; ``--fresh`` overwrites it. ``pieces`` holds each piece's wall seconds, thread count,
+runs computed and git state (each run names its ``piece``), ``seconds_total`` their sum.
+
 ``--tiny`` runs the same code on a random tiny model with a byte tokenizer and short documents (a smoke test,
 numbers meaningless).
 """
@@ -123,7 +134,7 @@ from hf_structkv.models import tiny_byte_tokenizer, tiny_model
 from hf_structkv.prompts import document_chat_parts, question_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helpers, also when imported by path
-from results_json import write_json  # noqa: E402
+from results_json import git_state, write_json  # noqa: E402
 
 TASKS = ("squad", "hotpotqa", "needle")
 KV_SURGEON = "kv_surgeon"
@@ -919,6 +930,129 @@ def plot_pareto(summary: list[dict], path: Path, title: str, choices: int = 0):
     return figure
 
 
+# ------------------------------------------------------------------------------------------------------- resume
+UNCOMPARED_SETTINGS = ("threads",)
+"""Settings a resumed run may change: ``--threads`` changes the speed (and at most the last bits of parallel float
+sums), not what is measured; each piece's thread count is in ``pieces`` and each run names its piece."""
+
+PlannedCache = tuple[str, float, str, Variant | None]  # (cache label, ratio, storage, variant; None: not compacted)
+
+
+def planned_caches(args: argparse.Namespace) -> list[PlannedCache]:
+    """The caches every document gets, in the order an uninterrupted run makes them: the full cache, the whole cache
+    in INT4 (``--storage`` other than ``bf16`` only), then each variant at each ratio."""
+    caches: list[PlannedCache] = [(FULL, 1.0, DTYPE_STORAGE, None)]
+    if args.storage != [DTYPE_STORAGE]:
+        caches.append((WHOLE_INT4, 1.0, "int4", None))
+    return caches + [
+        (run_label(args, variant), float(ratio), variant.storage, variant)
+        for variant in args.variants
+        for ratio in args.ratios
+    ]
+
+
+def run_key(run: dict) -> tuple[int, int, str, float, str]:
+    """What identifies a run within a settings: ``(seed, document, cache label, ratio, storage)``."""
+    return run["seed"], run["document"], run["cache"], run["ratio"], run["storage"]
+
+
+def run_settings(args: argparse.Namespace) -> dict:
+    """The settings the JSON records: every argument but where results go (``--out``; ``--plot``, drawn from the
+    final summary), ``--fresh`` and the parsed variants (they follow from ``--methods`` and ``--storage``), as JSON
+    reads them back (lists, not tuples)."""
+    skipped = ("out", "plot", "fresh", "variants")
+    return json.loads(json.dumps({key: value for key, value in vars(args).items() if key not in skipped}))
+
+
+def settings_differences(recorded: dict, settings: dict) -> list[str]:
+    """``"--name: file <value>, this run <value>"`` for every key of ``recorded`` (an ``--out`` file's settings) or
+    ``settings`` (`run_settings`) whose values differ, `UNCOMPARED_SETTINGS` left out; a key one lacks differs."""
+
+    def shown(values: dict, key: str) -> str:
+        return repr(values[key]) if key in values else "absent"
+
+    return [
+        f"--{key.replace('_', '-')}: file {shown(recorded, key)}, this run {shown(settings, key)}"
+        for key in dict.fromkeys([*recorded, *settings])
+        if key not in UNCOMPARED_SETTINGS
+        and (key in recorded, recorded.get(key)) != (key in settings, settings.get(key))
+    ]
+
+
+@dataclass(frozen=True)
+class Earlier:
+    """What earlier pieces of this run left in ``--out`` (nothing for a fresh run).
+
+    Attributes:
+        runs: each finished cache's run by `run_key`.
+        documents: the JSON of each document reached, by ``(seed, index)``, in the order they were reached.
+        pieces: per earlier piece: its wall ``seconds``, torch ``threads``, ``runs_computed`` and ``git`` state (one
+            piece from ``seconds_total`` for a file written before pieces were recorded).
+    """
+
+    runs: dict[tuple, dict]
+    documents: dict[tuple[int, int], dict]
+    pieces: list[dict]
+
+    @classmethod
+    def load(cls, args: argparse.Namespace) -> Earlier:
+        """The runs already in ``--out`` when it holds this run's settings (`settings_differences`, finished or not);
+        nothing with ``--fresh`` or when ``--out`` does not exist.
+
+        Raises:
+            ValueError: ``--out`` is not this script's JSON, holds other settings (naming them), or a run that this
+                run's settings do not plan (`planned_caches`).
+        """
+        path = Path(args.out)
+        if args.fresh or not path.exists():
+            return cls({}, {}, [])
+        try:
+            payload = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--out {path} is not JSON ({err}): use --fresh to overwrite it") from err
+        keys = ("settings", "runs", "documents", "seconds_total")
+        if not isinstance(payload, dict) or any(key not in payload for key in keys):
+            raise ValueError(f"--out {path} is not a compaction_qa.py result (no {keys}): use --fresh to overwrite it")
+        differences = settings_differences(payload["settings"], run_settings(args))
+        if differences:
+            raise ValueError(
+                f"--out {path} holds a run with other settings ({'; '.join(differences)}): resuming would mix two "
+                "runs; use --fresh to overwrite it, or choose another --out"
+            )
+        planned = {cache[:3] for cache in planned_caches(args)}
+        documents = range(len(args.tasks) * args.documents)
+        for run in payload["runs"]:
+            seed, document, *cache = run_key(run)
+            if seed not in args.seeds or document not in documents or tuple(cache) not in planned:
+                raise ValueError(f"--out {path} holds a run this run does not plan: {run_key(run)}")
+        pieces = payload.get("pieces") or [
+            {"seconds": payload["seconds_total"], "threads": payload.get("environment", {}).get("threads")}
+            | {"runs_computed": len(payload["runs"]), "git": {"commit": payload.get("provenance", {}).get("commit")}}
+        ]
+        return cls(
+            {run_key(run): run for run in payload["runs"]},
+            {(document["seed"], document["index"]): document for document in payload["documents"]},
+            pieces,
+        )
+
+    def check_document(self, document_json: dict, out: str) -> bool:
+        """Whether ``document_json`` (as this run builds it) was reached before: False when not; True when it was and
+        equals the file's.
+
+        Raises:
+            ValueError: the file holds another document at its seed and index (the data or the code changed).
+        """
+        key = (document_json["seed"], document_json["index"])
+        if key not in self.documents:
+            return False
+        if self.documents[key] != json.loads(json.dumps(document_json)):
+            raise ValueError(
+                f"--out {out}: seed {key[0]} document {key[1]} differs from the one this run builds (the data or the "
+                "code changed since): use --fresh to start over"
+            )
+        return True
+
+
 # --------------------------------------------------------------------------------------------------------- main
 def load_model(name: str, tiny: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``--model`` (the embedded model, or a local transformers model folder, in float32), or (``tiny``) a random tiny
@@ -1003,6 +1137,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="random tiny model, byte tokenizer (smoke test)")
     parser.add_argument("--out", default="benchmarks/results/compaction_qa.json")
     parser.add_argument("--plot", default=None, help="write the Pareto plot (PNG) here")
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="overwrite --out instead of resuming the run it holds (by default a rerun with the same settings skips "
+        "every run already there)",
+    )
     args = parser.parse_args(argv)
     positive = ("documents", "doc_tokens", "questions", "query_cap", "max_new_tokens", "batch_size", "threads")
     for name in (*positive, "self_study_answer_tokens", "self_study_question_tokens"):
@@ -1021,6 +1161,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError as err:
         parser.error(str(err))
     args.storage = list(dict.fromkeys(args.storage))
+    args.ratios, args.seeds = list(dict.fromkeys(args.ratios)), list(dict.fromkeys(args.seeds))  # a run is unique
     if args.storage != [DTYPE_STORAGE] and (args.chunk_tokens is not None or args.keep_template):
         parser.error("--storage int4 / auto compacts one chunk without a prefix: drop --chunk-tokens / --keep-template")
     if "auto" in args.storage and not any(variant.calibrated for variant in variants):
@@ -1053,19 +1194,29 @@ def self_study_of(args: argparse.Namespace, turn_suffix: str) -> SelfStudy:
 
 
 def write_results(
-    args: argparse.Namespace, model_name: str, documents_json: list, runs: list, started: float, complete: bool
+    args: argparse.Namespace,
+    model_name: str,
+    documents_json: list,
+    runs: list,
+    pieces: list[dict],
+    piece: dict,
+    started: float,
+    complete: bool,
 ) -> tuple[list, dict]:
     """Write the JSON of ``runs`` so far to ``--out`` (``complete`` False after each cache's run, True at the end, so
-    an interrupted run keeps what it finished); returns ``(summary, {answer form: target verdicts})``."""
+    an interrupted run keeps what it finished and a rerun resumes it, `Earlier`); returns ``(summary, {answer form:
+    target verdicts})``. ``pieces``: the earlier pieces (`Earlier.pieces`); ``piece``: this one's ``threads``,
+    ``runs_computed`` and ``git`` state, its ``seconds`` the wall time since ``started``; ``seconds_total`` sums
+    every piece's."""
     summary = summarize(runs)
     prefixes = {form: prefix for form, (prefix, *_) in FORMS.items() if f"{prefix}accuracy" in summary[0]}
     verdicts = {
         form: target_verdicts(summary, prefix) | storage_target_verdicts(summary, runs, prefix)
         for form, prefix in prefixes.items()
     }
-    settings = {key: value for key, value in vars(args).items() if key not in ("out", "plot", "variants")}
+    pieces = [*pieces, {"seconds": time.perf_counter() - started} | piece]
     payload = {
-        "settings": settings,
+        "settings": run_settings(args),
         "environment": {
             "model": model_name,
             "threads": torch.get_num_threads(),
@@ -1078,7 +1229,8 @@ def write_results(
         "byte_ratio_kept_95": {form: byte_ratio_kept(summary, prefix) for form, prefix in prefixes.items()},
         "targets": verdicts["free-form"],
         **({"targets_multiple_choice": verdicts["multiple-choice"]} if "multiple-choice" in verdicts else {}),
-        "seconds_total": time.perf_counter() - started,
+        "seconds_total": sum(entry["seconds"] for entry in pieces),
+        "pieces": pieces,
         "runs": runs,
     }
     write_json(args.out, payload, started=started)
@@ -1087,6 +1239,7 @@ def write_results(
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    earlier = Earlier.load(args)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     model, tokenizer = load_model(args.model, args.tiny)
@@ -1096,12 +1249,20 @@ def main(argv: list[str] | None = None) -> None:
 
     budgets = budgets_of(args, model)
     model_name = type(model).__name__ + (" (tiny, random)" if args.tiny else f" ({model_label(args.model)})")
-    runs, documents_json = [], []
+    caches = planned_caches(args)
+    order = {cache[:3]: position for position, cache in enumerate(caches)}
+    done, documents_json = dict(earlier.runs), list(earlier.documents.values())
+    piece = {"threads": torch.get_num_threads(), "runs_computed": 0, "git": git_state()}
+
+    def ordered_runs() -> list[dict]:
+        """Every run so far in the order of an uninterrupted run (per seed, document, `planned_caches`)."""
+        return sorted(done.values(), key=lambda r: (args.seeds.index(r["seed"]), r["document"], order[run_key(r)[2:]]))
 
     def record(run: dict) -> None:
         """Keep one cache's run and rewrite the JSON, so an interrupted run keeps every cache it finished."""
-        runs.append(run)
-        write_results(args, model_name, documents_json, runs, started, complete=False)
+        done[run_key(run)] = run | {"piece": len(earlier.pieces)}
+        piece["runs_computed"] += 1
+        write_results(args, model_name, documents_json, ordered_runs(), earlier.pieces, piece, started, complete=False)
 
     for seed in args.seeds:
         rng = random.Random(seed)
@@ -1114,35 +1275,34 @@ def main(argv: list[str] | None = None) -> None:
             opening, body, suffix = document_chat_parts(tokenizer, document.text)
             context_ids = tokenizer(opening + body, return_tensors="pt", add_special_tokens=False).input_ids
             kept_whole = opening_tokens(tokenizer, opening, context_ids) if args.keep_template else 0
-            asked = AskedDocument.build(tokenizer, document, suffix, args.choices, seed, index, args.batch_size)
-            documents_json.append(
-                {"seed": seed, "index": index, "task": document.task, "context_tokens": int(context_ids.shape[1])}
-                | {"template_tokens_kept_whole": kept_whole}
-                | {"questions": len(asked.prompts), "source": document.source}
-            )
+            document_json = {"seed": seed, "index": index, "task": document.task}
+            document_json |= {"context_tokens": int(context_ids.shape[1]), "template_tokens_kept_whole": kept_whole}
+            document_json |= {"questions": len(document.questions), "source": document.source}
+            if not earlier.check_document(document_json, args.out):
+                documents_json.append(document_json)
+            todo = [cache for cache in caches if (seed, index, *cache[:3]) not in done]
             print(
-                f"seed {seed} document {index} ({document.task}): {context_ids.shape[1]} tokens, {len(asked.prompts)} q"
+                f"seed {seed} document {index} ({document.task}): {context_ids.shape[1]} tokens, "
+                f"{len(document.questions)} q, {len(todo)} of {len(caches)} caches to run"
             )
+            if not todo:
+                continue
+            asked = AskedDocument.build(tokenizer, document, suffix, args.choices, seed, index, args.batch_size)
             run = {"seed": seed, "document": index, "task": document.task}
-            start = time.perf_counter()
-            full = prefill_context(model, context_ids, prefill_chunk_tokens=1024)
-            seconds = time.perf_counter() - start
-            rows = asked.answered_rows(model, tokenizer, full, args)
-            full_bytes = dynamic_cache_nbytes(full)
-            record(
-                run
-                | {"cache": FULL, "ratio": 1.0, "storage": DTYPE_STORAGE, "seconds": seconds, "rows": rows}
-                | {"stored_bytes": full_bytes, "full_bytes": full_bytes, "byte_ratio": 1.0}
-            )
-            if args.storage != [DTYPE_STORAGE]:
+            for label, ratio, storage, variant in todo:
+                entry = {"cache": label, "ratio": ratio, "storage": storage}
                 start = time.perf_counter()
-                compacted = whole_cache_int4(model, tokenizer, context_ids, seed)
-                seconds = time.perf_counter() - start
-                entry = {"cache": WHOLE_INT4, "ratio": 1.0, "storage": "int4", "seconds": seconds}
-                record(run | asked.compacted_run(model, tokenizer, args, compacted, entry))
-            for variant in args.variants:
-                for ratio in args.ratios:
-                    start = time.perf_counter()
+                if label == FULL:
+                    full = prefill_context(model, context_ids, prefill_chunk_tokens=1024)
+                    seconds = time.perf_counter() - start
+                    rows = asked.answered_rows(model, tokenizer, full, args)
+                    full_bytes = dynamic_cache_nbytes(full)
+                    entry |= {"seconds": seconds, "rows": rows, "stored_bytes": full_bytes, "full_bytes": full_bytes}
+                    record(run | entry | {"byte_ratio": 1.0})
+                    continue
+                if label == WHOLE_INT4:
+                    compacted = whole_cache_int4(model, tokenizer, context_ids, seed)
+                else:
                     compacted = compact(
                         model,
                         tokenizer,
@@ -1160,12 +1320,13 @@ def main(argv: list[str] | None = None) -> None:
                         prefix=context_ids[:, :kept_whole] if kept_whole else None,
                         storage=variant.storage,
                     )
-                    seconds = time.perf_counter() - start
-                    entry = {"cache": run_label(args, variant), "ratio": float(ratio), "storage": variant.storage}
-                    entry |= {"seconds": seconds}
-                    record(run | asked.compacted_run(model, tokenizer, args, compacted, entry))
+                entry |= {"seconds": time.perf_counter() - start}
+                record(run | asked.compacted_run(model, tokenizer, args, compacted, entry))
 
-    summary, verdicts = write_results(args, model_name, documents_json, runs, started, complete=True)
+    runs = ordered_runs()
+    summary, verdicts = write_results(
+        args, model_name, documents_json, runs, earlier.pieces, piece, started, complete=True
+    )
     print_report(summary, verdicts, args.tasks)
     print(f"wrote {args.out}")
     if args.plot:

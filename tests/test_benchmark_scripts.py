@@ -576,6 +576,120 @@ def test_compaction_qa_writes_its_results_after_every_cache(qa, tmp_path, monkey
     assert written == [(False, 1, 1), (False, 1, 2), (False, 2, 3), (False, 2, 4), (True, 2, 4)]  # full, h2o per doc
 
 
+QA_RESUMED = ["--tiny", "--tasks", "needle", "--documents", "2", "--doc-tokens", "200", "--questions", "2"]
+QA_RESUMED += ["--choices", "2", "--methods", "streaming_llm", "--storage", "bf16", "int4", "--ratios", "4", "8"]
+QA_RESUMED += ["--max-new-tokens", "2"]
+
+
+@pytest.fixture(scope="module")
+def qa_uninterrupted(qa, tmp_path_factory):
+    """The JSON of an uninterrupted tiny run of `QA_RESUMED`: 2 documents x (full, full+int4, streaming_llm and
+    streaming_llm+int4 at 4x and 8x)."""
+    pytest.importorskip("long_context_eval")
+    out = tmp_path_factory.mktemp("qa") / "uninterrupted.json"
+    qa.main([*QA_RESUMED, "--out", str(out)])
+    return json.loads(out.read_text())
+
+
+def without(mapping: dict, *keys: str) -> dict:
+    return {key: value for key, value in mapping.items() if key not in keys}
+
+
+DOCUMENT_1_COMPACTED = [(1, cache, ratio) for cache in ("streaming_llm", "streaming_llm+int4") for ratio in (4.0, 8.0)]
+
+
+@pytest.mark.parametrize(
+    ("missing", "prefills"),
+    [
+        # one run of document 0 missing; document 1 reached, its full cache and full+int4 done
+        ([(0, "streaming_llm+int4", 4.0), *DOCUMENT_1_COMPACTED], 0),
+        # document 1 never reached: every cache of it, the full cache's prefill included
+        ([(1, "full", 1.0), (1, "full+int4", 1.0), *DOCUMENT_1_COMPACTED], 1),
+        ([], 0),  # a finished file: nothing to compute, the same JSON rewritten
+    ],
+)
+def test_compaction_qa_resumes_an_interrupted_run(qa, qa_uninterrupted, tmp_path, monkeypatch, missing, prefills):
+    uninterrupted = qa_uninterrupted
+    runs = uninterrupted["runs"]
+    assert len(runs) == 12
+    kept = [run for run in runs if (run["document"], run["cache"], run["ratio"]) not in missing]
+    reached = {run["document"] for run in kept}
+    out = tmp_path / "qa.json"
+    partial = {"complete": not missing, "runs": kept}
+    partial["documents"] = [document for document in uninterrupted["documents"] if document["index"] in reached]
+    out.write_text(json.dumps(uninterrupted | partial))
+    compacted, prefilled = [], []
+    compact, prefill = qa.compact, qa.prefill_context
+
+    def counted_compact(*args, **kwargs):
+        compacted.append((kwargs["storage"], kwargs["ratio"]))
+        return compact(*args, **kwargs)
+
+    def counted_prefill(*args, **kwargs):
+        prefilled.append(args[1].shape)
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(qa, "compact", counted_compact)
+    monkeypatch.setattr(qa, "prefill_context", counted_prefill)
+    qa.main([*QA_RESUMED, "--out", str(out)])
+    resumed = json.loads(out.read_text())
+
+    expected = [("int4" if "+" in cache else "bf16", ratio) for _, cache, ratio in missing if cache != "full"]
+    assert compacted == expected and len(prefilled) == prefills  # only what was missing ran
+    assert resumed["complete"] and resumed["documents"] == uninterrupted["documents"]
+    assert [qa.run_key(run) for run in resumed["runs"]] == [qa.run_key(run) for run in runs]  # uninterrupted order
+    for run, before in zip(resumed["runs"], runs, strict=True):
+        if run in kept:
+            assert run == before  # kept as it was: same seconds, same piece
+        else:
+            assert run["piece"] == 1 and without(run, "seconds", "piece") == without(before, "seconds", "piece")
+    assert [without(row, "pipeline_seconds") for row in resumed["summary"]] == [
+        without(row, "pipeline_seconds") for row in uninterrupted["summary"]
+    ]  # accuracies, vs_full's paired counts and p-values, bytes
+    for key in ("byte_ratio_kept_95", "targets", "targets_multiple_choice", "settings"):
+        assert resumed[key] == uninterrupted[key]
+    first, second = resumed["pieces"]
+    assert first == uninterrupted["pieces"][0] and first["runs_computed"] == 12
+    assert second["runs_computed"] == len(missing) and second["threads"] == 1
+    assert resumed["seconds_total"] == pytest.approx(first["seconds"] + second["seconds"])
+
+
+def test_compaction_qa_refuses_to_resume_other_settings(qa, tmp_path):
+    out = tmp_path / "qa.json"
+    argv = [*QA_RESUMED, "--out", str(out)]
+    settings = qa.run_settings(qa.parse_args(argv))
+    assert "threads" in settings and not {"out", "plot", "fresh", "variants"} & set(settings)
+    out.write_text(json.dumps({"settings": settings, "runs": [], "documents": [], "seconds_total": 1.5}))
+    with pytest.raises(
+        ValueError,
+        match=r"--out \S+qa.json holds a run with other settings \(--ratios: file \[4.0, "
+        r"8.0\], this run \[4.0\]; --choices: file 2, this run 0\)",
+    ):
+        qa.main([*argv, "--ratios", "4", "--choices", "0"])  # refused before the model loads
+    earlier = qa.Earlier.load(qa.parse_args([*argv, "--threads", "3", "--plot", str(tmp_path / "p.png")]))  # resumes
+    assert earlier.runs == {} and earlier.pieces == [
+        {"seconds": 1.5, "threads": None, "runs_computed": 0, "git": {"commit": None}}
+    ]  # a file written before pieces: one piece of its seconds_total
+    assert qa.Earlier.load(qa.parse_args([*argv, "--ratios", "4", "--fresh"])) == qa.Earlier({}, {}, [])
+    out.write_text(
+        json.dumps({"settings": without(settings, "storage"), "runs": [], "documents": [], "seconds_total": 1})
+    )
+    with pytest.raises(ValueError, match=r"--storage: file absent, this run \['bf16', 'int4'\]"):
+        qa.Earlier.load(qa.parse_args(argv))
+    run = {"seed": 0, "document": 0, "cache": "h2o", "ratio": 4.0, "storage": "bf16"}
+    out.write_text(json.dumps({"settings": settings, "runs": [run], "documents": [], "seconds_total": 1}))
+    with pytest.raises(ValueError, match=r"holds a run this run does not plan: \(0, 0, 'h2o', 4.0, 'bf16'\)"):
+        qa.Earlier.load(qa.parse_args(argv))
+    out.write_text("{}")
+    with pytest.raises(ValueError, match="is not a compaction_qa.py result"):
+        qa.Earlier.load(qa.parse_args(argv))
+    document = {"seed": 0, "index": 1, "task": "needle", "source": {"depths": (0.25, 0.75)}}
+    earlier = qa.Earlier({}, {(0, 1): json.loads(json.dumps(document))}, [])
+    assert earlier.check_document(document, "x.json") and not earlier.check_document(document | {"index": 0}, "x")
+    with pytest.raises(ValueError, match="x.json: seed 0 document 1 differs"):
+        earlier.check_document(document | {"task": "squad"}, "x.json")
+
+
 def test_compaction_qa_loads_a_model_folder(qa, tmp_path):
     from hf_structkv.models import tiny_byte_tokenizer, tiny_model
 
