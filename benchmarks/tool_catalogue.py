@@ -19,18 +19,19 @@ managing the rest at B = 0.33, scored by BFCL's AST checker.
   prompt answers, tests/test_tool_catalogue.py); per ``--ratios`` r, ``kv_surgeon@rx`` (`compact_catalogue`,
   ``storage="bf16"``: kept entries in the model's dtype, calibrated by the repeat pass), ``kv_surgeon_int4@rx``
   (``storage="int4"``: the ratio is a byte ratio), with ``--task-questions N`` also ``kv_surgeon_tasks@rx`` and
-  ``kv_surgeon_int4_tasks@rx`` (the same two calibrated by the self-study tier with N task questions,
-  ``compact_catalogue(..., questions=)``: see below), each ``--baselines`` method ``@rx`` (query-free, model dtype)
-  and ``kv_surgeon_int4@rx+pask@0.33`` (that catalogue, the shipped calibrated PASK decode table and prefill policy
-  served at B_D = B_P = 0.33 on the conversation and the reply). Decode is all-high on the other rows.
-- Task questions (``--task-questions N``): N cases of BFCL's **calibration** partition (`pick_cases` with
-  ``split="calibration"``, the same seed: the categories in turn, no system message), disjoint from the evaluated
-  cases, which come from the test partition. Each ``*_tasks`` catalogue is calibrated with the repetition, the four
-  self-study conversations and one conversation per question: the question's turn as ``generate_calls`` feeds it
-  after that catalogue, then the model's sampled reply (`catalogue_task_study`); the same N questions for every
-  catalogue. On the embedded model the four self-study conversations generated no token in the smoke run (their
-  prompts follow the catalogue's closing ``<|im_start|>`` without a user turn), so there the calibration is the
-  repetition plus the questions' turns and replies.
+  ``kv_surgeon_int4_tasks@rx`` (the same two calibrated by the self-study tier with up to N task questions per
+  catalogue, ``compact_catalogue(..., questions=)``: see below), each ``--baselines`` method ``@rx`` (query-free,
+  model dtype) and ``kv_surgeon_int4@rx+pask@0.33`` (that catalogue, the shipped calibrated PASK decode table and
+  prefill policy served at B_D = B_P = 0.33 on the conversation and the reply). Decode is all-high on the other rows.
+- Task questions (``--task-questions N``), chosen per catalogue (`catalogue_questions`): the first N cases of BFCL's
+  **calibration** partition (the same seed, the categories in turn, each in its seeded order) that open without a
+  system message and whose functions all lie in that catalogue (same name, same definition), so that they use the
+  catalogue as the evaluated cases do; fewer when fewer exist (none: the self-study conversations alone). Never an
+  evaluated case: those come from the test partition, which is disjoint. Each ``*_tasks`` catalogue is calibrated
+  with the repetition, the four self-study conversations (each a user turn of the chat template after the catalogue,
+  `catalogue_self_study`) and one conversation per question: the question's turn as ``generate_calls`` feeds it after
+  that catalogue, then the model's sampled reply. The question ids of each catalogue are in its saved metadata
+  (``task_questions``), its line of the case log and the JSON (``task_questions``, per group).
 - Reported per row: accuracy (overall, per category), the paired exact McNemar p-value against ``full_kv``
   (`paired_comparison`, as ``bfcl_budget.py --compare``), the catalogue's stored bytes and their ratio to the whole
   catalogue's, the mean bytes of the cache after each case (catalogue + conversation + reply) and wall time per case,
@@ -38,8 +39,10 @@ managing the rest at B = 0.33, scored by BFCL's AST checker.
   ``--plot`` (accuracy against mean cache bytes per case).
 - Resumable: every answered case is appended to ``<out>.cases.jsonl`` (the run's settings on its first line; a rerun
   with other settings is refused, except that a key of `ADDED_SETTINGS` missing from the log or from the rerun is not
-  compared, so a log written without ``--task-questions`` resumes with it) and compacted catalogues are saved under
-  ``<out>.catalogues/`` (not results: do not commit them); a rerun skips what is done and reloads the catalogues.
+  compared, so a log written without ``--task-questions`` resumes with it; the settings record N and the rule
+  `TASK_QUESTION_RULE`, which with the seed and the catalogues fix each catalogue's questions) and compacted catalogues
+  are saved under ``<out>.catalogues/`` (not results: do not commit them); a rerun skips what is done and reloads the
+  catalogues (a ``*_tasks`` catalogue only when its saved question ids are this run's).
   Rows, ratios and baselines are not settings: a rerun may add some.
 
 The runs of issue 33 (embedded model, float32 on CPU, 1 thread; hours). The 4K run resumes the committed partial
@@ -62,8 +65,9 @@ import random
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -90,8 +94,12 @@ QUERY_FREE = ("streaming_llm", "key_norm", "q_filters", "random")
 PASK_BUDGET = 0.33
 FULL = "full_kv"
 ADDED_SETTINGS = ("task_questions",)
-"""Settings keys added after logs were written (`same_settings`): ``task_questions`` (the ids of the task questions,
-present only with ``--task-questions``)."""
+"""Settings keys added after logs were written (`same_settings`): ``task_questions`` (``{"per_catalogue": N, "rule":
+TASK_QUESTION_RULE}``, present only with ``--task-questions``)."""
+TASK_QUESTION_RULE = (
+    "per catalogue, the first N calibration-partition cases of the categories in turn (seeded order) that open "
+    "without a system message and whose functions all lie in the catalogue (same name, same definition)"
+)
 
 
 @dataclass(frozen=True)
@@ -129,27 +137,50 @@ def method_rows(ratios: Sequence[float], baselines: Sequence[str], tasks: bool =
     return rows
 
 
-def pick_cases(categories: Sequence[str], count: int, seed: int, split: str = "test") -> list[BfclEntry]:
-    """``count`` cases of the ``split`` partition (`bfcl_split`), one category after the other in turn (each
-    category's seeded order), leaving out cases that open with a system message or whose functions contradict an
-    earlier case's (same name, other definition). The evaluated cases come from ``"test"``, the task questions from
-    ``"calibration"`` (disjoint partitions)."""
+def cases_in_turn(
+    categories: Sequence[str], split: str, seed: int, accept: Callable[[BfclEntry], bool]
+) -> Iterator[BfclEntry]:
+    """The cases of the ``split`` partition (`bfcl_split`) that ``accept`` takes, one category after the other in
+    turn: each turn takes the next accepted case of each category (in its seeded order) until none is left."""
     queues = {c: list(bfcl_split([c], split, seed=seed)) for c in categories}
-    chosen, known = [], {}
-    while len(chosen) < count and any(queues.values()):
+    while any(queues.values()):
         for category in categories:
-            while queues[category] and len(chosen) < count:
+            while queues[category]:
                 entry = queues[category].pop(0)
-                if entry.messages[0]["role"] == "system":
-                    continue
-                if any(known.get(tool["name"], tool) != tool for tool in entry.tools):
-                    continue
-                known.update({tool["name"]: tool for tool in entry.tools})
-                chosen.append(entry)
-                break
+                if accept(entry):
+                    yield entry
+                    break
+
+
+def pick_cases(categories: Sequence[str], count: int, seed: int) -> list[BfclEntry]:
+    """The evaluated cases: ``count`` cases of the test partition, the categories in turn (`cases_in_turn`), leaving
+    out cases that open with a system message or whose functions contradict an earlier case's (same name, other
+    definition)."""
+    known: dict[str, dict] = {}
+
+    def usable(entry: BfclEntry) -> bool:
+        if entry.messages[0]["role"] == "system" or any(known.get(t["name"], t) != t for t in entry.tools):
+            return False
+        known.update({tool["name"]: tool for tool in entry.tools})
+        return True
+
+    chosen = list(islice(cases_in_turn(categories, "test", seed, usable), count))
     if len(chosen) < count:
-        raise ValueError(f"only {len(chosen)} usable {split} cases in {list(categories)}, asked for {count}")
+        raise ValueError(f"only {len(chosen)} usable test cases in {list(categories)}, asked for {count}")
     return chosen
+
+
+def catalogue_questions(tools: Sequence[dict], categories: Sequence[str], count: int, seed: int) -> list[BfclEntry]:
+    """A catalogue's task questions (`TASK_QUESTION_RULE`): the first ``count`` cases of the calibration partition,
+    the categories in turn (`cases_in_turn`), that open without a system message and whose functions all lie in
+    ``tools`` (same name, same definition); fewer when fewer exist. The calibration partition shares no case with the
+    test partition the evaluated cases come from."""
+    held = {tool["name"]: tool for tool in tools}
+
+    def fits(entry: BfclEntry) -> bool:
+        return entry.messages[0]["role"] != "system" and all(held.get(t["name"]) == t for t in entry.tools)
+
+    return list(islice(cases_in_turn(categories, "calibration", seed, fits), count))
 
 
 def other_tools(cases: Sequence[BfclEntry], categories: Sequence[str], rng: random.Random) -> list[dict]:
@@ -276,8 +307,12 @@ class CaseLog:
         self.cases[(row, record["id"])] = line = {"row": row, **record}
         self._append(line)
 
-    def add_catalogue(self, label: str, seconds: float) -> None:
-        self.catalogues[label] = line = {"catalogue": label, "seconds": seconds}
+    def add_catalogue(self, label: str, seconds: float, questions: list[str] | None = None) -> None:
+        """Log a made catalogue: its compaction ``seconds`` and, for a ``*_tasks`` row, its task ``questions``' ids."""
+        line = {"catalogue": label, "seconds": seconds}
+        if questions is not None:
+            line["task_questions"] = questions
+        self.catalogues[label] = line
         self._append(line)
 
 
@@ -286,13 +321,28 @@ def catalogue_for(
 ) -> CompactedCache:
     """The row's catalogue of case group ``group``: kept whole (Full KV; prefilled again on each run), else loaded from
     ``folder`` or compacted (and saved there, its seconds logged under ``<catalogue label>/g<group>``); a ``tasks``
-    row's calibrated with the task ``questions`` (their chat messages)."""
+    row's calibrated by the self-study tier with the group's task ``questions`` (their chat messages; none: the
+    self-study conversations alone), whose ids go to the catalogue's metadata and log line (``task_questions``).
+
+    Raises:
+        ValueError: a saved ``tasks`` catalogue was calibrated with other questions than ``questions``.
+    """
     if row.method is None:
         return keep_all_catalogue(model, tokenizer, tools)
     label = f"{row.catalogue_label}/g{group}"
     saved = folder / re.sub(r"[^\w.@-]", "_", label)
+    ids = [question.id for question in questions] if row.tasks else None
     if saved.is_dir() and label in log.catalogues:
-        return CompactedCache.from_pretrained(saved, model=model)
+        cache = CompactedCache.from_pretrained(saved, model=model)
+        if cache.metadata.get("task_questions") != ids:
+            raise ValueError(
+                f"{saved} was calibrated with task questions {cache.metadata.get('task_questions')}, this run's are "
+                f"{ids}: delete it to compact it again"
+            )
+        return cache
+    tasks = {}
+    if row.tasks:
+        tasks = {"queries": "self_study", "questions": [list(question.messages) for question in questions] or None}
     start = time.perf_counter()
     cache = compact_catalogue(
         model,
@@ -305,11 +355,13 @@ def catalogue_for(
         on_policy=args.on_policy,
         query_cap=args.query_cap,
         progress=False,
-        questions=[list(question.messages) for question in questions] if row.tasks else None,
+        **tasks,
     )
     seconds = time.perf_counter() - start
+    if row.tasks:
+        cache.metadata["task_questions"] = ids
     cache.save_pretrained(saved)
-    log.add_catalogue(label, seconds)
+    log.add_catalogue(label, seconds, ids)
     return cache
 
 
@@ -449,7 +501,8 @@ def arguments() -> argparse.ArgumentParser:
         "--task-questions",
         type=int,
         default=0,
-        help="add KV-Surgeon rows calibrated with this many questions of BFCL's calibration partition (0: none)",
+        help="add KV-Surgeon rows calibrated by self-study with up to this many questions of BFCL's calibration "
+        "partition per catalogue, each using only that catalogue's functions (0: no such rows)",
     )
     parser.add_argument("--seed", type=int, default=0, help="split, catalogue and compaction seed")
     parser.add_argument("--threads", type=int, default=1)
@@ -475,36 +528,38 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
 
 @dataclass
 class Plan:
-    """What a run answers and with what: its cases, their groups, each group's catalogue (tools) and the task
-    questions (empty without ``--task-questions``)."""
+    """What a run answers and with what: its cases, their groups, each group's catalogue (tools) and task questions
+    (per group; empty lists without ``--task-questions``)."""
 
     cases: list[BfclEntry]
     groups: list[list[BfclEntry]]
     catalogues: list[list[dict]]
-    questions: list[BfclEntry]
+    questions: list[list[BfclEntry]]
 
     @classmethod
     def make(cls, tokenizer, args: argparse.Namespace) -> Plan:
-        """The plan of ``args``: `pick_cases` (test), `group_cases`, `build_catalogue`, `pick_cases` (calibration)."""
+        """The plan of ``args``: `pick_cases`, `group_cases`, `build_catalogue`, then each catalogue's
+        `catalogue_questions` (``--task-questions`` of them at most)."""
         cases = pick_cases(CATEGORIES, args.cases, args.seed)
         groups = group_cases(tokenizer, cases, int(args.own_share * args.catalogue_tokens))
         catalogues = [build_catalogue(tokenizer, g, CATEGORIES, args.catalogue_tokens, args.seed) for g in groups]
-        questions = []
-        if args.task_questions:
-            questions = pick_cases(CATEGORIES, args.task_questions, args.seed, split="calibration")
+        questions = [
+            catalogue_questions(tools, CATEGORIES, args.task_questions, args.seed) if args.task_questions else []
+            for tools in catalogues
+        ]
         return cls(cases, groups, catalogues, questions)
 
     def settings(self, model_name: str, tokenizer, args: argparse.Namespace) -> dict:
-        """The settings a `CaseLog` of this run holds (``task_questions``, the questions' ids, only when there are
-        questions)."""
+        """The settings a `CaseLog` of this run holds (``task_questions``: N and `TASK_QUESTION_RULE`, only with
+        ``--task-questions``; the questions themselves follow from the rule, the seed and the catalogues)."""
         settings = {
             "model": model_name,
             "catalogues": [catalogue_metadata(tokenizer, tools) for tools in self.catalogues],
             "groups": [[case.id for case in group] for group in self.groups],
             **{key: getattr(args, key) for key in ("max_new_tokens", "query_cap", "on_policy", "seed")},
         }
-        if self.questions:
-            settings["task_questions"] = [question.id for question in self.questions]
+        if args.task_questions:
+            settings["task_questions"] = {"per_catalogue": args.task_questions, "rule": TASK_QUESTION_RULE}
         return settings
 
 
@@ -523,12 +578,13 @@ def main(argv: list[str] | None = None) -> dict:
         log = CaseLog(out.with_suffix(".cases.jsonl"), settings)
     except ValueError as error:
         parser.error(str(error))
-    for group, tools, made in zip(groups, catalogues, metadata, strict=True):
-        print(f"catalogue of {len(group)} cases: {len(tools)} tools, {made['tokens']} tokens")
+    for group, tools, made, questions in zip(groups, catalogues, metadata, plan.questions, strict=True):
+        asked = f", {len(questions)} task questions" if args.task_questions else ""
+        print(f"catalogue of {len(group)} cases: {len(tools)} tools, {made['tokens']} tokens{asked}")
     table, prefill, provenance = load_pask("calibrated", model)
     pask = pask_at(table, prefill, PASK_BUDGET)
     all_high = PolicyTable.all_high(model)
-    rows = method_rows(args.ratios, args.baselines, tasks=bool(plan.questions))
+    rows = method_rows(args.ratios, args.baselines, tasks=args.task_questions > 0)
     results: dict[str, list[dict]] = {}
     for row in rows:
         policy, prefill_policy = pask if row.pask else (all_high, None)
@@ -537,7 +593,8 @@ def main(argv: list[str] | None = None) -> dict:
             if not todo:
                 continue
             folder = Path(f"{out}.catalogues")
-            context = catalogue_for(model, tokenizer, tools, row, index, folder, log, args, plan.questions)
+            questions = plan.questions[index]
+            context = catalogue_for(model, tokenizer, tools, row, index, folder, log, args, questions)
             for case in todo:
                 record = answer(model, tokenizer, case, tools, context, policy, prefill_policy, args.max_new_tokens)
                 log.add_case(row.label, {**record, "group": index})
@@ -551,6 +608,7 @@ def main(argv: list[str] | None = None) -> dict:
         "settings": settings,
         "categories": list(CATEGORIES),
         "catalogue_tools": [[tool["name"] for tool in tools] for tools in catalogues],
+        "task_questions": [[question.id for question in questions] for questions in plan.questions],
         "pask": {"provenance": provenance, "B_D": pask[0].budget, "B_P": pask[1].budget},
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -72,10 +72,12 @@ def test_the_case_log_resumes_and_refuses_other_settings(tmp_path):
     log = tc.CaseLog(path, {"seed": 0})
     log.add_case("full_kv", {"id": "a", "valid": True})
     log.add_catalogue("kv_surgeon@4x", 12.5)
+    log.add_catalogue("kv_surgeon_tasks@4x/g0", 3.0, ["q1", "q2"])
     again = tc.CaseLog(path, {"seed": 0})
     assert again.cases == {("full_kv", "a"): {"row": "full_kv", "id": "a", "valid": True}}
-    assert again.catalogues["kv_surgeon@4x"]["seconds"] == 12.5
-    assert len(path.read_text().splitlines()) == 3
+    assert again.catalogues["kv_surgeon@4x"] == {"catalogue": "kv_surgeon@4x", "seconds": 12.5}
+    assert again.catalogues["kv_surgeon_tasks@4x/g0"]["task_questions"] == ["q1", "q2"]
+    assert len(path.read_text().splitlines()) == 4
     with pytest.raises(ValueError, match="other settings"):
         tc.CaseLog(path, {"seed": 1})
 
@@ -101,17 +103,83 @@ def test_a_log_without_an_added_setting_resumes_with_it_and_compares_it_from_the
     assert tc.same_settings({"a": 1}, {"a": 1, "task_questions": []}) and not tc.same_settings({"a": 1}, {"a": 2})
 
 
-def test_task_questions_come_from_the_calibration_partition_never_the_evaluated_cases():
-    questions = tc.pick_cases(tc.CATEGORIES, 6, seed=0, split="calibration")
-    assert [q.category for q in questions] == list(tc.CATEGORIES) * 2
-    assert all(q.messages[0]["role"] != "system" for q in questions)
+def test_task_questions_are_the_first_calibration_cases_whose_functions_lie_in_the_catalogue(tokenizer):
+    cases = tc.pick_cases(tc.CATEGORIES, 3, seed=0)
+    tools = tc.build_catalogue(tokenizer, cases, tc.CATEGORIES, 8192, seed=0)
+    # a BFCL catalogue rarely holds every function of a multi-function case: add those of a few calibration cases of
+    # the other categories, so that the order in turn is exercised
+    extra = [
+        tool
+        for category in ("multiple", "live_multiple")
+        for entry in bfcl_split([category], "calibration", seed=0)[1:3]
+        for tool in entry.tools
+    ]
+    tools = list({tool["name"]: tool for tool in [*tools, *extra]}.values())
+    held = {tool["name"]: tool for tool in tools}
+    # brute force: each category's fitting calibration cases in its seeded order, then taken in turn
+    fitting = {
+        category: [
+            entry
+            for entry in bfcl_split([category], "calibration", seed=0)
+            if entry.messages[0]["role"] != "system" and all(held.get(t["name"]) == t for t in entry.tools)
+        ]
+        for category in tc.CATEGORIES
+    }
+    in_turn = [
+        fitting[category][turn]
+        for turn in range(max(map(len, fitting.values())))
+        for category in tc.CATEGORIES
+        if turn < len(fitting[category])
+    ]
+    assert len(in_turn) > 4 and {e.category for e in in_turn[:4]} == set(tc.CATEGORIES)
+    every = tc.catalogue_questions(tools, tc.CATEGORIES, 10**6, seed=0)
+    assert [e.id for e in every] == [e.id for e in in_turn]  # fewer than asked: all there are
+    questions = tc.catalogue_questions(tools, tc.CATEGORIES, 4, seed=0)
+    assert [q.id for q in questions] == [e.id for e in in_turn[:4]]
+    assert [q.id for q in tc.catalogue_questions(tools, tc.CATEGORIES, 4, seed=0)] == [q.id for q in questions]
     calibration = {e.id for e in bfcl_split(tc.CATEGORIES, "calibration", seed=0)}
-    assert {q.id for q in questions} <= calibration
-    assert not calibration & {e.id for e in bfcl_split(tc.CATEGORIES, "test", seed=0)}  # every evaluated case is test
-    assert [q.id for q in tc.pick_cases(tc.CATEGORIES, 6, seed=0, split="calibration")] == [q.id for q in questions]
-    assert [q.id for q in tc.pick_cases(tc.CATEGORIES, 6, seed=1, split="calibration")] != [q.id for q in questions]
-    with pytest.raises(ValueError, match="usable calibration cases"):
-        tc.pick_cases(["simple_python"], 10**6, seed=0, split="calibration")
+    test = {e.id for e in bfcl_split(tc.CATEGORIES, "test", seed=0)}
+    assert not calibration & test  # the partitions are disjoint: a task question is never an evaluated case
+    assert {q.id for q in every} <= calibration and not {q.id for q in every} & {c.id for c in cases}
+    # a definition that differs from the catalogue's does not fit, even under the same name
+    changed = [
+        {**tool, "description": "changed"} if tool["name"] == questions[0].tools[0]["name"] else tool for tool in tools
+    ]
+    assert questions[0].id not in {q.id for q in tc.catalogue_questions(changed, tc.CATEGORIES, 10**6, seed=0)}
+    assert tc.catalogue_questions([], tc.CATEGORIES, 4, seed=0) == []
+    with pytest.raises(ValueError, match="usable test cases"):
+        tc.pick_cases(["simple_python"], 10**6, seed=0)
+
+
+def test_a_tasks_catalogue_records_its_questions_and_reloads_only_with_them(tmp_path, model, tokenizer):
+    from types import SimpleNamespace
+
+    from test_structured_generation import TOOLS
+
+    log = tc.CaseLog(tmp_path / "run.cases.jsonl", {"seed": 0})
+    args = SimpleNamespace(seed=0, on_policy=False, query_cap=64)
+    questions = [
+        SimpleNamespace(id="q1", messages=[{"role": "user", "content": "Weather in Oslo?"}]),
+        SimpleNamespace(id="q2", messages=[{"role": "user", "content": "Is it cold in Lima?"}]),
+    ]
+    row = tc.Row("kv_surgeon_tasks@4x", "kv_surgeon", 4.0, tasks=True)
+    made = tc.catalogue_for(model, tokenizer, TOOLS, row, 0, tmp_path, log, args, questions)
+    calibration = made.metadata["calibration"]
+    assert made.metadata["task_questions"] == ["q1", "q2"] and calibration["queries"] == "self_study"
+    assert len(calibration["self_study"]["prompt_tasks"]) == 2
+    assert log.catalogues["kv_surgeon_tasks@4x/g0"]["task_questions"] == ["q1", "q2"]
+    again = tc.catalogue_for(model, tokenizer, TOOLS, row, 0, tmp_path, log, args, questions)
+    assert again.metadata["task_questions"] == ["q1", "q2"]
+    with pytest.raises(ValueError, match=r"calibrated with task questions \['q1', 'q2'\], this run's are \['q2'\]"):
+        tc.catalogue_for(model, tokenizer, TOOLS, row, 0, tmp_path, log, args, questions[1:])
+    none = tc.catalogue_for(model, tokenizer, TOOLS, row, 1, tmp_path, log, args, [])  # none fit: self-study alone
+    assert none.metadata["task_questions"] == [] and "prompt_tasks" not in none.metadata["calibration"]["self_study"]
+    assert none.metadata["calibration"]["queries"] == "self_study"
+    plain = tc.catalogue_for(
+        model, tokenizer, TOOLS, tc.Row("kv_surgeon@4x", "kv_surgeon", 4.0), 0, tmp_path, log, args, []
+    )
+    assert "task_questions" not in plain.metadata and plain.metadata["calibration"]["queries"] == "repeat"
+    assert "task_questions" not in log.catalogues["kv_surgeon@4x/g0"]
 
 
 def test_the_task_question_flag_is_checked(capsys):
@@ -135,7 +203,12 @@ def test_the_committed_4k_log_resumes_with_task_questions(tmp_path, tokenizer):
     plan = tc.Plan.make(tokenizer, args)
     settings = plan.settings(logged["model"], tokenizer, args)
     assert {key: value for key, value in settings.items() if key != "task_questions"} == logged
-    assert len(settings["task_questions"]) == 8 and not set(settings["task_questions"]) & {c.id for c in plan.cases}
+    assert settings["task_questions"] == {"per_catalogue": 8, "rule": tc.TASK_QUESTION_RULE}
+    assert len(plan.questions) == len(plan.catalogues) and any(plan.questions)
+    evaluated = {c.id for c in plan.cases}
+    for questions, tools in zip(plan.questions, plan.catalogues):  # each catalogue's own questions
+        assert len(questions) <= 8 and not {q.id for q in questions} & evaluated
+        assert all(tool in tools for q in questions for tool in q.tools)
     copy = tmp_path / "tool_catalogue_4k.cases.jsonl"
     shutil.copy(committed, copy)  # CaseLog appends to the log it resumes: never the committed file
     log = tc.CaseLog(copy, settings)

@@ -74,6 +74,8 @@ def test_self_study_settings():
         SelfStudy(greedy="yes")
     with pytest.raises(TypeError, match="SelfStudy.turn_suffix must be a str, got int"):
         SelfStudy(turn_suffix=3)
+    with pytest.raises(TypeError, match="SelfStudy.turn_prefix must be a str, got NoneType"):
+        SelfStudy(turn_prefix=None)
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0"):
         SelfStudyTask("t", "p", -1, 0.0, 1.0, 1)
     with pytest.raises(ValueError, match="need temperature >= 0, 0 < top_p <= 1 and top_k >= 1"):
@@ -94,6 +96,9 @@ def test_task_prompts_are_stored_described_and_validated():
     assert json.loads(json.dumps(described)) == described  # JSON's own types: a saved description compares equal
     assert "prompt_tasks" not in SelfStudy().describe()  # a study without prompts is described as before
     assert SelfStudy(prompts=[]).describe() == SelfStudy().describe()
+    assert "turn_prefix" not in SelfStudy().describe()  # nor one without a turn prefix
+    framed = SelfStudy(turn_prefix="<u>", turn_suffix="</u>").describe()
+    assert framed == {"turn_prefix": "<u>", **SelfStudy(turn_suffix="</u>").describe()}
     for bad, error, message in [
         ("Book a table?", TypeError, "SelfStudy.prompts must be a sequence of str, got str"),
         (None, TypeError, "SelfStudy.prompts must be a sequence of str, got NoneType"),
@@ -170,21 +175,35 @@ def test_conversations_are_seeded_and_prompted_with_the_task_and_turn_suffix():
         [encode(EXCERPT_INTRO), excerpt[0], encode(EXCERPT_OUTRO), encode(SELF_STUDY_PROMPTS["json"] + "|A:")]
     )
     assert torch.equal(quoted[2].prompt_ids, expected)
+    # a turn prefix opens each prompt (a context that ends where a turn opens: the prompt needs its role header)
+    framed = dataclasses.replace(config, turn_prefix="U>")
+    turns = self_study_conversations(model, CharTokenizer(), cache, framed, seed=4)
+    for conversation, task in zip(turns, framed.tasks):
+        assert torch.equal(conversation.prompt_ids, encode("U>" + task.prompt + "|A:"))
+        assert 0 < conversation.answer_ids.numel() <= task.max_new_tokens
+    quoted = self_study_conversations(model, CharTokenizer(), cache, framed, seed=4, excerpt_ids=excerpt)
+    expected = torch.cat(
+        [encode("U>" + EXCERPT_INTRO), excerpt[0], encode(EXCERPT_OUTRO), encode(SELF_STUDY_PROMPTS["json"] + "|A:")]
+    )
+    assert torch.equal(quoted[2].prompt_ids, expected)
     with pytest.raises(ValueError, match="self-study calibration needs the tokenizer"):
         self_study_conversations(model, None, cache)
 
 
 def test_task_prompts_add_conversations_whose_answer_is_the_prompt_then_the_reply():
+    """A task prompt is a whole text (e.g. a question's chat turn): the turn prefix and suffix frame the four only."""
     model = tiny_model("qwen2")
     cache = prefill_context(model, token_ids(24))
-    config = SelfStudy(answer_tokens=6, question_tokens=9, turn_suffix="|A:", prompts=["Q one?", "Where is it"])
+    config = SelfStudy(
+        answer_tokens=6, question_tokens=9, turn_suffix="|A:", turn_prefix="U>", prompts=["Q one?", "Where is it"]
+    )
     got = self_study_conversations(model, CharTokenizer(), cache, config, seed=4)
     plain = self_study_conversations(model, CharTokenizer(), cache, dataclasses.replace(config, prompts=()), seed=4)
     assert [c.name for c in got] == ["summary", "key_facts", "json", "questions", "prompt_0", "prompt_1"]
     for a, b in zip(got[:4], plain):  # the four draw first: the prompts change nothing before them
         assert torch.equal(a.prompt_ids, b.prompt_ids) and torch.equal(a.answer_ids, b.answer_ids)
     for conversation, prompt in zip(got[4:], config.prompts):
-        question = encode(prompt + "|A:")
+        question = encode(prompt)
         assert conversation.prompt_ids.shape == (0,) and conversation.prompt_ids.dtype == torch.long
         assert torch.equal(conversation.answer_ids[: question.numel()], question)
         assert question.numel() < conversation.answer_ids.numel() <= question.numel() + 6
@@ -193,7 +212,7 @@ def test_task_prompts_add_conversations_whose_answer_is_the_prompt_then_the_repl
     # greedy: the reply is the model's greedy continuation of context + prompt, whatever came before
     greedy_config = dataclasses.replace(config, greedy=True)
     last = self_study_conversations(model, CharTokenizer(), cache, greedy_config, seed=4)[-1]
-    question = encode("Where is it|A:")
+    question = encode("Where is it")
     reply = sample_answer(model, question, context_copy(cache), greedy(6), torch.Generator())
     assert torch.equal(last.answer_ids, torch.cat([question, reply]))
     excerpt = token_ids(5, seed=9)

@@ -206,26 +206,63 @@ def test_a_prefill_policy_plans_the_conversation_after_the_catalogue(model, toke
             assert stored == (want[:, layer.group] == Action.H).nonzero().flatten().tolist()
 
 
-# ---------------------------------------------------------------------------------------------------- task questions
-def test_a_task_study_holds_each_questions_turn_after_the_catalogue(tokenizer):
+# ---------------------------------------------------------------------------------------------------- self-study
+def test_the_catalogue_turn_frames_a_text_as_the_user_turn_after_the_catalogue(tokenizer):
+    from hf_structkv.compaction.catalogue import catalogue_turn
+    from hf_structkv.compaction.self_study import SELF_STUDY_PROMPTS
+
+    before, after = catalogue_turn(tokenizer, MORE_TOOLS)
+    catalogue = catalogue_text(tokenizer, MORE_TOOLS)
+    assert catalogue.endswith("<|im_start|>")  # the catalogue ends where the conversation's turn opens
+    assert (before, after) == ("user\n", "<|im_end|>\n<|im_start|>assistant\n")  # this template's user turn
+    for text in [*SELF_STUDY_PROMPTS.values(), *QUESTIONS]:
+        full = call_prompt(tokenizer, text, MORE_TOOLS)
+        assert before + text + after == conversation_text(tokenizer, full, catalogue)
+
+
+def test_self_study_after_a_catalogue_prompts_with_chat_turns_and_generates(model, tokenizer):
+    """Each of the four conversations' prompt is, token for token, the user turn `generate_calls` would feed after
+    the catalogue with that prompt as the question; the tiny random model then answers (no end of sequence early)."""
+    from hf_structkv.compaction import SelfStudy, prefill_context, self_study_conversations
+    from hf_structkv.compaction.catalogue import catalogue_self_study
+
+    study = catalogue_self_study(tokenizer, MORE_TOOLS, config=SelfStudy(answer_tokens=5, question_tokens=6))
+    assert study.prompts == () and (study.answer_tokens, study.question_tokens) == (5, 6)
+    catalogue = catalogue_text(tokenizer, MORE_TOOLS)
+    ids = tokenizer(catalogue, return_tensors="pt", add_special_tokens=False).input_ids
+    conversations = self_study_conversations(model, tokenizer, prefill_context(model, ids), study, seed=0)
+    assert [c.name for c in conversations] == ["summary", "key_facts", "json", "questions"]
+    for conversation, task in zip(conversations, study.tasks):
+        turn = conversation_text(tokenizer, call_prompt(tokenizer, task.prompt, MORE_TOOLS), catalogue)
+        assert conversation.prompt_ids.tolist() == tokenizer(turn, add_special_tokens=False)["input_ids"]
+        assert 0 < conversation.answer_ids.numel() <= task.max_new_tokens
+
+
+def test_a_catalogue_study_holds_the_turn_and_each_questions_turn_after_the_catalogue(tokenizer):
     from hf_structkv.compaction import SelfStudy
-    from hf_structkv.compaction.catalogue import catalogue_task_study
+    from hf_structkv.compaction.catalogue import catalogue_self_study, catalogue_turn
 
     chat = [{"role": "user", "content": "Book for 4 at Noma."}]
-    study = catalogue_task_study(tokenizer, MORE_TOOLS, [*QUESTIONS, chat], SelfStudy(answer_tokens=7, greedy=True))
+    config = SelfStudy(answer_tokens=7, greedy=True)
+    study = catalogue_self_study(tokenizer, MORE_TOOLS, [*QUESTIONS, chat], config)
     catalogue = catalogue_text(tokenizer, MORE_TOOLS)
     assert study.answer_tokens == 7 and study.greedy and len(study.prompts) == 3
+    assert (study.turn_prefix, study.turn_suffix) == catalogue_turn(tokenizer, MORE_TOOLS)
     for prompt, question in zip(study.prompts, [*QUESTIONS, chat]):
         full = call_prompt(tokenizer, question, MORE_TOOLS)
         assert catalogue + prompt == full  # the turn generate_calls feeds after the catalogue, token for token
         ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in (catalogue, prompt, full)]
         assert ids[0] + ids[1] == ids[2]
     assert study.prompts[1].count("Lima") == 1 and study.prompts[1].rstrip().endswith("assistant")
-    assert catalogue_task_study(tokenizer, TOOLS, QUESTIONS[:1]) == SelfStudy(
+    prefix, suffix = catalogue_turn(tokenizer, TOOLS)
+    assert catalogue_self_study(tokenizer, TOOLS, QUESTIONS[:1]) == SelfStudy(
+        turn_prefix=prefix,
+        turn_suffix=suffix,
         prompts=[
             conversation_text(tokenizer, call_prompt(tokenizer, QUESTIONS[0], TOOLS), catalogue_text(tokenizer, TOOLS))
-        ]
+        ],
     )
+    assert catalogue_self_study(tokenizer, TOOLS) == SelfStudy(turn_prefix=prefix, turn_suffix=suffix)
     own_system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"}]
     for bad, error, message in [
         ("Weather in Oslo?", TypeError, "questions must be a list of questions, got str"),
@@ -234,14 +271,17 @@ def test_a_task_study_holds_each_questions_turn_after_the_catalogue(tokenizer):
         ([QUESTIONS[0], ""], ValueError, r"questions\[1\]: each question must be a non-empty string"),
     ]:
         with pytest.raises(error, match=message):
-            catalogue_task_study(tokenizer, TOOLS, bad)
+            catalogue_self_study(tokenizer, TOOLS, bad)
     with pytest.raises(TypeError, match="config must be a SelfStudy or None, got dict"):
-        catalogue_task_study(tokenizer, TOOLS, QUESTIONS, {"answer_tokens": 4})
+        catalogue_self_study(tokenizer, TOOLS, QUESTIONS, {"answer_tokens": 4})
+    for framed in (SelfStudy(turn_suffix="</u>"), SelfStudy(turn_prefix="u:"), SelfStudy(prompts=["Q?"])):
+        with pytest.raises(ValueError, match="pass a SelfStudy without turn_prefix, turn_suffix or prompts"):
+            catalogue_self_study(tokenizer, TOOLS, QUESTIONS, framed)
 
 
 def test_compact_catalogue_with_questions_calibrates_on_them_and_serves(model, tokenizer):
     from hf_structkv.compaction import SelfStudy
-    from hf_structkv.compaction.catalogue import catalogue_task_study, compact_catalogue
+    from hf_structkv.compaction.catalogue import catalogue_self_study, compact_catalogue
 
     study = SelfStudy(answer_tokens=4, question_tokens=4)
     kwargs = {"ratio": 2, "self_study": study, "on_policy": False, "progress": False, "seed": 1}
@@ -249,11 +289,17 @@ def test_compact_catalogue_with_questions_calibrates_on_them_and_serves(model, t
     generic = compact_catalogue(model, tokenizer, MORE_TOOLS, queries="self_study", **kwargs)
     repeat = compact_catalogue(model, tokenizer, MORE_TOOLS, ratio=2, on_policy=False, progress=False, seed=1)
     calibration = cache.metadata["calibration"]
-    prompts = catalogue_task_study(tokenizer, MORE_TOOLS, QUESTIONS).prompts
+    framed = catalogue_self_study(tokenizer, MORE_TOOLS, QUESTIONS, study)
     assert calibration["queries"] == "self_study" and repeat.metadata["calibration"]["queries"] == "repeat"
-    assert [task["prompt"] for task in calibration["self_study"]["prompt_tasks"]] == list(prompts)
+    assert [task["prompt"] for task in calibration["self_study"]["prompt_tasks"]] == list(framed.prompts)
+    for made in (cache, generic):  # the four prompts are user turns after the catalogue, and answered
+        described = made.metadata["calibration"]["self_study"]
+        assert (described["turn_prefix"], described["turn_suffix"]) == (framed.turn_prefix, framed.turn_suffix)
+        tokens = made.metadata["calibration"]["answer_tokens_per_chunk"][0]
+        assert all(0 < tokens[name] <= 4 for name in ("summary", "key_facts", "json", "questions"))
+    assert "prompt_tasks" not in generic.metadata["calibration"]["self_study"]
     tokens = calibration["answer_tokens_per_chunk"][0]
-    for index, prompt in enumerate(prompts):
+    for index, prompt in enumerate(framed.prompts):
         question = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
         assert question <= tokens[f"prompt_{index}"] <= question + 4  # the question's tokens count, then the reply
     assert cache.metadata["catalogue"] == catalogue_metadata(tokenizer, MORE_TOOLS)
@@ -270,3 +316,19 @@ def test_compact_catalogue_with_questions_calibrates_on_them_and_serves(model, t
         compact_catalogue(model, tokenizer, TOOLS, questions=QUESTIONS, method="streaming_llm", ratio=2)
     with pytest.raises(TypeError, match="questions must be a list of questions"):
         compact_catalogue(model, tokenizer, TOOLS, questions="Weather in Oslo?")
+    with pytest.raises(ValueError, match="pass a SelfStudy without turn_prefix, turn_suffix or prompts"):
+        compact_catalogue(model, tokenizer, TOOLS, queries="self_study", self_study=SelfStudy(turn_suffix="x"))
+
+
+@pytest.mark.slow
+def test_self_study_after_a_catalogue_generates_on_the_embedded_model(default_model):
+    """On the embedded model each of the four conversations after a catalogue answers in its user turn."""
+    from hf_structkv.compaction import SelfStudy, prefill_context, self_study_conversations
+    from hf_structkv.compaction.catalogue import catalogue_self_study
+
+    model, tokenizer = default_model
+    study = catalogue_self_study(tokenizer, MORE_TOOLS, config=SelfStudy(answer_tokens=6, question_tokens=6))
+    ids = tokenizer(catalogue_text(tokenizer, MORE_TOOLS), return_tensors="pt", add_special_tokens=False).input_ids
+    conversations = self_study_conversations(model, tokenizer, prefill_context(model, ids), study, seed=0)
+    texts = [tokenizer.decode(c.answer_ids) for c in conversations]
+    assert all(0 < c.answer_ids.numel() <= 6 for c in conversations) and all(t.strip() for t in texts), texts

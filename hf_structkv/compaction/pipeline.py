@@ -220,7 +220,8 @@ def compact(
             ``storage="int4"`` or ``"auto"`` the byte ratio ``full_nbytes() / nbytes()`` (see ``storage``).
         method: one of ``METHODS``.
         queries: calibration tier for calibrated methods, one of ``QUERY_TIERS``: ``"repeat"`` (one teacher-forced
-            repetition per chunk) or ``"self_study"`` (the repetition and four generated conversations per chunk).
+            repetition per chunk) or ``"self_study"`` (per chunk the repetition, four generated conversations and one
+            conversation per task prompt of ``self_study.prompts``, whose prompt's tokens are calibration queries too).
         budgets: ``"auto"`` (default): the sensitivity-based allocation shipped for the embedded model
             (`default_head_budgets`) when ``model`` has its attention structure, else uniform; ``"uniform"`` (every
             KV head keeps the same share: the ablation); a ``HeadBudgets`` (any object with
@@ -239,8 +240,8 @@ def compact(
             re-run on-policy as fixed token sequences.
         query_cap: at most this many fitting queries per KV head and chunk (seeded subsample).
         heldout_fraction: share of each chunk's captured queries held out to measure the relative loss.
-        self_study: lengths and sampling of the self-study conversations (default ``SelfStudy()``: CPU-sized;
-            ``SelfStudy.paper()``: the seed's).
+        self_study: lengths, sampling, turn framing and task prompts of the self-study conversations (default
+            ``SelfStudy()``: CPU-sized, no framing, no task prompts; ``SelfStudy.paper()``: the seed's lengths).
         prefill_chunk_tokens: read the context, and run each calibration conversation after it, in pieces of this
             many tokens (bounds activation and attention-score memory: a piece's scores take ``piece x keys`` per
             head; the cache and the queries are those of one forward, up to rounding); see `prefill_context` and

@@ -7,10 +7,16 @@ the last four (seeded sampling, or greedy) after a cache holding the context; `s
 of every answer token, the repetition's included. The conversations are generated once, from the full cache; on-policy
 calibration re-runs the same token sequences through a partially compacted cache (`conversation_queries`).
 
-Task prompts (``SelfStudy(prompts=...)``): user prompts of the task the context serves (e.g. questions that need a
-tool catalogue) add one conversation each, whose prompt part is empty and whose answer part is the prompt's tokens
-followed by the model's sampled answer: the prompt's tokens, which read the context as the task's questions will, are
-calibration queries too.
+Each of the four prompts is framed by ``SelfStudy.turn_prefix`` and ``turn_suffix``: after a document inside a chat
+template's user turn only the end of the turn and the assistant header follow it (``turn_suffix``); after a context
+that ends where a turn opens (a tool catalogue ends with the template's turn-start token, `catalogue_text`) the
+prompt needs its own role header too (``turn_prefix``), else the model reads a turn without a role and may stop at
+once (on the embedded model: 0 generated tokens).
+
+Task prompts (``SelfStudy(prompts=...)``): whole texts of the task the context serves (e.g. the chat turn of a
+question that needs a tool catalogue) add one conversation each, whose prompt part is empty and whose answer part is
+the prompt's tokens followed by the model's sampled answer: the prompt's tokens, which read the context as the task's
+questions will, are calibration queries too.
 """
 
 from __future__ import annotations
@@ -84,12 +90,14 @@ class SelfStudy:
             write the questions and 4096 to answer them, with thinking; here one turn), temperature 0.6, top-p 0.95,
             top-k 20.
         greedy: decode every answer greedily instead of sampling.
-        turn_suffix: text after each prompt, e.g. the end of the user turn and the assistant header of a chat
-            template (the ``question_suffix`` of `hf_structkv.prompts.document_chat_prompt`); empty by default.
-        prompts: task prompts (texts, e.g. the questions a tool catalogue will be asked, each in its chat turn), one
-            more conversation each after the four (`prompt_tasks`): its answer is the prompt's text followed by at
-            most ``answer_tokens`` sampled tokens (temperature 0.7, top-p 0.8, top-k 20, or greedy). Stored as a
-            tuple; empty by default.
+        turn_suffix: text after each of the four prompts, e.g. the end of the user turn and the assistant header of
+            a chat template (the ``question_suffix`` of `hf_structkv.prompts.document_chat_prompt`); empty by default.
+        prompts: task prompts (whole texts, e.g. the chat turns of the questions a tool catalogue will be asked), one
+            more conversation each after the four (`prompt_tasks`): its answer is the prompt's text as it is (no
+            ``turn_prefix`` / ``turn_suffix``) followed by at most ``answer_tokens`` sampled tokens (temperature 0.7,
+            top-p 0.8, top-k 20, or greedy). Stored as a tuple; empty by default.
+        turn_prefix: text before each of the four prompts (before the excerpt part of a chunk's prompt), e.g. the
+            user role header of a chat template when the context ends at a turn's opening token; empty by default.
     """
 
     answer_tokens: int = 48
@@ -97,13 +105,15 @@ class SelfStudy:
     greedy: bool = False
     turn_suffix: str = ""
     prompts: Sequence[str] = ()
+    turn_prefix: str = ""
 
     def __post_init__(self):
         for name in ("answer_tokens", "question_tokens"):
             check_int(f"SelfStudy.{name}", getattr(self, name), 1, counts="max new tokens")
         check_bool("SelfStudy.greedy", self.greedy)
-        if not isinstance(self.turn_suffix, str):
-            raise TypeError(f"SelfStudy.turn_suffix must be a str, got {type(self.turn_suffix).__name__}")
+        for name in ("turn_prefix", "turn_suffix"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"SelfStudy.{name} must be a str, got {type(getattr(self, name)).__name__}")
         if isinstance(self.prompts, str) or not isinstance(self.prompts, Sequence):
             raise TypeError(f"SelfStudy.prompts must be a sequence of str, got {type(self.prompts).__name__}")
         for index, prompt in enumerate(self.prompts):
@@ -143,8 +153,10 @@ class SelfStudy:
     def describe(self) -> dict:
         """JSON-serialisable record of every setting (for a cache's metadata), made of JSON's own types (lists, not
         tuples), so that it equals itself after a JSON round trip; ``prompt_tasks`` (the task prompts' texts and
-        sampling) only when there are prompts, so a study without them is described as before they existed."""
+        sampling) only when there are prompts and ``turn_prefix`` only when it is not empty, so a study without them
+        is described as before they existed."""
         description = {
+            **({"turn_prefix": self.turn_prefix} if self.turn_prefix else {}),
             "turn_suffix": self.turn_suffix,
             "excerpt_intro": EXCERPT_INTRO,
             "excerpt_outro": EXCERPT_OUTRO,
@@ -219,17 +231,19 @@ def self_study_conversations(
     Args:
         context_cache: a cache holding the context and nothing after it; each conversation continues a
             `context_copy` (the cache is left as it is).
-        config: lengths, sampling and the turn suffix (default ``SelfStudy()``).
+        config: lengths, sampling, the turn prefix and suffix and the task prompts (default ``SelfStudy()``).
         seed: seeds one ``torch.Generator`` drawn from by the four conversations in order.
         excerpt_ids: ``[1, E]`` or ``[E]``, one chunk of a context compacted chunk by chunk: each prompt of
             ``config.tasks`` then quotes it (``EXCERPT_INTRO + excerpt + EXCERPT_OUTRO + task``), so the conversations
             are about that chunk; the task prompts' conversations do not (they are about the whole context).
 
     Returns:
-        One `Conversation` per task of ``config.tasks``: prompt ``[excerpt part +] task prompt + turn_suffix``, answer
-        the generated ids without the end-of-sequence token; then one per task of ``config.prompt_tasks``: prompt
-        ``[0]`` (empty), answer ``[Q + A]``, the ``Q`` ids of ``task prompt + turn_suffix`` followed by the ``A``
-        generated ids. The four draw from the generator first, so they do not depend on the task prompts.
+        One `Conversation` per task of ``config.tasks``: prompt ``[P]``, the ids of ``turn_prefix + task prompt +
+        turn_suffix`` (with an excerpt: of ``turn_prefix + EXCERPT_INTRO``, the excerpt's ids, then of
+        ``EXCERPT_OUTRO`` and of ``task prompt + turn_suffix``), answer the generated ids without the end-of-sequence
+        token; then one per task of ``config.prompt_tasks``: prompt ``[0]`` (empty), answer ``[Q + A]``, the ``Q``
+        ids of the task prompt followed by the ``A`` generated ids. The four draw from the generator first, so they
+        do not depend on the task prompts.
     """
     if tokenizer is None:
         raise ValueError("self-study calibration needs the tokenizer (its prompts are text); pass tokenizer=")
@@ -237,19 +251,19 @@ def self_study_conversations(
     def ids(text: str) -> torch.Tensor:
         return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids.reshape(-1)
 
-    prefix = torch.zeros(0, dtype=torch.long)
-    if excerpt_ids is not None:
-        prefix = torch.cat([ids(EXCERPT_INTRO), excerpt_ids.reshape(-1).cpu(), ids(EXCERPT_OUTRO)])
     config = SelfStudy() if config is None else config
+    quote, head = [], config.turn_prefix  # the turn prefix opens the first text piece of each prompt
+    if excerpt_ids is not None:
+        quote, head = [ids(head + EXCERPT_INTRO), excerpt_ids.reshape(-1).cpu(), ids(EXCERPT_OUTRO)], ""
     generator = torch.Generator(device=model.device).manual_seed(seed)
     stops = _stop_ids(model, tokenizer)
     conversations = []
     for task in config.tasks:
-        prompt = torch.cat([prefix, ids(task.prompt + config.turn_suffix)])
+        prompt = torch.cat([*quote, ids(head + task.prompt + config.turn_suffix)])
         answer = sample_answer(model, prompt, context_copy(context_cache), task, generator, stops)
         conversations.append(Conversation(task.name, prompt, answer.cpu()))
     for task in config.prompt_tasks:
-        question = ids(task.prompt + config.turn_suffix)
+        question = ids(task.prompt)
         answer = sample_answer(model, question, context_copy(context_cache), task, generator, stops)
         conversations.append(Conversation(task.name, question[:0], torch.cat([question, answer.cpu()])))
     return conversations
