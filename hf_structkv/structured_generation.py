@@ -136,6 +136,16 @@ def call_prompt(tokenizer: PreTrainedTokenizerBase, question, tools: Sequence[Ma
     return tokenizer.apply_chat_template(_chat(question), tools=list(tools), add_generation_prompt=True, tokenize=False)
 
 
+def _common_prefix_length(first: str, second: str) -> int:
+    """The length of the longest common prefix of ``first`` and ``second``, by bisection over slice comparisons (a
+    catalogue's prompts run to tens of thousands of characters: no Python loop over them)."""
+    low, high = 0, min(len(first), len(second))
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if first[:middle] == second[:middle] else (low, middle - 1)
+    return low
+
+
 def catalogue_text(tokenizer: PreTrainedTokenizerBase, tools: Sequence[Mapping[str, Any]]) -> str:
     """The tool catalogue as the chat template renders it: every prompt of `call_prompt` for ``tools`` starts with
     this text (the system turn with the call instruction and the tools, in the template's tool format), which ends
@@ -148,9 +158,7 @@ def catalogue_text(tokenizer: PreTrainedTokenizerBase, tools: Sequence[Mapping[s
             the catalogue cannot be split from the conversation token-exactly).
     """
     first, second = (call_prompt(tokenizer, probe, tools) for probe in ("a", "b"))
-    common = 0
-    while common < min(len(first), len(second)) and first[common] == second[common]:
-        common += 1
+    common = _common_prefix_length(first, second)
     found = ((first.rfind(token, 0, common), token) for token in tokenizer.get_added_vocab() if token)
     end = max((at + len(token) for at, token in found if at >= 0), default=0)  # added tokens are never merged
     if not first[:end].strip():

@@ -16,6 +16,7 @@ from hf_structkv.models import tiny_model
 from hf_structkv.persistence import model_fingerprint
 from hf_structkv.policy import PolicyTable
 from hf_structkv.structured_generation import (
+    _common_prefix_length,
     call_prompt,
     catalogue_metadata,
     catalogue_text,
@@ -332,3 +333,14 @@ def test_self_study_after_a_catalogue_generates_on_the_embedded_model(default_mo
     conversations = self_study_conversations(model, tokenizer, prefill_context(model, ids), study, seed=0)
     texts = [tokenizer.decode(c.answer_ids) for c in conversations]
     assert all(0 < c.answer_ids.numel() <= 6 for c in conversations) and all(t.strip() for t in texts), texts
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [("", ""), ("", "abc"), ("abc", "abc"), ("abcd", "abx"), ("x", "y"), ("ab" * 500 + "a", "ab" * 500 + "b")],
+)
+def test_common_prefix_length_is_the_character_loop(first, second):
+    brute = 0
+    while brute < min(len(first), len(second)) and first[brute] == second[brute]:
+        brute += 1
+    assert _common_prefix_length(first, second) == brute == _common_prefix_length(second, first)
