@@ -16,11 +16,13 @@ from hypothesis import strategies as st
 from hf_structkv.models import tiny_model
 from hf_structkv.persistence import model_fingerprint
 from hf_structkv.policy import Action, GroupCosts, PolicyEntry, PolicyLookup, PolicyTable, illustrative_policy
+from hf_structkv.policy.shipped import SHIPPED_PAIRS, shipped_pair_folders
 from hf_structkv.structure.tags import NEXT, ROLES, STATES, TAG_CLASSES, TAG_VIEWS, StructuralTag, position_tag
 
 R, L, H = Action.R, Action.L, Action.H
 COSTS = GroupCosts.from_dims([2] * 6, [16] * 6)  # groups [0, 2), [2, 4), [4, 6)
 POLICY_FILES = {"policy_table.json", "README.md"}
+POLICIES = Path(__file__).parents[1] / "hf_structkv/data/policies"
 
 
 def entry(action: str, floor: str, r_to_l=(1.0, 2.0, 3.0), l_to_h=(0.5, 1.0, 1.5)) -> PolicyEntry:
@@ -512,7 +514,7 @@ def test_illustrative_policy_is_labelled_and_follows_its_design():
 def test_shipped_illustrative_files_are_what_save_pretrained_writes(tmp_path):
     table = illustrative_policy()
     table.save_pretrained(tmp_path)
-    shipped = Path(__file__).parents[1] / "hf_structkv/data/policies/qwen2.5-coder-0.5b-instruct-illustrative"
+    shipped = POLICIES / "qwen2.5-coder-0.5b-instruct-illustrative"
     for name in POLICY_FILES:
         assert (shipped / name).read_text() == (tmp_path / name).read_text(), name
 
@@ -525,32 +527,35 @@ def test_illustrative_policy_fits_the_embedded_model(default_model):
 
 
 # ---------------------------------------------------------------------------------------------------- calibrated
-def test_calibrated_policy_is_algorithm_1_output_with_its_record():
+@pytest.mark.parametrize("name", sorted(SHIPPED_PAIRS))
+def test_calibrated_policy_is_algorithm_1_output_with_its_record(name):
     from hf_structkv.policy import calibrated_policy
 
-    table = calibrated_policy()
+    table = calibrated_policy(name=name)
     assert table.provenance == "calibrated" and table.fingerprint is not None
     assert table.costs == GroupCosts.from_dims([2] * 24, [64] * 24)
     assert 0 <= table.budget <= 1 and "alpha_D" in table.thresholds
-    report = Path(__file__).parents[1] / "hf_structkv/data/policies/qwen2.5-coder-0.5b-instruct-calibrated"
+    report = POLICIES / shipped_pair_folders(name)[0]
     assert (report / "calibration_report.json").is_file()
 
 
-def test_shipped_calibrated_files_are_what_save_pretrained_writes(tmp_path):
+@pytest.mark.parametrize("name", sorted(SHIPPED_PAIRS))
+def test_shipped_calibrated_files_are_what_save_pretrained_writes(tmp_path, name):
     from hf_structkv.policy import calibrated_policy
 
-    calibrated_policy().save_pretrained(tmp_path)
-    shipped = Path(__file__).parents[1] / "hf_structkv/data/policies/qwen2.5-coder-0.5b-instruct-calibrated"
-    for name in POLICY_FILES:
-        assert (shipped / name).read_text() == (tmp_path / name).read_text(), name
+    calibrated_policy(name=name).save_pretrained(tmp_path)
+    shipped = POLICIES / shipped_pair_folders(name)[0]
+    for file in POLICY_FILES:
+        assert (shipped / file).read_text() == (tmp_path / file).read_text(), file
 
 
 @pytest.mark.slow
-def test_calibrated_policy_fits_the_embedded_model(default_model):
+@pytest.mark.parametrize("name", sorted(SHIPPED_PAIRS))
+def test_calibrated_policy_fits_the_embedded_model(default_model, name):
     from hf_structkv.policy import calibrated_policy
 
     model, _ = default_model
-    assert calibrated_policy(model=model).costs == GroupCosts.from_config(model.config)
+    assert calibrated_policy(model=model, name=name).costs == GroupCosts.from_config(model.config)
 
 
 def test_shipped_pairs_by_name():
