@@ -212,7 +212,8 @@ def test_the_committed_4k_log_resumes_with_task_questions(tmp_path, tokenizer):
     copy = tmp_path / "tool_catalogue_4k.cases.jsonl"
     shutil.copy(committed, copy)  # CaseLog appends to the log it resumes: never the committed file
     log = tc.CaseLog(copy, settings)
-    assert log.cases and all(row == tc.FULL for row, _ in log.cases)
+    # the log grows as the run goes on (later rows after full_kv): it resumes with every case it holds
+    assert log.cases and any(row == tc.FULL for row, _ in log.cases)
 
 
 def test_rows_and_the_best_query_free_baseline():
