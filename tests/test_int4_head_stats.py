@@ -1,6 +1,9 @@
-"""INT4 heads of a compacted prefix read from their codes (`int4_head_stats`) against dequantise-then-attend: the
-statistics against `partition_stats` over the served (dequantised) head, the fused torch path against the reference
-`compacted_attention`, and an INT4 cache generating through the torch path as through the reference."""
+"""INT4 heads of a compacted prefix read from their codes (`int4_head_stats`, by the C kernel and by torch) against
+dequantise-then-attend: the statistics against `partition_stats` over the served (dequantised) head, the fused torch
+path against the reference `compacted_attention`, and an INT4 cache generating through the torch path as through the
+reference."""
+
+import shutil
 
 import pytest
 import torch
@@ -9,16 +12,29 @@ from test_compacted_int4_cache import context_ids, generate, int4_cache, left_pa
 
 import hf_structkv
 from hf_structkv.attention import compacted_sdpa
+from hf_structkv.attention import int4_decode as int4_decode_module
 from hf_structkv.attention.backend import BACKEND_ENV
 from hf_structkv.attention.compacted_inputs import QuantizedHeads, QuantizedPrefix
 from hf_structkv.attention.compacted_reference import compacted_attention
 from hf_structkv.attention.compacted_sdpa import fused_compacted_attention
+from hf_structkv.attention.int4_decode import int4_decode_attention
 from hf_structkv.attention.int4_head_stats import int4_head_stats, reads_codes
 from hf_structkv.attention.partitions import partition_stats
 from hf_structkv.models import tiny_model
 from hf_structkv.quant import quantize_int4, quantize_int4_channels
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}  # bf16: an output ulp, both sides round to bf16
+
+
+@pytest.fixture(params=["native", "torch"])
+def int4_path(request, monkeypatch):
+    """Each test that takes it runs twice: decode steps over INT4 heads by the C kernel (`native_int4`; skipped
+    without a C compiler) and by the torch path (the kernel switched off); `int4_head_stats` itself is torch only."""
+    if request.param == "torch":
+        monkeypatch.setattr(int4_decode_module, "runs_natively", lambda *_: False)
+    elif shutil.which("cc") is None:
+        pytest.skip("no C compiler named cc on this machine")
+    return request.param
 
 
 def quantized(prefix, int4_heads, key_group):
@@ -81,7 +97,7 @@ def test_statistics_equal_those_of_the_dequantised_head(dtype, q_len):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("q_len", [1, 3])
 @pytest.mark.parametrize("key_group", [None, 8])
-def test_fused_path_equals_the_reference(dtype, q_len, key_group, refuse_int4_dequantisation):
+def test_fused_path_equals_the_reference(dtype, q_len, key_group, refuse_int4_dequantisation, int4_path):
     """INT4 heads of one row of key scales beside an INT4 head of several (key_group 8: the head of 20 entries), a
     head in the dtype and an empty one; GQA, a left-padded batch of two. At one query per row the heads of one row
     of key scales are read from codes (never dequantised); at three, every INT4 head is dequantised."""
@@ -95,15 +111,15 @@ def test_fused_path_equals_the_reference(dtype, q_len, key_group, refuse_int4_de
     torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCES[dtype], rtol=TOLERANCES[dtype])
 
 
-@pytest.mark.parametrize(("q_len", "read"), [(1, [0, 1]), (2, [])])
+@pytest.mark.parametrize(("q_len", "read"), [(1, [[0, 1]]), (2, [])])
 def test_codes_are_read_at_decode_steps_only(q_len, read, monkeypatch):
     calls = []
 
-    def spy(query, prefix, h, scaling):
-        calls.append(h)
-        return int4_head_stats(query, prefix, h, scaling)
+    def spy(query, prefix, heads, *rest):
+        calls.append(heads)
+        return int4_decode_attention(query, prefix, heads, *rest)
 
-    monkeypatch.setattr(compacted_sdpa, "int4_head_stats", spy)
+    monkeypatch.setattr(compacted_sdpa, "int4_decode_attention", spy)
     fused_compacted_attention(*problem((5, 6, 3), (True, True, False), q_len=q_len), scaling=0.4)
     assert calls == read
 
@@ -114,7 +130,7 @@ def test_odd_dims_are_dequantised_and_match():
     torch.testing.assert_close(fused_compacted_attention(query, prefix, appended, scaling=0.4), want)
 
 
-def test_a_head_whose_biases_are_all_minus_inf_contributes_nothing():
+def test_a_head_whose_biases_are_all_minus_inf_contributes_nothing(int4_path):
     """Row 1's first query is padded and sees no appended token: its output from head 0 is zero, as the reference's."""
     query, prefix, appended = problem((4, 6), (True, True), q_len=1, pads=(0, 5))
     prefix = prefix._replace(bias=torch.cat([torch.full((4,), float("-inf")), prefix.bias[4:]]))
@@ -149,7 +165,9 @@ def test_bad_heads_and_queries_are_named():
         int4_head_stats(query[:, :3, :, :4], prefix, 0, 0.4)
 
 
-def test_int4_cache_generates_as_the_reference_through_the_torch_path(monkeypatch, refuse_int4_dequantisation):
+def test_int4_cache_generates_as_the_reference_through_the_torch_path(
+    monkeypatch, refuse_int4_dequantisation, int4_path
+):
     """A cache of INT4 heads with one row of key scales each (``key_group`` None), a left-padded batch: the torch
     path generates the reference's tokens, its decode steps without dequantising them (the question but its last
     token is prefilled first: several queries per row dequantise)."""

@@ -16,7 +16,8 @@ channels are put in that order, and the value sum is put back in channel order. 
 reference's over dequantised keys and values; the two agree up to rounding. The prefix is shared by the batch, so the
 ``B · g · q`` query rows of a KV head are the rows of one matrix product (its ``[B·g·q, L]`` scores are formed
 whole, as the reference's). A head with several rows of key scales, or an odd key or value dimension, is not read
-here (`reads_codes`). `fused_compacted_attention` reads INT4 heads this way at decode steps (one query per row).
+here (`reads_codes`). `fused_compacted_attention` reads INT4 heads this way at decode steps (one query per row),
+through `int4_decode_attention`, whose C kernel computes the same on the CPU.
 """
 
 from __future__ import annotations

@@ -1,0 +1,277 @@
+/* A decode step over the INT4 KV heads of a compacted prefix read from their packed codes, on the CPU: each head's
+ * softmax statistics as int4_head_stats.py defines them (same result up to rounding), merged with the appended
+ * tokens' and normalised (int4_decode.py). Compiled and loaded by native_int4.py, whose docstring states the
+ * arguments and shapes.
+ *
+ * Codes are packed two per byte, channel 2i in the low nibble of byte i and 2i + 1 in the high one, 4-bit two's
+ * complement. Nothing is dequantised into memory: the scores are formed LANES entries at a time (each entry's codes
+ * read as 32-bit words, each word holding 8 channels, one entry per lane), the value sums one entry at a time (its
+ * codes widened 16 bytes at a time, the even channels in one vector and the odd ones in another), ROW_GROUP query
+ * rows at once so that every product has independent accumulation chains. Portable C with GCC/Clang vector
+ * extensions; AVX-512 intrinsics where the compiler targets them (a gather and a byte widening), a scalar equivalent
+ * elsewhere. No fast-math: infinities keep their IEEE meaning (a bias of -inf weighs exactly 0).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+#define LANES 16
+#define MAX_DIM 256
+#define ROW_GROUP 4
+#define VALUE_GROUP 8
+
+/* The 32-bit little-endian word at `words` of each of `count` entries `stride` bytes apart, one per lane (0 past
+ * count). */
+static inline vu entry_words(const uint8_t *words, int64_t stride, int64_t count) {
+#if defined(__AVX512F__)
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __mmask16 valid = (__mmask16)((1u << count) - 1u);
+    const __m512i offsets = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)stride));
+    return (vu)_mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, offsets, words, 1);
+#else
+    vu out = {0};
+    for (int64_t l = 0; l < count; l++) memcpy((uint32_t *)&out + l, words + l * stride, 4);
+    return out;
+#endif
+}
+
+/* `count` <= LANES bytes sign-extended to int32 lanes (0 past count). */
+static inline vi signed_bytes(const uint8_t *bytes, int64_t count) {
+#if defined(__AVX512F__)
+    if (count == LANES) return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+#endif
+    vi out = {0};
+    for (int64_t l = 0; l < count; l++) out[l] = (int8_t)bytes[l];
+    return out;
+}
+
+static inline vf pick(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }
+
+/* exp(x) per lane within 2 ulp on [-87, 88.5] (Cody-Waite reduction x = n ln2 + r, degree-6 polynomial of r, 2^n
+ * from its exponent bits); 0 below, exp(-inf) included; +inf above. */
+static inline vf exp_lanes(vf x) {
+    const vf zero = {0}, low = zero - 87.0f, high = zero + 88.5f;
+    const vi under = x < low, over = x > high;
+    const vf clamped = pick(under, low, pick(over, high, x));
+    const vf t = clamped * 1.44269504088896341f + 0.5f;
+    vi n = __builtin_convertvector(t, vi);
+    n += __builtin_convertvector(n, vf) > t; /* truncation to floor: a true comparison is -1 */
+    const vf nf = __builtin_convertvector(n, vf);
+    const vf r = clamped - nf * 0.693359375f + nf * 2.12194440e-4f;
+    vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const vf y = p * (vf)((n + 127) << 23);
+    return pick(under, zero, pick(over, zero + INFINITY, y));
+}
+
+/* q . code of `count` <= LANES entries (row stride `half` bytes) for every query row: out[r] lane jj. `query` holds
+ * rows rounded up to a multiple of ROW_GROUP (zero rows past the last). */
+static inline void block_scores(const uint8_t *codes, int64_t half, int64_t count, const float *query, int64_t rows,
+                                int64_t dim, vf *columns, vf *out) {
+    const int64_t words = half / 4;
+    for (int64_t w = 0; w < words; w++) { /* nibble k of word w is channel 8w + k */
+        const vu word = entry_words(codes + 4 * w, half, count);
+        for (int k = 0; k < 8; k++) columns[8 * w + k] = __builtin_convertvector(((vi)(word << (28 - 4 * k))) >> 28, vf);
+    }
+    for (int64_t i = 4 * words; i < half; i++) { /* the bytes after the last whole word */
+        vi byte = {0};
+        for (int64_t l = 0; l < count; l++) byte[l] = (int8_t)codes[l * half + i];
+        columns[2 * i] = __builtin_convertvector((byte << 28) >> 28, vf);
+        columns[2 * i + 1] = __builtin_convertvector(byte >> 4, vf);
+    }
+    for (int64_t r = 0; r < rows; r += ROW_GROUP) { /* ROW_GROUP rows at a time: independent accumulation chains */
+        const float *q = query + r * dim;
+        vf acc[ROW_GROUP] = {{0}};
+        for (int64_t c = 0; c < dim; c++)
+            for (int g = 0; g < ROW_GROUP; g++) acc[g] += q[g * dim + c] * columns[c];
+        for (int g = 0; g < ROW_GROUP && r + g < rows; g++) out[r + g] = acc[g];
+    }
+}
+
+static inline void head_stats(const float *query, const float *offset, float scaling, const uint8_t *key_codes,
+                              const float *bias, const uint8_t *value_codes, const float *value_scales, int64_t rows,
+                              int64_t length, const int64_t dim, const int64_t value_dim, float *scores,
+                              float *row_max, float *exp_sum, float *value_sum) {
+    const int64_t half = dim / 2, value_half = value_dim / 2, stride = (length + LANES - 1) / LANES * LANES;
+    vf columns[MAX_DIM];
+    vf block[rows];
+    const int64_t padded_rows = (rows + ROW_GROUP - 1) / ROW_GROUP * ROW_GROUP;
+    float padded[padded_rows * dim]; /* the queries, zero rows up to a multiple of ROW_GROUP */
+    memcpy(padded, query, rows * dim * sizeof(float));
+    memset(padded + rows * dim, 0, (padded_rows - rows) * dim * sizeof(float));
+    for (int64_t j0 = 0; j0 < length; j0 += LANES) { /* scores; lanes past the last entry get -inf */
+        const int64_t count = length - j0 < LANES ? length - j0 : LANES;
+        block_scores(key_codes + j0 * half, half, count, padded, rows, dim, columns, block);
+        vf bias_block;
+        for (int64_t jj = 0; jj < LANES; jj++) bias_block[jj] = jj < count ? bias[j0 + jj] : -INFINITY;
+        for (int64_t r = 0; r < rows; r++) {
+            const vf s = (block[r] + offset[r]) * scaling + bias_block;
+            memcpy(scores + r * stride + j0, &s, sizeof s);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) { /* row max, exp, sum; the weights replace the scores */
+        float *s = scores + r * stride;
+        vf best = (vf){0} - INFINITY;
+        for (int64_t j = 0; j < stride; j += LANES) {
+            vf x;
+            memcpy(&x, s + j, sizeof x);
+            best = pick(x > best, x, best);
+        }
+        float top = -INFINITY;
+        for (int l = 0; l < LANES; l++) top = best[l] > top ? best[l] : top;
+        row_max[r] = top;
+        const float shift = isfinite(top) ? top : 0.0f; /* every score -inf: exp(-inf) = 0, not NaN */
+        vf total = {0};
+        for (int64_t j = 0; j < stride; j += LANES) {
+            vf x;
+            memcpy(&x, s + j, sizeof x);
+            const vf w = exp_lanes(x - shift);
+            total += w;
+            memcpy(s + j, &w, sizeof w);
+        }
+        float sum = 0.0f;
+        for (int l = 0; l < LANES; l++) sum += total[l];
+        exp_sum[r] = sum;
+    }
+    /* value sums, one chunk of LANES code bytes (2 LANES channels: even ones in acc[g][0], odd ones in acc[g][1]) and
+     * VALUE_GROUP rows at a time, so that the accumulators stay in registers */
+    for (int64_t v = 0; v < value_half; v += LANES) {
+        const int64_t count = value_half - v < LANES ? value_half - v : LANES;
+        for (int64_t r0 = 0; r0 < rows; r0 += VALUE_GROUP) {
+            const int64_t group = rows - r0 < VALUE_GROUP ? rows - r0 : VALUE_GROUP;
+            vf acc[VALUE_GROUP][2] = {{{0}}};
+            for (int64_t j = 0; j < length; j++) {
+                const vi bytes = signed_bytes(value_codes + j * value_half + v, count);
+                const vf even = __builtin_convertvector((bytes << 28) >> 28, vf), odd = __builtin_convertvector(bytes >> 4, vf);
+                for (int g = 0; g < VALUE_GROUP; g++) { /* rows past the last weigh 0 */
+                    const float w = g < group ? scores[(r0 + g) * stride + j] * value_scales[j] : 0.0f;
+                    acc[g][0] += w * even;
+                    acc[g][1] += w * odd;
+                }
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float *out = value_sum + (r0 + g) * value_dim + 2 * v;
+                for (int64_t l = 0; l < count; l++) {
+                    out[2 * l] = acc[g][0][l];
+                    out[2 * l + 1] = acc[g][1][l];
+                }
+            }
+        }
+    }
+}
+
+static int dims_fit(int64_t dim, int64_t value_dim) {
+    return dim > 0 && value_dim > 0 && dim <= MAX_DIM && value_dim <= MAX_DIM && dim % 2 == 0 && value_dim % 2 == 0;
+}
+
+/* The common head dimensions get their own constant-dimension copies, so that the compiler unrolls their loops. */
+#define DISPATCH(CALL)                         \
+    if (dim == 64 && value_dim == 64)          \
+        CALL(64, 64);                          \
+    else if (dim == 128 && value_dim == 128)   \
+        CALL(128, 128);                        \
+    else                                       \
+        CALL(dim, value_dim);
+
+/* An IEEE half (fp16) as float: normal, subnormal, zero, inf and NaN. */
+static inline float half_to_float(uint16_t half) {
+    const uint32_t sign = (uint32_t)(half & 0x8000u) << 16, exponent = (half >> 10) & 0x1fu, mantissa = half & 0x3ffu;
+    union { uint32_t i; float f; } bits;
+    if (exponent == 0) {
+        const float magnitude = (float)mantissa * 5.9604644775390625e-8f; /* 2^-24 */
+        return sign ? -magnitude : magnitude;
+    }
+    bits.i = sign | (exponent == 31 ? 0x7f800000u | (mantissa << 13) : ((exponent + 112) << 23) | (mantissa << 13));
+    return bits.f;
+}
+
+/* Merges the appended tokens into one query row: `out` holds the prefix's value sum on entry and the normalised
+ * attention output on return (0 for a row that sees no key). */
+static void merge_appended(const float *query, float scaling, const float *keys, const float *values,
+                           const float *mask, int64_t appended, int64_t dim, int64_t value_dim, float row_max,
+                           float exp_sum, float *scores, float *out) {
+    float top = row_max;
+    for (int64_t j = 0; j < appended; j++) {
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t c = 0; c < dim; c++) dot += query[c] * keys[j * dim + c];
+        scores[j] = dot * scaling + mask[j];
+        top = scores[j] > top ? scores[j] : top;
+    }
+    const float shift = isfinite(top) ? top : 0.0f;
+    const float prefix_scale = expf(row_max - shift); /* 0 where the prefix weighs nothing */
+    float total = exp_sum * prefix_scale;
+    for (int64_t c = 0; c < value_dim; c++) out[c] *= prefix_scale;
+    for (int64_t j = 0; j < appended; j++) {
+        const float w = expf(scores[j] - shift);
+        total += w;
+#pragma omp simd
+        for (int64_t c = 0; c < value_dim; c++) out[c] += w * values[j * value_dim + c];
+    }
+    const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int64_t c = 0; c < value_dim; c++) out[c] *= inverse;
+}
+
+/* A decode step (one query per row) of the INT4 KV heads `heads`: each head's prefix read from its codes, merged with
+ * its appended tokens, normalised, written to its query heads' rows of `out`. Shapes and layouts in native_int4.py
+ * (`native_int4_decode`). Returns 0, or 1 for dimensions that do not fit. */
+int int4_decode_attention(int64_t batch, int64_t query_heads, int64_t kv_heads, int64_t dim, int64_t value_dim,
+                          int64_t appended, int64_t mask_batch, int64_t count, const int64_t *heads,
+                          const float *query, float scaling, const uint16_t *key_scales, const uint16_t *key_offsets,
+                          const int64_t *scale_rows, const uint8_t *key_codes, const uint8_t *value_codes,
+                          const uint16_t *value_scales, const int64_t *code_rows, const int64_t *lengths,
+                          const float *bias, const int64_t *bias_starts, const float *appended_keys,
+                          const float *appended_values, const float *mask, float *workspace, float *out) {
+    if (!dims_fit(dim, value_dim)) return 1;
+    const int64_t group = query_heads / kv_heads, rows = batch * group;
+    int64_t longest = 0;
+    for (int64_t i = 0; i < count; i++) longest = lengths[i] > longest ? lengths[i] : longest;
+    float *row_max = workspace, *exp_sum = row_max + rows, *scaled = exp_sum + rows, *offset = scaled + rows * dim;
+    float *prefix_out = offset + rows, *scales = prefix_out + rows * value_dim, *appended_scores = scales + longest;
+    float *scores = appended_scores + appended;
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t h = heads[i], length = lengths[i];
+        float channel_scale[MAX_DIM], channel_offset[MAX_DIM];
+        for (int64_t c = 0; c < dim; c++) {
+            channel_scale[c] = half_to_float(key_scales[scale_rows[i] * dim + c]);
+            channel_offset[c] = half_to_float(key_offsets[scale_rows[i] * dim + c]);
+        }
+        for (int64_t r = 0; r < rows; r++) { /* row b * group + k: query head h * group + k of batch row b */
+            const float *q = query + ((r / group) * query_heads + h * group + r % group) * dim;
+            float dot = 0.0f;
+            for (int64_t c = 0; c < dim; c++) {
+                scaled[r * dim + c] = q[c] * channel_scale[c];
+                dot += q[c] * channel_offset[c];
+            }
+            offset[r] = dot;
+        }
+        for (int64_t j = 0; j < length; j++) scales[j] = half_to_float(value_scales[code_rows[i] + j]);
+        const uint8_t *k = key_codes + code_rows[i] * (dim / 2), *v = value_codes + code_rows[i] * (value_dim / 2);
+        const float *b = bias + bias_starts[i];
+#define HEAD_STATS(D, DV) \
+    head_stats(scaled, offset, scaling, k, b, v, scales, rows, length, D, DV, scores, row_max, exp_sum, prefix_out)
+        DISPATCH(HEAD_STATS)
+#undef HEAD_STATS
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t row_batch = r / group, mask_row = mask_batch == 1 ? 0 : row_batch;
+            const int64_t query_row = row_batch * query_heads + h * group + r % group;
+            const int64_t tokens = (row_batch * kv_heads + h) * appended;
+            float *o = out + query_row * value_dim;
+            memcpy(o, prefix_out + r * value_dim, value_dim * sizeof(float));
+            merge_appended(query + query_row * dim, scaling, appended_keys + tokens * dim,
+                           appended_values + tokens * value_dim, mask + mask_row * appended, appended, dim, value_dim,
+                           row_max[r], exp_sum[r], appended_scores, o);
+        }
+    }
+    return 0;
+}

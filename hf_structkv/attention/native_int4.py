@@ -1,0 +1,176 @@
+"""The C kernel of `int4_decode_attention` on the CPU (``int4_decode.c`` beside this file): compiled once per machine
+with the system's C compiler, cached, loaded with ``ctypes``.
+
+At a decode step over INT4 compacted heads, torch unpacks each head's codes into float32 matrices before its two
+matrix products and merges the appended tokens in a dozen small operations per head; the kernel reads the packed
+codes and FP16 scales directly (``int4_decode.c`` says how) and does a layer's heads in one call, so that an INT4
+head costs less time than the bytes it saves. It is an optimisation only: where no compiler is found, compilation
+fails, the tensors are not on the CPU or a dimension is above `MAX_DIM` or odd, `int4_decode_attention` runs its
+torch path (`int4_head_stats` per head), with the same result up to rounding. ``HF_STRUCTKV_NATIVE=0`` turns the
+kernel off.
+
+The library is built with ``$CC`` (else ``cc``) at ``-O3 -march=native`` into ``$HF_STRUCTKV_CACHE/native`` (default
+``~/.cache/hf_structkv/native``), under a name that hashes the source, the compiler, the flags and the CPU, written
+to a temporary file and renamed into place (concurrent first uses each build and one rename wins). Only this
+package's own source is compiled; nothing from a saved artifact is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from .compacted_inputs import CompactedPrefix
+
+SOURCE = Path(__file__).with_name("int4_decode.c")
+NATIVE_ENV = "HF_STRUCTKV_NATIVE"
+CACHE_ENV = "HF_STRUCTKV_CACHE"
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC")
+MAX_DIM = 256  # as in int4_decode.c
+LANES = 16  # the score workspace's rows are padded to a multiple of it, as in int4_decode.c
+BUILD_TIMEOUT_S = 120
+
+
+def _cpu_identity() -> str:
+    """What ``-march=native`` depends on: the CPU's model and feature flags where Linux lists them."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+    except OSError:
+        return platform.processor()
+    keep = [line for line in lines if line.startswith(("model name", "flags", "Features", "CPU part"))]
+    return "\n".join(sorted(set(keep))) or platform.processor()
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: ``$HF_STRUCTKV_CACHE/native``, default ``~/.cache/hf_structkv/native``."""
+    root = os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hf_structkv"
+    return Path(root) / "native"
+
+
+def _build(compiler: str) -> Path:
+    """The shared library built from `SOURCE` (built now unless cached). Raises OSError or CalledProcessError."""
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(), _cpu_identity().encode()]))
+    target = cache_dir() / f"int4_decode-{key.hexdigest()[:20]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"],
+            check=True,
+            capture_output=True,
+            timeout=BUILD_TIMEOUT_S,
+        )
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+@functools.cache
+def native_library() -> ctypes.CDLL | None:
+    """The loaded kernel library, or None where it is turned off (``HF_STRUCTKV_NATIVE=0``) or cannot be built (a
+    warning says why, once per process)."""
+    if os.environ.get(NATIVE_ENV, "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or "cc"
+    try:
+        library = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", b"") or b""
+        warnings.warn(
+            f"hf_structkv: the INT4 CPU kernel could not be built with {compiler!r} ({error}; "
+            f"{detail.decode(errors='replace')[-400:]}); INT4 heads are read by the torch path instead "
+            f"(set {NATIVE_ENV}=0 to silence this)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    pointer, size, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    library.int4_decode_attention.argtypes = [size] * 8 + [pointer] * 2 + [real] + [pointer] * 15
+    library.int4_decode_attention.restype = ctypes.c_int
+    return library
+
+
+def runs_natively(device: torch.device, dim: int, value_dim: int) -> bool:
+    """Whether `native_int4_decode` serves heads of these dimensions on ``device`` (builds the library on first
+    use)."""
+    sizes_fit = 0 < dim <= MAX_DIM and 0 < value_dim <= MAX_DIM and dim % 2 == 0 and value_dim % 2 == 0
+    return device.type == "cpu" and sizes_fit and native_library() is not None
+
+
+def native_int4_decode(
+    query: torch.Tensor,
+    scaling: float,
+    heads: list[int],
+    prefix: CompactedPrefix,
+    appended_keys: torch.Tensor,
+    appended_values: torch.Tensor,
+    mask: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """A decode step of the INT4 KV heads ``heads`` of ``prefix``: each head's prefix read from its codes (its
+    statistics as `int4_head_stats` defines them, scales and offsets read in fp16 as stored) merged with its appended
+    tokens, normalised, written to ``out`` at the head's query heads; the other query heads of ``out`` are left as
+    they are.
+
+    Args:
+        query: ``[B, H_q, 1, D]`` float32 queries (``g = H_q / H_kv`` query heads per KV head).
+        scaling: logit scale.
+        heads: KV heads, each read from codes (`int4_head_stats.reads_codes`).
+        prefix: the layer's compacted prefix (a `QuantizedPrefix`).
+        appended_keys: ``[B, H_kv, n, D]`` and appended_values: ``[B, H_kv, n, D_v]`` float32, the appended tokens.
+        mask: ``[B | 1, n]`` float32 additive mask over the appended tokens.
+        out: ``[B, H_q, D_v]`` float32 contiguous; a row that sees no key gets zeros.
+
+    Raises:
+        RuntimeError: the library is not available or refused the dimensions.
+    """
+    library = native_library()
+    if library is None:
+        raise RuntimeError(f"the INT4 CPU kernel is not available ({NATIVE_ENV}=0 or no compiler)")
+    named = {"query": query, "appended_keys": appended_keys, "appended_values": appended_values, "mask": mask}
+    for name, tensor in {**named, "bias": prefix.bias, "out": out}.items():
+        if tensor.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {tensor.dtype}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous: the kernel writes it in place")
+    batch, query_heads, _, dim = query.shape
+    kv_heads, appended, value_dim = appended_keys.shape[1], appended_keys.shape[2], out.shape[-1]
+    quantized = prefix.quantized
+    lengths = [prefix.offsets[h + 1] - prefix.offsets[h] for h in heads]
+    rows, longest = batch * (query_heads // kv_heads), max(lengths)
+    stride = -(-longest // LANES) * LANES
+    workspace = torch.empty(rows * (3 + dim + value_dim + stride) + longest + appended, dtype=torch.float32)
+    tensors = [query, quantized.key_scales, quantized.key_offsets, quantized.key_codes, quantized.value_codes]
+    tensors += [quantized.value_scales, prefix.bias, appended_keys, appended_values, mask]
+    query, key_scales, key_offsets, key_codes, value_codes, value_scales, bias, keys, values, mask = (
+        t.contiguous() for t in tensors
+    )
+
+    def int64s(values: list[int]) -> ctypes.Array:
+        return (ctypes.c_int64 * len(values))(*values)
+
+    status = library.int4_decode_attention(
+        batch, query_heads, kv_heads, dim, value_dim, appended, mask.shape[0], len(heads), int64s(heads),
+        query.data_ptr(), scaling, key_scales.data_ptr(), key_offsets.data_ptr(),
+        int64s([quantized.group_starts[h] for h in heads]), key_codes.data_ptr(), value_codes.data_ptr(),
+        value_scales.data_ptr(), int64s([quantized.row_starts[h] for h in heads]), int64s(lengths),
+        bias.data_ptr(), int64s([prefix.offsets[h] for h in heads]), keys.data_ptr(), values.data_ptr(),
+        mask.data_ptr(), workspace.data_ptr(), out.data_ptr(),
+    )  # fmt: skip
+    if status:
+        raise RuntimeError(f"the INT4 CPU kernel refused dimensions {dim} / {value_dim} (at most {MAX_DIM}, even)")
