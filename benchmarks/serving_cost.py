@@ -12,8 +12,9 @@ it), a compacted cache in the model's dtype (storage ``"bf16"``) at ``BF16_RATIO
 cache at ``INT4_RATIO`` x fewer bytes (storage ``"int4"``), both sized as ``compact(budgets="uniform")`` sizes them,
 and the weights-only floor (the same decode with no context). Keys and values are drawn N(0, 1) in the model's
 dtype: a decode step's cost does not depend on the numbers. The compacted caches are served by hf_structkv's attention
-(``attention_backend`` in the JSON); on CPU at a decode step the INT4 heads (one row of key scales, even head dims)
-are read from their codes (`attention/int4_head_stats.py`), other steps dequantise them per forward, so their time
+(``attention_backend`` in the JSON); at a decode step the INT4 heads (one row of key scales, even head dims) are read
+from their codes, on the CPU by one C kernel call per layer where it builds (`attention/int4_decode.c`;
+``int4_decode`` in the JSON: ``"C kernel"`` or ``"torch"``), other steps dequantise them per forward, so their time
 includes that. Targets (issue 31, at the longest context measured):
 the INT4 cache at least ``TARGET_SPEEDUP`` x faster than the DynamicCache at batch 4, and within
 ``TARGET_FLOOR_RATIO`` x of the floor at batch 1.
@@ -40,6 +41,7 @@ from transformers import DynamicCache
 
 import hf_structkv
 from hf_structkv.attention.backend import choose_backend
+from hf_structkv.attention.native_int4 import runs_natively
 from hf_structkv.cache.compacted import CompactedCache
 from hf_structkv.compaction import UniformBudgets, compact, compact_head, compact_head_to_bytes, prefill_context
 from hf_structkv.compaction.byte_budgets import head_byte_budgets
@@ -296,6 +298,7 @@ def print_random_kv(rows: list[dict], verdicts: dict[str, str]) -> None:
 
 
 def random_kv_result(model, tokenizer, args: argparse.Namespace) -> dict:
+    head_dim = config_fingerprint(model.config)["head_dim"]
     question = question_text(RANDOM_QUESTION, "")
     question_ids = tokenizer(question, return_tensors="pt", add_special_tokens=False).input_ids.to(model.device)
     rows = [row for length in args.contexts for row in random_kv_rows(model, question_ids, length, args)]
@@ -306,6 +309,7 @@ def random_kv_result(model, tokenizer, args: argparse.Namespace) -> dict:
         "model": "tiny qwen2 (random)" if args.tiny else "embedded (Qwen2.5-Coder-0.5B-Instruct)",
         "dtype": str(model.dtype),
         "attention_backend": choose_backend(question_ids.float()),
+        "int4_decode": "C kernel" if runs_natively(model.device, head_dim, head_dim) else "torch",
         "key_group": KEY_GROUP,
         "question_tokens": int(question_ids.shape[1]),
         "new_tokens": args.new_tokens,
