@@ -6,7 +6,7 @@
  * Codes are packed two per byte, channel 2i in the low nibble of byte i and 2i + 1 in the high one, 4-bit two's
  * complement. Nothing is dequantised into memory: the scores are formed LANES entries at a time (each entry's codes
  * read as 32-bit words, each word holding 8 channels, one entry per lane), the value sums one entry at a time (its
- * codes widened 16 bytes at a time, the even channels in one vector and the odd ones in another), ROW_GROUP query
+ * codes widened 16 bytes at a time, the even channels in one vector and the odd ones in another), several query
  * rows at once so that every product has independent accumulation chains. Portable C with GCC/Clang vector
  * extensions; AVX-512 intrinsics where the compiler targets them (a gather and a byte widening), a scalar equivalent
  * elsewhere. No fast-math: infinities keep their IEEE meaning (a bias of -inf weighs exactly 0).
@@ -74,8 +74,16 @@ static inline vf exp_lanes(vf x) {
     return pick(under, zero, pick(over, zero + INFINITY, y));
 }
 
-/* q . code of `count` <= LANES entries (row stride `half` bytes) for every query row: out[r] lane jj. `query` holds
- * rows rounded up to a multiple of ROW_GROUP (zero rows past the last). */
+/* out[g] += q[g] . columns for `group` <= ROW_GROUP query rows: independent accumulation chains, one per row (called
+ * with a constant group, so that the compiler keeps the accumulators in registers). */
+static inline void row_scores(const float *query, int64_t dim, const vf *columns, vf *out, const int group) {
+    vf acc[ROW_GROUP] = {{0}};
+    for (int64_t c = 0; c < dim; c++)
+        for (int g = 0; g < group; g++) acc[g] += query[g * dim + c] * columns[c];
+    for (int g = 0; g < group; g++) out[g] = acc[g];
+}
+
+/* q . code of `count` <= LANES entries (row stride `half` bytes) for every query row: out[r] lane jj. */
 static inline void block_scores(const uint8_t *codes, int64_t half, int64_t count, const float *query, int64_t rows,
                                 int64_t dim, vf *columns, vf *out) {
     const int64_t words = half / 4;
@@ -89,13 +97,38 @@ static inline void block_scores(const uint8_t *codes, int64_t half, int64_t coun
         columns[2 * i] = __builtin_convertvector((byte << 28) >> 28, vf);
         columns[2 * i + 1] = __builtin_convertvector(byte >> 4, vf);
     }
-    for (int64_t r = 0; r < rows; r += ROW_GROUP) { /* ROW_GROUP rows at a time: independent accumulation chains */
+    for (int64_t r = 0; r < rows; r += ROW_GROUP) {
         const float *q = query + r * dim;
-        vf acc[ROW_GROUP] = {{0}};
-        for (int64_t c = 0; c < dim; c++)
-            for (int g = 0; g < ROW_GROUP; g++) acc[g] += q[g * dim + c] * columns[c];
-        for (int g = 0; g < ROW_GROUP && r + g < rows; g++) out[r + g] = acc[g];
+        switch (rows - r < ROW_GROUP ? rows - r : ROW_GROUP) {
+        case 1: row_scores(q, dim, columns, out + r, 1); break;
+        case 2: row_scores(q, dim, columns, out + r, 2); break;
+        case 3: row_scores(q, dim, columns, out + r, 3); break;
+        default: row_scores(q, dim, columns, out + r, ROW_GROUP);
+        }
     }
+}
+
+/* Value sums of one chunk of `count` <= LANES code bytes (2 LANES channels: the even ones in acc[g][0], the odd ones
+ * in acc[g][1]) for `group` <= VALUE_GROUP query rows, whose weights are rows of `weights` (row stride `stride`),
+ * written to rows of `value_sum` (row stride `value_dim`) from channel 2 v (called with a constant group). */
+static inline void chunk_value_sums(const uint8_t *codes, int64_t value_half, int64_t count, const float *weights,
+                                    int64_t stride, const float *value_scales, int64_t length, float *value_sum,
+                                    int64_t value_dim, const int group) {
+    vf acc[VALUE_GROUP][2] = {{{0}}};
+    for (int64_t j = 0; j < length; j++) {
+        const vi bytes = signed_bytes(codes + j * value_half, count);
+        const vf even = __builtin_convertvector((bytes << 28) >> 28, vf), odd = __builtin_convertvector(bytes >> 4, vf);
+        for (int g = 0; g < group; g++) {
+            const float w = weights[g * stride + j] * value_scales[j];
+            acc[g][0] += w * even;
+            acc[g][1] += w * odd;
+        }
+    }
+    for (int g = 0; g < group; g++)
+        for (int64_t l = 0; l < count; l++) {
+            value_sum[g * value_dim + 2 * l] = acc[g][0][l];
+            value_sum[g * value_dim + 2 * l + 1] = acc[g][1][l];
+        }
 }
 
 static inline void head_stats(const float *query, const float *offset, float scaling, const uint8_t *key_codes,
@@ -105,13 +138,9 @@ static inline void head_stats(const float *query, const float *offset, float sca
     const int64_t half = dim / 2, value_half = value_dim / 2, stride = (length + LANES - 1) / LANES * LANES;
     vf columns[MAX_DIM];
     vf block[rows];
-    const int64_t padded_rows = (rows + ROW_GROUP - 1) / ROW_GROUP * ROW_GROUP;
-    float padded[padded_rows * dim]; /* the queries, zero rows up to a multiple of ROW_GROUP */
-    memcpy(padded, query, rows * dim * sizeof(float));
-    memset(padded + rows * dim, 0, (padded_rows - rows) * dim * sizeof(float));
     for (int64_t j0 = 0; j0 < length; j0 += LANES) { /* scores; lanes past the last entry get -inf */
         const int64_t count = length - j0 < LANES ? length - j0 : LANES;
-        block_scores(key_codes + j0 * half, half, count, padded, rows, dim, columns, block);
+        block_scores(key_codes + j0 * half, half, count, query, rows, dim, columns, block);
         vf bias_block;
         for (int64_t jj = 0; jj < LANES; jj++) bias_block[jj] = jj < count ? bias[j0 + jj] : -INFINITY;
         for (int64_t r = 0; r < rows; r++) {
@@ -143,29 +172,25 @@ static inline void head_stats(const float *query, const float *offset, float sca
         for (int l = 0; l < LANES; l++) sum += total[l];
         exp_sum[r] = sum;
     }
-    /* value sums, one chunk of LANES code bytes (2 LANES channels: even ones in acc[g][0], odd ones in acc[g][1]) and
-     * VALUE_GROUP rows at a time, so that the accumulators stay in registers */
+    /* value sums, one chunk of LANES code bytes and up to VALUE_GROUP rows at a time, so that the accumulators stay
+     * in registers */
     for (int64_t v = 0; v < value_half; v += LANES) {
         const int64_t count = value_half - v < LANES ? value_half - v : LANES;
-        for (int64_t r0 = 0; r0 < rows; r0 += VALUE_GROUP) {
-            const int64_t group = rows - r0 < VALUE_GROUP ? rows - r0 : VALUE_GROUP;
-            vf acc[VALUE_GROUP][2] = {{{0}}};
-            for (int64_t j = 0; j < length; j++) {
-                const vi bytes = signed_bytes(value_codes + j * value_half + v, count);
-                const vf even = __builtin_convertvector((bytes << 28) >> 28, vf), odd = __builtin_convertvector(bytes >> 4, vf);
-                for (int g = 0; g < VALUE_GROUP; g++) { /* rows past the last weigh 0 */
-                    const float w = g < group ? scores[(r0 + g) * stride + j] * value_scales[j] : 0.0f;
-                    acc[g][0] += w * even;
-                    acc[g][1] += w * odd;
-                }
+        for (int64_t r = 0; r < rows; r += VALUE_GROUP) {
+#define CHUNK(G)                                                                                               \
+    chunk_value_sums(value_codes + v, value_half, count, scores + r * stride, stride, value_scales, length, \
+                     value_sum + r * value_dim + 2 * v, value_dim, G)
+            switch (rows - r < VALUE_GROUP ? rows - r : VALUE_GROUP) {
+            case 1: CHUNK(1); break;
+            case 2: CHUNK(2); break;
+            case 3: CHUNK(3); break;
+            case 4: CHUNK(4); break;
+            case 5: CHUNK(5); break;
+            case 6: CHUNK(6); break;
+            case 7: CHUNK(7); break;
+            default: CHUNK(VALUE_GROUP);
             }
-            for (int64_t g = 0; g < group; g++) {
-                float *out = value_sum + (r0 + g) * value_dim + 2 * v;
-                for (int64_t l = 0; l < count; l++) {
-                    out[2 * l] = acc[g][0][l];
-                    out[2 * l + 1] = acc[g][1][l];
-                }
-            }
+#undef CHUNK
         }
     }
 }
