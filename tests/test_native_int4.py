@@ -153,6 +153,19 @@ def test_the_library_is_built_once_then_loaded_from_the_cache(fresh_library, mon
     assert native_library() is not None and list((fresh_library / "native").iterdir()) == [built]
 
 
+@needs_compiler
+def test_a_cache_folder_that_cannot_be_written_builds_into_a_private_one(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("HF_STRUCTKV_CACHE", str(blocker / "below-a-file"))
+    native_library.cache_clear()
+    try:
+        assert native_library() is not None
+    finally:
+        native_library.cache_clear()
+    assert not (blocker / "below-a-file").exists()
+
+
 def test_a_failed_build_warns_once_and_the_torch_path_serves(fresh_library, monkeypatch):
     monkeypatch.setenv("CC", str(fresh_library / "no-such-compiler"))
     with pytest.warns(RuntimeWarning, match="could not be built.*torch path"):

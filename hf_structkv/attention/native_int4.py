@@ -11,7 +11,8 @@ kernel off.
 
 The library is built with ``$CC`` (else ``cc``) at ``-O3 -march=native`` into ``$HF_STRUCTKV_CACHE/native`` (default
 ``~/.cache/hf_structkv/native``), under a name that hashes the source, the compiler, the flags and the CPU, written
-to a temporary file and renamed into place (concurrent first uses each build and one rename wins). Only this
+to a temporary file and renamed into place (concurrent first uses each build and one rename wins); where that folder
+cannot be written, into a private temporary folder, once per process. Only this
 package's own source is compiled; nothing from a saved artifact is.
 """
 
@@ -57,14 +58,21 @@ def cache_dir() -> Path:
 
 
 def _build(compiler: str) -> Path:
-    """The shared library built from `SOURCE` (built now unless cached). Raises OSError or CalledProcessError."""
+    """The shared library built from `SOURCE` (built now unless cached; where the cache folder cannot be written, into
+    a private temporary folder for this process). Raises OSError or CalledProcessError."""
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(), _cpu_identity().encode()]))
-    target = cache_dir() / f"int4_decode-{key.hexdigest()[:20]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    name = f"int4_decode-{key.hexdigest()[:20]}.so"
+    if (cache_dir() / name).exists():
+        return cache_dir() / name
+    try:
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(suffix=".so", dir=cache_dir())
+        target = cache_dir() / name
+    except OSError:  # a read-only home: a folder only this process knows
+        folder = Path(tempfile.mkdtemp(prefix="hf_structkv-native-"))
+        fd, partial = tempfile.mkstemp(suffix=".so", dir=folder)
+        target = folder / name
     os.close(fd)
     try:
         subprocess.run(
