@@ -114,8 +114,10 @@ def test_a_prefill_in_blocks_of_rows_within_the_score_budget(monkeypatch, prefix
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
     got = fused_mixed_precision_attention(query, parts, 0.3, max_score_elements=budget)
     assert len(calls) == 2 * -(-RECENT // rows)  # KV heads x blocks
-    assert all(q[:2] == (2, 3) and q[-2] <= rows and q[:-1].numel() * k[-2] <= budget for q, k in calls)
-    assert sum(q[-2] for q, _ in calls) == 2 * RECENT  # every row once per KV head
+    # [B, g, r, D]; a block of one row goes to grouped_sdpa as [B, 1, g, D] (the 3 query heads as one head's rows)
+    block_rows = [1 if q[1] == 1 else q[2] for q, _ in calls]
+    assert all(q[0] == 2 and 3 in q[1:3] and q[:-1].numel() * k[-2] <= budget for q, k in calls)
+    assert all(r <= rows for r in block_rows) and sum(block_rows) == 2 * RECENT  # every row once per KV head
     monkeypatch.undo()
     want = mixed_precision_attention(query, parts, 0.3, max_score_elements=UNBLOCKED)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -7,7 +7,9 @@ the prefix biases one additive FP32 mask (``-inf`` where a row does not see a sl
 ``j``); one SDPA call (FP32 inputs, so FP32 softmax and accumulation) per KV head and block of query rows computes the
 softmax over their union, which equals `mixed_precision_attention`'s partition merge (eq. 15) up to rounding.
 Blocks of query rows are bounded by the same ``max_score_elements`` as the reference's, counted over the logits
-``[B, g, rows, N]`` one call would hold (``N`` every partition's entries of the KV head). A row that sees no key
+``[B, g, rows, N]`` one call would hold (``N`` every partition's entries of the KV head). At a decode step the
+KV head's query heads are rows of one SDPA call over its entries (`grouped_sdpa`), with no copy of them per query
+head. A row that sees no key
 (padding) gets zeros, as in the reference (SDPA's softmax over nothing may give NaN). Soft-capping (tanh) has no SDPA
 form: such a call goes to the reference.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from .grouped_sdpa import grouped_sdpa
 from .mixed_reference import (
     SCORE_BLOCK_ELEMENTS,
     DensePartition,
@@ -80,7 +83,7 @@ def fused_mixed_precision_attention(
         if keys.shape[1] == 0:
             heads.append(out)
             continue
-        keys, values = keys.unsqueeze(1).expand(-1, group, -1, -1), values.unsqueeze(1).expand(-1, group, -1, -1)
+        keys, values = keys.unsqueeze(1), values.unsqueeze(1)  # [B, 1, N, D], [B, 1, N, D_v]
         for start in range(0, q_len, rows):
             block = slice(start, start + rows)
             block_query = grouped[:, h, :, block]  # [B, g, r, D]
@@ -89,9 +92,8 @@ def fused_mixed_precision_attention(
                 visible = torch.cat([part.visible[:, block] for part in slots], dim=-1)  # [B, r, n]
                 mask.append(torch.zeros(visible.shape, dtype=torch.float32, device=keys.device))
                 mask[-1].masked_fill_(~visible, float("-inf"))
-            attended = torch.nn.functional.scaled_dot_product_attention(
-                block_query, keys, values, attn_mask=torch.cat(mask, dim=-1).unsqueeze(1), scale=scaling
-            )  # [B, g, r, D_v]
+            mask = torch.cat(mask, dim=-1).unsqueeze(1)  # [B, 1, r, N]
+            attended = grouped_sdpa(block_query, keys, values, mask, scaling)  # [B, g, r, D_v]
             if bias.numel() == 0:  # without prefix entries a padded row may see nothing: zeros, as the reference
                 attended = attended.masked_fill(~visible.any(dim=-1)[:, None, :, None], 0.0)
             out[:, :, block] = attended
