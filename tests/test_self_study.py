@@ -190,6 +190,28 @@ def test_conversations_are_seeded_and_prompted_with_the_task_and_turn_suffix():
         self_study_conversations(model, None, cache)
 
 
+@pytest.mark.parametrize(
+    ("framing", "hint"), [({}, "no chat turn around them"), ({"turn_suffix": "|A:"}, "whole user turn")]
+)
+def test_conversations_that_end_at_once_are_named_in_a_warning(monkeypatch, framing, hint):
+    """The summary and JSON prompts answered by an end of sequence at once (as the embedded model answers prompts
+    with no chat turn around them after a plain document): a warning names them and the framing to check."""
+    from hf_structkv.compaction import self_study
+
+    answer = self_study.sample_answer
+
+    def ends_at_once_for_two(model, prompt, cache, task, generator, stops):
+        return prompt[:0] if task.name in ("summary", "json") else answer(model, prompt, cache, task, generator, stops)
+
+    monkeypatch.setattr(self_study, "sample_answer", ends_at_once_for_two)
+    model = tiny_model("qwen2")
+    cache = prefill_context(model, token_ids(12))
+    config = SelfStudy(answer_tokens=3, question_tokens=4, **framing)
+    with pytest.warns(RuntimeWarning, match=rf"2 of 4 conversations \(summary, json\) ended at once.*{hint}"):
+        conversations = self_study_conversations(model, CharTokenizer(), cache, config)
+    assert [c.answer_ids.numel() == 0 for c in conversations] == [True, False, True, False]
+
+
 def test_task_prompts_add_conversations_whose_answer_is_the_prompt_then_the_reply():
     """A task prompt is a whole text (e.g. a question's chat turn): the turn prefix and suffix frame the four only."""
     model = tiny_model("qwen2")

@@ -11,7 +11,8 @@ Each of the four prompts is framed by ``SelfStudy.turn_prefix`` and ``turn_suffi
 template's user turn only the end of the turn and the assistant header follow it (``turn_suffix``); after a context
 that ends where a turn opens (a tool catalogue ends with the template's turn-start token, `catalogue_text`) the
 prompt needs its own role header too (``turn_prefix``), else the model reads a turn without a role and may stop at
-once (on the embedded model: 0 generated tokens).
+once (on the embedded model: 0 generated tokens). A conversation that ends at once gives no queries: a warning names
+it and the framing to check.
 
 Task prompts (``SelfStudy(prompts=...)``): whole texts of the task the context serves (e.g. the chat turn of a
 question that needs a tool catalogue) add one conversation each, whose prompt part is empty and whose answer part is
@@ -21,6 +22,7 @@ questions will, are calibration queries too.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -262,6 +264,21 @@ def self_study_conversations(
         prompt = torch.cat([*quote, ids(head + task.prompt + config.turn_suffix)])
         answer = sample_answer(model, prompt, context_copy(context_cache), task, generator, stops)
         conversations.append(Conversation(task.name, prompt, answer.cpu()))
+    empty = [c.name for c in conversations if c.answer_ids.numel() == 0]
+    if empty:
+        framing = (
+            "its prompts follow the context with no chat turn around them: frame them, e.g. "
+            "SelfStudy(turn_suffix=question_suffix) after a context from document_chat_prompt, or turn_prefix after a "
+            "context that ends where a turn opens"
+            if not (config.turn_prefix or config.turn_suffix)
+            else "check that turn_prefix / turn_suffix make each prompt a whole user turn followed by the assistant's"
+        )
+        warnings.warn(
+            f"self-study: {len(empty)} of {len(conversations)} conversations ({', '.join(empty)}) ended at once and "
+            f"give no calibration queries; {framing}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     for task in config.prompt_tasks:
         question = ids(task.prompt)
         answer = sample_answer(model, question, context_copy(context_cache), task, generator, stops)
