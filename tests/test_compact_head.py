@@ -1,14 +1,16 @@
 """Per-head compaction: KV-Surgeon formulas against brute force / closed forms, refit, methods, degenerate inputs."""
 
+import itertools
 import math
 
 import pytest
 import torch
 
 from hf_structkv.compaction.head_compaction import HEAD_METHODS, compact_head, relative_loss
-from hf_structkv.compaction.head_statistics import CompactedHead, loo_scores
+from hf_structkv.compaction.head_method import refit_head
+from hf_structkv.compaction.head_statistics import CompactedHead, HeadProblem, loo_scores
 from hf_structkv.compaction.kv_surgeon import KVSurgeon
-from hf_structkv.compaction.refit import fit_multipliers, fit_values
+from hf_structkv.compaction.refit import fit_multipliers, fit_values, least_squares
 from hf_structkv.compaction.surrogate import downdate_, eliminate_block, ridge_solve, saliency
 
 F64 = torch.float64
@@ -139,6 +141,32 @@ def test_multipliers_in_box_and_gradient_steps_do_not_increase_residual(seed):
         assert weights.min() >= math.exp(-3) - 1e-15 and weights.max() <= math.exp(3) + 1e-12
     residual_clamped, residual_refined = ((unnormalized @ w - row_sums).norm().item() for w in (clamped, refined))
     assert residual_refined <= residual_clamped + 1e-12
+
+
+@pytest.mark.parametrize("shape", [(12, 5), (5, 12), (1, 7)])
+def test_least_squares_matches_the_pseudo_inverse_and_the_nearest_solution_to_an_anchor(shape):
+    generator = torch.Generator().manual_seed(sum(shape))
+    matrix = torch.randn(*shape, generator=generator, dtype=F64)
+    rhs = torch.randn(shape[0], 3, generator=generator, dtype=F64)
+    anchor = torch.randn(shape[1], 3, generator=generator, dtype=F64)
+    pinv = torch.linalg.pinv(matrix)
+    torch.testing.assert_close(least_squares(matrix, rhs), pinv @ rhs)
+    # among the minimisers, the one nearest the anchor: anchor + pinv (rhs - A anchor) (closed form)
+    torch.testing.assert_close(least_squares(matrix, rhs, anchor), anchor + pinv @ (rhs - matrix @ anchor))
+    duplicated = torch.cat([matrix, matrix[:, :1]], 1)  # dependent columns: the pseudo-inverse path
+    torch.testing.assert_close(least_squares(duplicated, rhs), torch.linalg.pinv(duplicated) @ rhs)
+
+
+def test_keeping_every_entry_refits_to_the_full_cache_even_with_fewer_queries_than_entries():
+    # more entries than queries: many multipliers and values fit exactly; the refit takes eviction's (1, V)
+    keys, values, calib, _ = random_head(5, length=40, queries=12)
+    logits = calib @ keys.T / math.sqrt(keys.shape[1])
+    unnormalized = torch.exp(logits - logits.amax(1, keepdim=True))
+    weights = fit_multipliers(unnormalized, unnormalized.sum(1))
+    torch.testing.assert_close(weights, torch.ones_like(weights))
+    attention = torch.softmax(logits, 1)
+    torch.testing.assert_close(fit_values(attention, attention @ values, prior=values), values)
+    assert (fit_values(attention, attention @ values) - values).abs().max() > 0.1  # the smallest solution is not
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -430,17 +458,24 @@ def test_refit_guard_returns_the_refit_or_the_eviction_that_wins_on_the_check_sp
         assert torch.equal(guarded.values, values[plain.indices])
 
 
-def test_refit_guard_evicts_where_the_refit_overfits_and_refits_where_it_generalises():
-    def evicted(queries, budget):
-        outcomes = []
-        for seed in range(6):
-            keys, values, calib, _ = random_head(seed, length=40, queries=queries)
-            guarded = compact_head(keys, values, calib, budget, method="loo", refit_guard=0.3, seed=seed)
-            outcomes.append(bool(torch.equal(guarded.values, values[guarded.indices])))
-        return sum(outcomes)
-
-    assert evicted(queries=10, budget=20) >= 4  # fewer queries than kept entries: the value solve interpolates
-    assert evicted(queries=120, budget=8) <= 2  # well-posed: the refit generalises
+def test_refit_guard_keeps_whichever_of_refit_and_eviction_wins_on_its_held_back_queries():
+    decisions = []
+    for seed, (queries, budget) in itertools.product(range(4), [(3, 30), (10, 20), (120, 8)]):
+        keys, values, calib, _ = random_head(seed, length=40, queries=queries)
+        guarded = compact_head(keys, values, calib, budget, method="loo", refit_guard=0.3, seed=seed)
+        plain = compact_head(keys, values, calib, budget, method="loo", seed=seed)
+        # brute force: the seeded split, the refit on the rest, both losses on the held-back queries
+        order = torch.randperm(queries, generator=torch.Generator().manual_seed(seed))
+        held = max(1, round(0.3 * queries))
+        fit, check = calib[order[held:]], calib[order[:held]]
+        trial = refit_head(HeadProblem.build(keys, values, fit), plain.indices)
+        evicted = CompactedHead(plain.indices, torch.zeros_like(plain.bias), values[plain.indices])
+        keep_refit = relative_loss(trial, keys, check, values) <= relative_loss(evicted, keys, check, values)
+        expected = plain if keep_refit else evicted
+        torch.testing.assert_close(guarded.values, expected.values.to(guarded.values.dtype))
+        torch.testing.assert_close(guarded.bias, expected.bias.to(guarded.bias.dtype))
+        decisions.append(keep_refit)
+    assert any(decisions) and not all(decisions)
     with pytest.raises(ValueError, match=r"refit_guard must be in \[0, 1\)"):
         compact_head(*random_head(0)[:3], 5, method="loo", refit_guard=1.0)
 

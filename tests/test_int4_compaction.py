@@ -144,11 +144,13 @@ def sequential_reference(attention: torch.Tensor, values: torch.Tensor, damping:
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_compensated_value_quantization_equals_the_sequential_exact_solve(seed):
+@pytest.mark.parametrize("block", [1, 2, 4, 128])
+def test_compensated_value_quantization_equals_the_sequential_exact_solve(seed, block):
+    # lazy updates by blocks of rows (1: every row at once; 4: a block boundary inside the six rows) change nothing
     generator = torch.Generator().manual_seed(seed)
     attention = torch.softmax(torch.randn(30, 6, generator=generator, dtype=FLOAT) * 2, 1)
     values = torch.randn(6, 5, generator=generator, dtype=FLOAT)
-    codes, scales = quantize_values_compensated(attention, values, damping=0.01)
+    codes, scales = quantize_values_compensated(attention, values, damping=0.01, block=block)
     assert codes.tolist() == sequential_reference(attention, values, damping=0.01)
     assert scales.dtype == torch.float16 and scales.shape == (6, 1)
 

@@ -54,13 +54,17 @@ def refit_with_served_keys(
 
 
 def quantize_values_compensated(
-    attention: torch.Tensor, values: torch.Tensor, damping: float = 0.01
+    attention: torch.Tensor, values: torch.Tensor, damping: float = 0.01, block: int = 128
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row INT4 codes of ``values`` that keep ``‖P̂ Ṽ − P̂ V̂‖²`` small: rows are quantized one at a time (largest
     diagonal of ``H = P̂ᵀP̂`` first), each row's error ``δ`` moved onto the rows not yet quantized by the exact
     minimiser of the quadratic ``tr((V − V̂)ᵀ H (V − V̂))`` with the quantized rows fixed (``V_rest −= H_rest,rest⁻¹
     H_rest,j δ``, carried out through the upper Cholesky factor of ``H⁻¹``; ``H`` damped by ``damping`` times its
     mean diagonal).
+
+    The updates are applied lazily by blocks of ``block`` rows (as GPTQ does): a row's update reaches the rest of its
+    block at once and the rows after the block in one matrix product when the block is done, which is the same
+    arithmetic, not a row-sized pass over every later row per row.
 
     Args:
         attention: ``P̂ [N, t]`` float64.
@@ -76,13 +80,18 @@ def quantize_values_compensated(
     upper = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(gram)), upper=True)
     work = values[order].clamp(-CODE_LIMIT, CODE_LIMIT)
     codes, scales = [], []
-    for j in range(work.shape[0]):
-        row_codes, row_scale = quantize_int4(work[j : j + 1])
-        error = (work[j] - dequantize_int4(row_codes, row_scale, work.shape[1], FLOAT)[0]) / upper[j, j]
-        work[j + 1 :] -= upper[j, j + 1 :, None] * error[None, :]
-        work[j + 1 :].clamp_(-CODE_LIMIT, CODE_LIMIT)
-        codes.append(row_codes)
-        scales.append(row_scale)
+    for start in range(0, work.shape[0], block):
+        stop = min(start + block, work.shape[0])
+        errors = torch.empty(stop - start, work.shape[1], dtype=work.dtype)
+        for j in range(start, stop):
+            row_codes, row_scale = quantize_int4(work[j : j + 1])
+            errors[j - start] = (work[j] - dequantize_int4(row_codes, row_scale, work.shape[1], FLOAT)[0]) / upper[j, j]
+            work[j + 1 : stop] -= upper[j, j + 1 : stop, None] * errors[j - start][None, :]
+            work[j + 1 : stop].clamp_(-CODE_LIMIT, CODE_LIMIT)
+            codes.append(row_codes)
+            scales.append(row_scale)
+        work[stop:] -= upper[start:stop, stop:].T @ errors
+        work[stop:].clamp_(-CODE_LIMIT, CODE_LIMIT)
     restore = torch.argsort(order)
     return torch.cat(codes)[restore], torch.cat(scales)[restore]
 

@@ -6,6 +6,11 @@ On a fixed support ``S`` of ``t`` kept entries, two ordered solves:
    unconstrained least squares by QR, clamped to the box, then projected-gradient steps with step ``1/‖E_S‖₂²``;
 2. values ``V̂ = argmin ‖P̂ V̂ − O‖_F²`` (23) with ``P̂`` the attention over the kept entries with biases ``log w``.
 
+Where a solve has many solutions (more kept entries than calibration queries, or dependent columns), each takes the
+one nearest plain eviction (``w = 1``; the original values), not the smallest: keeping every entry then refits to
+the full cache itself, and a support larger than the query set moves away from eviction only as far as the queries
+ask.
+
 Every function here works on plain float64 tensors, so the same code serves every calibrated selection rule.
 """
 
@@ -16,26 +21,38 @@ import math
 import torch
 
 
-def least_squares(matrix: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-    """Least-squares solution of ``matrix @ X ≈ rhs``.
+def least_squares(matrix: torch.Tensor, rhs: torch.Tensor, anchor: torch.Tensor | None = None) -> torch.Tensor:
+    """Least-squares solution of ``matrix @ X ≈ rhs`` closest to ``anchor`` (zero when None) where the solutions are
+    many, i.e. ``anchor + argmin ‖X − anchor‖`` among the minimisers.
 
-    A QR solve when ``matrix [N, k]`` is tall and numerically of full column rank (``|R_ii|`` above
-    ``eps · max(N, k) · max|R_ii|``, the default cut-off of ``torch.linalg.pinv``); otherwise (``N < k``, duplicate or
-    dependent columns) the minimum-norm solution through the pseudo-inverse.
+    Tall and numerically of full column rank (``|R_ii|`` above ``eps · max(N, k) · max|R_ii|``, the default cut-off
+    of ``torch.linalg.pinv``): the unique solution by QR of ``matrix``. Wide (``N < k``) and of full row rank: the
+    exact fit nearest the anchor, ``anchor + Q R⁻ᵀ (rhs − matrix @ anchor)`` from the QR of ``matrixᵀ`` (the same
+    solution as the pseudo-inverse, at a fraction of an SVD's cost). Otherwise (duplicate or dependent columns or
+    rows): through the pseudo-inverse.
 
     Args:
         matrix: ``[N, k]``.
         rhs: ``[N, r]``.
+        anchor: ``[k, r]`` or None.
 
     Returns:
         ``[k, r]``.
     """
     rows, cols = matrix.shape
+    if anchor is not None:
+        return anchor + least_squares(matrix, rhs - matrix @ anchor)
+    cutoff = torch.finfo(matrix.dtype).eps * max(rows, cols)
     if rows >= cols:
         q, r = torch.linalg.qr(matrix)
         diagonal = r.diagonal().abs()
-        if diagonal.min() > torch.finfo(matrix.dtype).eps * rows * diagonal.max():
+        if diagonal.min() > cutoff * diagonal.max():
             return torch.linalg.solve_triangular(r, q.T @ rhs, upper=True)
+    else:
+        q, r = torch.linalg.qr(matrix.T)
+        diagonal = r.diagonal().abs()
+        if diagonal.min() > cutoff * diagonal.max():
+            return q @ torch.linalg.solve_triangular(r.T, rhs, upper=False)
     return torch.linalg.pinv(matrix) @ rhs
 
 
@@ -75,7 +92,8 @@ def fit_multipliers(
         ``w [t]`` inside the box.
     """
     low, high = math.exp(-bias_bound), math.exp(bias_bound)
-    weights = least_squares(unnormalized, row_sums[:, None]).squeeze(1).clamp(low, high)
+    anchor = unnormalized.new_ones(unnormalized.shape[1], 1)  # eviction's multipliers
+    weights = least_squares(unnormalized, row_sums[:, None], anchor).squeeze(1).clamp(low, high)
     if steps > 0:
         lipschitz = spectral_norm_sq(unnormalized, power_iterations).clamp_min(torch.finfo(unnormalized.dtype).tiny)
         for _ in range(steps):
@@ -93,7 +111,8 @@ def fit_values(
 ) -> torch.Tensor:
     """Refit values ``V̂ = argmin ‖P̂ V̂ − O‖_F²`` (23), optionally shrunk toward ``prior``.
 
-    Without shrinkage: by least squares (`least_squares`); if that fails numerically, the normal equations
+    Without shrinkage: by least squares (`least_squares`, nearest ``prior`` where the solutions are many); if that
+    fails numerically, the normal equations
     ``(P̂ᵀP̂ + relative_ridge · ā · I) V̂ = P̂ᵀ O`` by Cholesky, ``ā`` the mean diagonal of ``P̂ᵀP̂``. With
     ``shrinkage = s > 0``: ``argmin ‖P̂ V̂ − O‖² + s ā ‖V̂ − prior‖²``, i.e. ``(P̂ᵀP̂ + s ā I) V̂ = P̂ᵀ O + s ā prior``:
     directions the calibration queries barely constrain stay at the prior (the original values: eviction) instead
@@ -102,7 +121,8 @@ def fit_values(
     Args:
         attention: ``P̂ [N, t]``, the compacted attention (rows sum to one).
         outputs: ``O [N, D_v]``, the original attention outputs.
-        prior: ``[t, D_v]`` values to shrink toward (needed when ``shrinkage > 0``).
+        prior: ``[t, D_v]`` values to shrink toward (needed when ``shrinkage > 0``); without shrinkage, the solution
+            chosen nearest them where the solutions are many.
         shrinkage: ``s >= 0``, relative to ``ā``.
 
     Returns:
@@ -117,7 +137,8 @@ def fit_values(
         factor = torch.linalg.cholesky(gram + weight * eye)
         return torch.cholesky_solve(attention.T @ outputs + weight * prior.to(gram.dtype), factor)
     try:
-        solution = least_squares(attention, outputs)
+        anchor = None if prior is None else prior.to(attention.dtype)
+        solution = least_squares(attention, outputs, anchor)
         if torch.isfinite(solution).all():
             return solution
     except torch.linalg.LinAlgError:
