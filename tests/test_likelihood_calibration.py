@@ -12,6 +12,7 @@ import torch
 
 from hf_structkv.attention.registry import enable
 from hf_structkv.cache.mixed_precision import StructuredMixedPrecisionCache
+from hf_structkv.calibration import likelihood
 from hf_structkv.calibration.bfcl_task import BfclTask
 from hf_structkv.calibration.buckets import Bucket
 from hf_structkv.calibration.interventions import BucketIntervention
@@ -251,6 +252,31 @@ def test_development_replays_are_stored_and_read_back(model, references, tmp_pat
     again = DevelopmentReplay(model, references, all_high, store)
     assert again(all_high, prefill) == dataclasses.replace(plain, reused=len(references))
     assert again(all_high).reused == 0 and len(store) == 2 * len(references)
+
+
+@pytest.mark.parametrize("max_prompt_bytes", [0, 1, 2**30])
+def test_prompt_forwards_kept_across_candidates_change_nothing_and_run_once_per_case(
+    model, references, max_prompt_bytes, monkeypatch
+):
+    """Kept prompt forwards (all, or none under a bound of 0 or 1 byte) give the results of fresh ones; with room for
+    them all, each case's prompt is forwarded once for two candidates."""
+    costs = GroupCosts.from_config(model.config)
+    all_high = PolicyTable.all_high(model.config, window=WINDOW, sink_tokens=SINKS)
+    low = PolicyEntry((Action.L,) * 3, (Action.L,) * 3, ((0.0, 0.0),) * 3)
+    prefill = PrefillPolicy(
+        costs=costs, entries=dict.fromkeys(PROMPT_LABELS, low), budget=0.5, provenance="illustrative"
+    )
+    fresh = [DevelopmentReplay(model, references, all_high, max_prompt_bytes=0)(all_high, p) for p in (None, prefill)]
+    prompts = []
+    original = likelihood.CaseReplay.__init__
+    monkeypatch.setattr(
+        likelihood.CaseReplay, "__init__", lambda self, *a, **k: prompts.append(a[1].case_id) or original(self, *a, **k)
+    )
+    replay = DevelopmentReplay(model, references, all_high, max_prompt_bytes=max_prompt_bytes)
+    assert [replay(all_high, p) for p in (None, prefill)] == fresh
+    assert len(prompts) == (len(references) if max_prompt_bytes == 2**30 else 2 * len(references))
+    with pytest.raises(ValueError, match="max_prompt_bytes must be"):
+        DevelopmentReplay(model, references, all_high, max_prompt_bytes=-1)
 
 
 def test_settings_refuse_an_unknown_sensitivity():

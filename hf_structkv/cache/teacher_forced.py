@@ -221,6 +221,11 @@ class TeacherForcedCache(Cache):
             fresh.schedule.begin(self.layers[0].keys.shape[0], prompt)
         return fresh
 
+    def nbytes(self) -> int:
+        """Bytes of the K/V tensors this cache holds (views of another cache's counted as their own)."""
+        held = [layer.keys for layer in self.layers] + [layer.values for layer in self.layers]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
     @property
     def resumes_past_prompt(self) -> bool:
         """Whether `with_schedule` can keep tokens past the prompt (no sliding-window layer)."""

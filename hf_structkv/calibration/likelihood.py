@@ -22,6 +22,7 @@ counterpart of ``V(q, a)`` = (errors under the intervention − reference errors
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,7 @@ from ..policy.prefill import PrefillPolicy, plan_prefill
 from ..policy.retention import RetentionPolicy
 from ..policy.table import PolicyTable
 from ..structure.tags import StructuralTag
-from ..validation import is_int
+from ..validation import check_int, is_int
 from .buckets import Bucket
 from .development_store import candidate_digest
 from .intervention_store import InterventionStore
@@ -229,12 +230,16 @@ class DevelopmentReplayStore(JsonLinesStore):
 
 class DevelopmentReplay:
     """Complete candidates (a decode table, or the all-high decode with a prefill policy) on the development references
-    by likelihood; each reference's all-high log-probabilities are computed once and reused for every candidate.
+    by likelihood; each reference's all-high log-probabilities are computed once and reused for every candidate, and
+    each case's prompt forward (`CaseReplay`, the same under every schedule) is kept in memory for the next candidate
+    while the kept prompts hold at most ``max_prompt_bytes`` of K/V (the least recently used dropped first; the
+    prompt is most of a case's replay: a median development prompt of 376 tokens against a reply of 67).
 
     Args:
         model: the model; references: the development `ReferenceTrajectory` objects; all_high: the calibration's
             all-high policy.
         store: where each case's replay under a candidate is read from, or written to as soon as it is computed.
+        max_prompt_bytes: bound of the prompt forwards kept across candidates (0: none kept).
     """
 
     def __init__(
@@ -243,9 +248,12 @@ class DevelopmentReplay:
         references: Sequence[ReferenceTrajectory],
         all_high: PolicyTable,
         store: DevelopmentReplayStore | None = None,
+        max_prompt_bytes: int = 2 * 2**30,
     ):
         self.model, self.references, self.all_high, self.store = model, references, all_high, store
+        self.max_prompt_bytes = check_int("max_prompt_bytes", max_prompt_bytes, 0, counts="bytes")
         self._reference_log_probs: dict[str, torch.Tensor] = {}
+        self._prompts: OrderedDict[str, CaseReplay] = OrderedDict()
 
     def __call__(
         self, policy: RetentionPolicy, prefill_policy: PrefillPolicy | None = None, progress: bool = False
@@ -282,15 +290,15 @@ class DevelopmentReplay:
         self, reference: ReferenceTrajectory, policy: RetentionPolicy, prefill_policy: PrefillPolicy | None
     ) -> dict[str, Any]:
         """One development case's likelihood loss and ledger under the candidate (a `DevelopmentReplayStore` line)."""
-        known = self._reference_log_probs.get(reference.case_id)
-        replay = CaseReplay(self.model, reference, self.all_high, reference_log_probs=known)
-        self._reference_log_probs[reference.case_id] = replay.reference_log_probs
+        replay = self._prompt_replay(reference)
+        if reference.case_id not in self._reference_log_probs:
+            self._reference_log_probs[reference.case_id] = replay.log_probs(self.all_high)
         plan = None
         if prefill_policy is not None:
             sinks, window = policy.sink_tokens, policy.window
             plan = plan_prefill(reference.prompt_labels, policy.costs, prefill_policy, sinks, window).actions[None]
         cache = replay.prompt_cache.with_schedule(policy, plan)
-        loss = likelihood_loss(replay.reference_log_probs, replay.log_probs_in(cache), 1)
+        loss = likelihood_loss(self._reference_log_probs[reference.case_id], replay.log_probs_in(cache), 1)
         prompt, decode, length = cache.schedule.scheduled_bits_by_stage(
             len(reference.prompt_ids) + len(reference.tokens)
         )
@@ -301,6 +309,16 @@ class DevelopmentReplay:
             "decode_bits": float(decode),
             "decode_tokens": int(reference.num_decoded),
         }
+
+    def _prompt_replay(self, reference: ReferenceTrajectory) -> CaseReplay:
+        """The case's `CaseReplay`: kept from an earlier candidate, else run now and kept within
+        ``max_prompt_bytes``."""
+        replay = self._prompts.pop(reference.case_id, None) or CaseReplay(self.model, reference, self.all_high)
+        self._prompts[reference.case_id] = replay
+        held = sum(kept.prompt_cache.nbytes() for kept in self._prompts.values())
+        while self._prompts and held > self.max_prompt_bytes:
+            held -= self._prompts.popitem(last=False)[1].prompt_cache.nbytes()
+        return replay
 
 
 class LikelihoodStore(InterventionStore):
