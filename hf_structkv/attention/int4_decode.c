@@ -131,20 +131,27 @@ static inline void chunk_value_sums(const uint8_t *codes, int64_t value_half, in
         }
 }
 
+/* One head's softmax statistics over `length` INT4 entries for `rows` query rows: entry j scores
+ * ((q . code_j) * key_scale[j] + offset[r]) * scaling + bias[j] (key_scale NULL: 1; channel scales folded into the
+ * query by the caller), its value is code * value_scales[j]. */
 static inline void head_stats(const float *query, const float *offset, float scaling, const uint8_t *key_codes,
-                              const float *bias, const uint8_t *value_codes, const float *value_scales, int64_t rows,
-                              int64_t length, const int64_t dim, const int64_t value_dim, float *scores,
-                              float *row_max, float *exp_sum, float *value_sum) {
+                              const float *key_scale, const float *bias, const uint8_t *value_codes,
+                              const float *value_scales, int64_t rows, int64_t length, const int64_t dim,
+                              const int64_t value_dim, float *scores, float *row_max, float *exp_sum,
+                              float *value_sum) {
     const int64_t half = dim / 2, value_half = value_dim / 2, stride = (length + LANES - 1) / LANES * LANES;
     vf columns[MAX_DIM];
     vf block[rows];
     for (int64_t j0 = 0; j0 < length; j0 += LANES) { /* scores; lanes past the last entry get -inf */
         const int64_t count = length - j0 < LANES ? length - j0 : LANES;
         block_scores(key_codes + j0 * half, half, count, query, rows, dim, columns, block);
-        vf bias_block;
-        for (int64_t jj = 0; jj < LANES; jj++) bias_block[jj] = jj < count ? bias[j0 + jj] : -INFINITY;
+        vf bias_block, key_block;
+        for (int64_t jj = 0; jj < LANES; jj++) {
+            bias_block[jj] = jj < count ? bias[j0 + jj] : -INFINITY;
+            key_block[jj] = key_scale && jj < count ? key_scale[j0 + jj] : 1.0f;
+        }
         for (int64_t r = 0; r < rows; r++) {
-            const vf s = (block[r] + offset[r]) * scaling + bias_block;
+            const vf s = (block[r] * key_block + offset[r]) * scaling + bias_block;
             memcpy(scores + r * stride + j0, &s, sizeof s);
         }
     }
@@ -284,7 +291,7 @@ int int4_decode_attention(int64_t batch, int64_t query_heads, int64_t kv_heads, 
         const uint8_t *k = key_codes + code_rows[i] * (dim / 2), *v = value_codes + code_rows[i] * (value_dim / 2);
         const float *b = bias + bias_starts[i];
 #define HEAD_STATS(D, DV) \
-    head_stats(scaled, offset, scaling, k, b, v, scales, rows, length, D, DV, scores, row_max, exp_sum, prefix_out)
+    head_stats(scaled, offset, scaling, k, NULL, b, v, scales, rows, length, D, DV, scores, row_max, exp_sum, prefix_out)
         DISPATCH(HEAD_STATS)
 #undef HEAD_STATS
         for (int64_t r = 0; r < rows; r++) {
@@ -296,6 +303,41 @@ int int4_decode_attention(int64_t batch, int64_t query_heads, int64_t kv_heads, 
             merge_appended(query + query_row * dim, scaling, appended_keys + tokens * dim,
                            appended_values + tokens * value_dim, mask + mask_row * appended, appended, dim, value_dim,
                            row_max[r], exp_sum[r], appended_scores, o);
+        }
+    }
+    return 0;
+}
+
+/* Softmax statistics (row max, exp-sum, unnormalised value sum, as partitions.py defines them) of a partition of INT4
+ * entries with one FP16 scale per entry row for its keys and one for its values (quantize_int4's layout: the INT4
+ * store of a mixed-precision cache) at a decode step, for every batch row and KV head: output row
+ * (b * kv_heads + h) * group + k is query head h * group + k of batch row b. Entry j of (b, h) is entry
+ * b * batch_stride + h * head_stride + j of the codes (rows of dim / 2 and value_dim / 2 bytes) and the scales;
+ * visible [batch, length] (0: not seen). Shapes and layouts in native_int4.py (`native_int4_rows_stats`). Returns 0,
+ * or 1 for dimensions that do not fit. */
+int int4_rows_stats(int64_t batch, int64_t kv_heads, int64_t group, int64_t length, int64_t dim, int64_t value_dim,
+                    const float *query, float scaling, const uint8_t *key_codes, const uint16_t *key_scales,
+                    const uint8_t *value_codes, const uint16_t *value_scales, int64_t batch_stride,
+                    int64_t head_stride, const uint8_t *visible, float *workspace, float *row_max, float *exp_sum,
+                    float *value_sum) {
+    if (!dims_fit(dim, value_dim)) return 1;
+    float *key_row = workspace, *value_row = key_row + length, *bias = value_row + length, *offset = bias + length;
+    float *scores = offset + group;
+    for (int64_t g = 0; g < group; g++) offset[g] = 0.0f;
+    for (int64_t b = 0; b < batch; b++) {
+        for (int64_t j = 0; j < length; j++) bias[j] = visible[b * length + j] ? 0.0f : -INFINITY;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const int64_t first = b * batch_stride + h * head_stride, rows = (b * kv_heads + h) * group;
+            for (int64_t j = 0; j < length; j++) {
+                key_row[j] = half_to_float(key_scales[first + j]);
+                value_row[j] = half_to_float(value_scales[first + j]);
+            }
+            const uint8_t *k = key_codes + first * (dim / 2), *v = value_codes + first * (value_dim / 2);
+#define ROWS_STATS(D, DV)                                                                                       \
+    head_stats(query + rows * dim, offset, scaling, k, key_row, bias, v, value_row, group, length, D, DV, scores, \
+               row_max + rows, exp_sum + rows, value_sum + rows * value_dim)
+            DISPATCH(ROWS_STATS)
+#undef ROWS_STATS
         }
     }
     return 0;

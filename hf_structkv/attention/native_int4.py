@@ -1,5 +1,6 @@
-"""The C kernel of `int4_decode_attention` on the CPU (``int4_decode.c`` beside this file): compiled once per machine
-with the system's C compiler, cached, loaded with ``ctypes``.
+"""The C kernel of `int4_decode_attention` on the CPU (``int4_decode.c`` beside this file), and of the statistics of a
+mixed-precision cache's INT4 store at a decode step (`native_int4_rows_stats`): compiled once per machine with the
+system's C compiler, cached, loaded with ``ctypes``.
 
 At a decode step over INT4 compacted heads, torch unpacks each head's codes into float32 matrices before its two
 matrix products and merges the appended tokens in a dozen small operations per head; the kernel reads the packed
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 
 from .compacted_inputs import CompactedPrefix
+from .partitions import PartitionStats
 
 SOURCE = Path(__file__).with_name("int4_decode.c")
 NATIVE_ENV = "HF_STRUCTKV_NATIVE"
@@ -110,6 +112,8 @@ def native_library() -> ctypes.CDLL | None:
     pointer, size, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     library.int4_decode_attention.argtypes = [size] * 8 + [pointer] * 2 + [real] + [pointer] * 15
     library.int4_decode_attention.restype = ctypes.c_int
+    library.int4_rows_stats.argtypes = [size] * 6 + [pointer, real] + [pointer] * 4 + [size] * 2 + [pointer] * 5
+    library.int4_rows_stats.restype = ctypes.c_int
     return library
 
 
@@ -182,3 +186,67 @@ def native_int4_decode(
     )  # fmt: skip
     if status:
         raise RuntimeError(f"the INT4 CPU kernel refused dimensions {dim} / {value_dim} (at most {MAX_DIM}, even)")
+
+
+def _entry_strides(rows: torch.Tensor) -> tuple[int, int] | None:
+    """``(batch, head)`` strides counted in entries of ``rows [B, H, n, w]`` whose entries are contiguous rows of
+    ``w`` one entry apart (a store's view), else None."""
+    width = rows.shape[-1]
+    if rows.stride(-1) != 1 or rows.stride(2) != width or rows.stride(0) % width or rows.stride(1) % width:
+        return None
+    return rows.stride(0) // width, rows.stride(1) // width
+
+
+def native_int4_rows_stats(
+    query: torch.Tensor,
+    key_codes: torch.Tensor,
+    key_scales: torch.Tensor,
+    value_codes: torch.Tensor,
+    value_scales: torch.Tensor,
+    visible: torch.Tensor,
+    scaling: float,
+) -> PartitionStats:
+    """Softmax statistics of a partition of INT4 entries with one FP16 scale per entry row (`quantize_int4`'s layout,
+    a mixed-precision cache's INT4 store) at a decode step, read from the codes: entry ``j`` of batch row ``b`` and
+    KV head ``h`` scores ``(q · code_j) · key_scale_j · scaling`` where ``visible[b, j]``, its value is
+    ``code · value_scale_j``.
+
+    Args:
+        query: ``[B, H_kv, g, D]`` float32, the query heads of each KV head.
+        key_codes: uint8 ``[B, H_kv, n, D / 2]``; key_scales: fp16 ``[B, H_kv, n, 1]``; value_codes / value_scales the
+            same for ``D_v``. Any strides over the first two dimensions (a store's views).
+        visible: bool ``[B, n]``.
+        scaling: logit scale.
+
+    Returns:
+        `PartitionStats` of shapes ``[B, H_kv, g, 1]`` and ``[B, H_kv, g, 1, D_v]`` (a row that sees no entry:
+        ``-inf``, 0, 0).
+
+    Raises:
+        RuntimeError: the library is not available or refused the dimensions (at most `MAX_DIM`, even).
+    """
+    library = native_library()
+    if library is None:
+        raise RuntimeError(f"the INT4 CPU kernel is not available ({NATIVE_ENV}=0 or no compiler)")
+    if query.dtype != torch.float32:
+        raise TypeError(f"query must be float32, got {query.dtype}")
+    batch, kv_heads, group, dim = query.shape
+    length, value_dim = key_codes.shape[2], value_codes.shape[-1] * 2
+    stores = [key_codes, key_scales, value_codes, value_scales]
+    if len({_entry_strides(t) for t in stores}) != 1 or _entry_strides(key_codes) is None:
+        stores = [t.contiguous() for t in stores]
+    batch_stride, head_stride = _entry_strides(stores[0])
+    query, visible = query.contiguous(), visible.to(torch.uint8).contiguous()
+    stride = -(-length // LANES) * LANES
+    workspace = torch.empty(3 * length + group + group * stride, dtype=torch.float32)
+    row_max = torch.empty(batch, kv_heads, group, 1, dtype=torch.float32)
+    exp_sum = torch.empty_like(row_max)
+    value_sum = torch.empty(batch, kv_heads, group, 1, value_dim, dtype=torch.float32)
+    status = library.int4_rows_stats(
+        batch, kv_heads, group, length, dim, value_dim, query.data_ptr(), scaling,
+        *(t.data_ptr() for t in stores), batch_stride, head_stride, visible.data_ptr(), workspace.data_ptr(),
+        row_max.data_ptr(), exp_sum.data_ptr(), value_sum.data_ptr(),
+    )  # fmt: skip
+    if status:
+        raise RuntimeError(f"the INT4 CPU kernel refused dimensions {dim} / {value_dim} (at most {MAX_DIM}, even)")
+    return PartitionStats(row_max, exp_sum, value_sum)
