@@ -22,11 +22,11 @@ at B = 0.33, and against PASK after a compacted tool catalogue, side by side in 
   line; a rerun with other settings is refused) and skipped when rerun.
 
 On a GPU the Triton kernels change the attention part: the mixed-precision kernel reads the stores in place (INT4
-dequantised in registers, split-KV over long histories), where on this CPU the fused torch path
-(`attention/mixed_sdpa.py`, one SDPA call per KV head over all partitions) dequantises every stored INT4 entry and
-gathers the stores at each step, which is what makes PASK's step slower than a DynamicCache's at short histories; a
-layer with a compacted catalogue is served by the fused torch path on every device (the Triton mixed kernel has no
-prefix partition, attention/backend.py).
+dequantised in registers, split-KV over long histories). On this CPU a decode step reads the INT4 store from its
+codes with the C kernel (`int4_rows_stats`, since commit 9824a39; before, the fused torch path dequantised every
+stored INT4 entry at each step) and the high store, the recent region and a catalogue's entries in torch
+(`attention/mixed_sdpa.py`); a layer with a compacted catalogue is served by that path on every device (the Triton
+mixed kernel has no prefix partition, attention/backend.py).
 
 Each prompt is prefilled in one forward, as ``generate`` does; the mixed-precision cache's torch paths serve the
 prompt's query rows in blocks whose FP32 logits stay within ``SCORE_BLOCK_ELEMENTS`` (per partition in
@@ -41,7 +41,8 @@ The run of issue 33 (embedded model, float32 on CPU, 1 thread):
     python benchmarks/long_trajectory.py --lengths 2048 8192 32768 --batches 1 4 --threads 1 \\
         --out benchmarks/results/long_trajectory.json
 
-Smoke run: ``--lengths 512 --pool-cases 2 --out /tmp/long_trajectory_smoke.json``.
+Smoke run: ``--lengths 1024 --pool-cases 2 --out /tmp/long_trajectory_smoke.json`` (512 tokens do not hold the
+catalogue and one question).
 """
 
 from __future__ import annotations
