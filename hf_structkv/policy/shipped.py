@@ -17,10 +17,17 @@ SHIPPED_PAIRS: dict[str, tuple[str, str]] = {
         "qwen2.5-coder-0.5b-instruct-calibrated",
         "qwen2.5-coder-0.5b-instruct-calibrated-prefill",
     ),
+    "calibrated-likelihood-384": (
+        "qwen2.5-coder-0.5b-instruct-calibrated-likelihood-384",
+        "qwen2.5-coder-0.5b-instruct-calibrated-likelihood-384-prefill",
+    ),
 }
 """``{name: (decode table folder, prefill policy folder)}``. ``calibrated-verdict-24``: PASK Algorithm 1 with
 verdict sensitivity on 12 calibration + 12 development BFCL cases (docs/RESULTS.md measures it on the 224-case test
-split)."""
+split). ``calibrated-likelihood-384``: Algorithm 1 with likelihood sensitivity (issue 32) on 256 calibration + 128
+development BFCL cases (64 + 32 per category of ``simple_python``, ``multiple``, ``parallel``, ``parallel_multiple``,
+disjoint from the 224-case test split), both stages in one run, development selection by likelihood confirmed by
+verdicts (nominal ``B_D`` 0.163, ``B_P`` 0.474; its ``calibration_report.json`` beside both policies)."""
 
 DEFAULT_CALIBRATED = "calibrated-verdict-24"
 """The pair ``"calibrated"`` loads."""
