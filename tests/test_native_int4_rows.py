@@ -1,16 +1,22 @@
 """The C kernel's statistics of a mixed-precision cache's INT4 store (`native_int4_rows_stats`: one FP16 scale per
-entry row, per batch row and KV head) against float64 statistics of the dequantised entries, and the decode step of
-`fused_mixed_precision_attention` that reads the store from its codes against the reference."""
+entry row, per batch row and KV head) against float64 statistics of the dequantised entries, those of a compacted
+prefix's INT4 heads (`native_int4_prefix_stats`) against torch's from the codes, and the decode step of
+`fused_mixed_precision_attention` that reads both from their codes against the reference."""
 
+import functools
 import shutil
 
 import pytest
 import torch
+from test_compacted_int4_cache import int4_cache
 from test_fused_mixed_attention import case
 
+import hf_structkv
 from hf_structkv.attention import mixed_sdpa
-from hf_structkv.attention.mixed_reference import Int4Partition, mixed_precision_attention
-from hf_structkv.attention.native_int4 import MAX_DIM, native_int4_rows_stats
+from hf_structkv.attention.int4_head_stats import int4_head_stats, reads_codes
+from hf_structkv.attention.mixed_reference import Int4Partition, PrefixPartition, mixed_precision_attention
+from hf_structkv.attention.native_int4 import MAX_DIM, native_int4_prefix_stats, native_int4_rows_stats
+from hf_structkv.models import tiny_model
 from hf_structkv.quant import dequantize_int4, quantize_int4
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler named cc on this machine")
@@ -81,3 +87,39 @@ def test_a_decode_step_reads_the_store_from_its_codes_and_equals_the_reference(p
     got = mixed_sdpa.fused_mixed_precision_attention(query, parts, 0.3)
     assert calls == [1] * sum(isinstance(p, Int4Partition) for p in parts)
     torch.testing.assert_close(got, mixed_precision_attention(query, parts, 0.3), atol=1e-5, rtol=1e-5)
+
+
+@functools.cache
+def code_read_prefix():
+    """A compacted layer's prefix with one INT4 head read from its codes (one row of key scales) and one in the dtype
+    (tiny llama: 2 KV heads, head dim 16)."""
+    model = hf_structkv.enable(tiny_model("llama"))
+    context = torch.randint(3, 256, (1, 30), generator=torch.Generator().manual_seed(4))
+    cache, _ = int4_cache(model, context, key_group=None, plain_heads=(0,), seed=5)
+    prefix = cache.layers[0].served_prefix(None)
+    assert [reads_codes(prefix, h) for h in range(prefix.num_kv_heads)] == [False, True]
+    return prefix
+
+
+@pytest.mark.parametrize("store", [True, False])
+@pytest.mark.parametrize("n_q_heads", [2, 6])
+def test_prefix_heads_read_from_codes_at_a_decode_step_equal_the_reference(store, n_q_heads, monkeypatch):
+    """With or without an INT4 store, a prefix head that `reads_codes` goes through the prefix kernel once per
+    forward, the other head through its FP32 scores, and the step equals the reference."""
+    query, parts = case("no prefix", 1, n_q_heads, torch.float32)
+    parts = [PrefixPartition(code_read_prefix())] + [p for p in parts if store or not isinstance(p, Int4Partition)]
+    calls = []
+    real = mixed_sdpa.native_int4_prefix_stats
+    monkeypatch.setattr(mixed_sdpa, "native_int4_prefix_stats", lambda *a: calls.append(a[2]) or real(*a))
+    got = mixed_sdpa.fused_mixed_precision_attention(query, parts, 0.3)
+    assert calls == [[1]]
+    torch.testing.assert_close(got, mixed_precision_attention(query, parts, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_prefix_statistics_equal_the_torch_statistics_from_codes():
+    prefix = code_read_prefix()
+    query = torch.randn(3, 6, 1, 16, generator=torch.Generator().manual_seed(0))
+    (got,) = native_int4_prefix_stats(query, 0.3, [1], prefix)
+    want = int4_head_stats(query[:, 3:], prefix, 1, 0.3)  # [B, g, 1] and [B, g, 1, D_v]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w.squeeze(2), atol=1e-5, rtol=1e-5)

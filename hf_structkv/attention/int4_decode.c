@@ -254,6 +254,39 @@ static void merge_appended(const float *query, float scaling, const float *keys,
     for (int64_t c = 0; c < value_dim; c++) out[c] *= inverse;
 }
 
+/* The statistics of INT4 prefix head `h` (the `i`th of the call) for its batch * group query rows (row b * group + k:
+ * query head h * group + k of batch row b): its per-channel key scales and offsets folded into the queries (`scaled`,
+ * `offset`), its value scales read (`scales`), then head_stats into row_max, exp_sum, value_sum. */
+static void prefix_stats(int64_t i, int64_t h, int64_t batch, int64_t query_heads, int64_t group, int64_t dim,
+                         int64_t value_dim, const float *query, float scaling, const uint16_t *key_scales,
+                         const uint16_t *key_offsets, const int64_t *scale_rows, const uint8_t *key_codes,
+                         const uint8_t *value_codes, const uint16_t *value_scales, const int64_t *code_rows,
+                         int64_t length, const float *bias, const int64_t *bias_starts, float *scaled, float *offset,
+                         float *scales, float *scores, float *row_max, float *exp_sum, float *value_sum) {
+    const int64_t rows = batch * group;
+    float channel_scale[MAX_DIM], channel_offset[MAX_DIM];
+    for (int64_t c = 0; c < dim; c++) {
+        channel_scale[c] = half_to_float(key_scales[scale_rows[i] * dim + c]);
+        channel_offset[c] = half_to_float(key_offsets[scale_rows[i] * dim + c]);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const float *q = query + ((r / group) * query_heads + h * group + r % group) * dim;
+        float dot = 0.0f;
+        for (int64_t c = 0; c < dim; c++) {
+            scaled[r * dim + c] = q[c] * channel_scale[c];
+            dot += q[c] * channel_offset[c];
+        }
+        offset[r] = dot;
+    }
+    for (int64_t j = 0; j < length; j++) scales[j] = half_to_float(value_scales[code_rows[i] + j]);
+    const uint8_t *k = key_codes + code_rows[i] * (dim / 2), *v = value_codes + code_rows[i] * (value_dim / 2);
+    const float *b = bias + bias_starts[i];
+#define HEAD_STATS(D, DV) \
+    head_stats(scaled, offset, scaling, k, NULL, b, v, scales, rows, length, D, DV, scores, row_max, exp_sum, value_sum)
+    DISPATCH(HEAD_STATS)
+#undef HEAD_STATS
+}
+
 /* A decode step (one query per row) of the INT4 KV heads `heads`: each head's prefix read from its codes, merged with
  * its appended tokens, normalised, written to its query heads' rows of `out`. Shapes and layouts in native_int4.py
  * (`native_int4_decode`). Returns 0, or 1 for dimensions that do not fit. */
@@ -272,28 +305,10 @@ int int4_decode_attention(int64_t batch, int64_t query_heads, int64_t kv_heads, 
     float *prefix_out = offset + rows, *scales = prefix_out + rows * value_dim, *appended_scores = scales + longest;
     float *scores = appended_scores + appended;
     for (int64_t i = 0; i < count; i++) {
-        const int64_t h = heads[i], length = lengths[i];
-        float channel_scale[MAX_DIM], channel_offset[MAX_DIM];
-        for (int64_t c = 0; c < dim; c++) {
-            channel_scale[c] = half_to_float(key_scales[scale_rows[i] * dim + c]);
-            channel_offset[c] = half_to_float(key_offsets[scale_rows[i] * dim + c]);
-        }
-        for (int64_t r = 0; r < rows; r++) { /* row b * group + k: query head h * group + k of batch row b */
-            const float *q = query + ((r / group) * query_heads + h * group + r % group) * dim;
-            float dot = 0.0f;
-            for (int64_t c = 0; c < dim; c++) {
-                scaled[r * dim + c] = q[c] * channel_scale[c];
-                dot += q[c] * channel_offset[c];
-            }
-            offset[r] = dot;
-        }
-        for (int64_t j = 0; j < length; j++) scales[j] = half_to_float(value_scales[code_rows[i] + j]);
-        const uint8_t *k = key_codes + code_rows[i] * (dim / 2), *v = value_codes + code_rows[i] * (value_dim / 2);
-        const float *b = bias + bias_starts[i];
-#define HEAD_STATS(D, DV) \
-    head_stats(scaled, offset, scaling, k, NULL, b, v, scales, rows, length, D, DV, scores, row_max, exp_sum, prefix_out)
-        DISPATCH(HEAD_STATS)
-#undef HEAD_STATS
+        const int64_t h = heads[i];
+        prefix_stats(i, h, batch, query_heads, group, dim, value_dim, query, scaling, key_scales, key_offsets,
+                     scale_rows, key_codes, value_codes, value_scales, code_rows, lengths[i], bias, bias_starts,
+                     scaled, offset, scales, scores, row_max, exp_sum, prefix_out);
         for (int64_t r = 0; r < rows; r++) {
             const int64_t row_batch = r / group, mask_row = mask_batch == 1 ? 0 : row_batch;
             const int64_t query_row = row_batch * query_heads + h * group + r % group;
@@ -305,6 +320,29 @@ int int4_decode_attention(int64_t batch, int64_t query_heads, int64_t kv_heads, 
                            row_max[r], exp_sum[r], appended_scores, o);
         }
     }
+    return 0;
+}
+
+/* The softmax statistics of the INT4 prefix heads `heads` at a decode step, unnormalised and without the appended
+ * tokens: head i's rows b * group + k of row_max [count, batch * group], exp_sum and value_sum
+ * [count, batch * group, value_dim]. Arguments as int4_decode_attention's; shapes in native_int4.py
+ * (`native_int4_prefix_stats`). Returns 0, or 1 for dimensions that do not fit. */
+int int4_prefix_stats(int64_t batch, int64_t query_heads, int64_t kv_heads, int64_t dim, int64_t value_dim,
+                      int64_t count, const int64_t *heads, const float *query, float scaling,
+                      const uint16_t *key_scales, const uint16_t *key_offsets, const int64_t *scale_rows,
+                      const uint8_t *key_codes, const uint8_t *value_codes, const uint16_t *value_scales,
+                      const int64_t *code_rows, const int64_t *lengths, const float *bias, const int64_t *bias_starts,
+                      float *workspace, float *row_max, float *exp_sum, float *value_sum) {
+    if (!dims_fit(dim, value_dim)) return 1;
+    const int64_t group = query_heads / kv_heads, rows = batch * group;
+    int64_t longest = 0;
+    for (int64_t i = 0; i < count; i++) longest = lengths[i] > longest ? lengths[i] : longest;
+    float *scaled = workspace, *offset = scaled + rows * dim, *scales = offset + rows, *scores = scales + longest;
+    for (int64_t i = 0; i < count; i++)
+        prefix_stats(i, heads[i], batch, query_heads, group, dim, value_dim, query, scaling, key_scales, key_offsets,
+                     scale_rows, key_codes, value_codes, value_scales, code_rows, lengths[i], bias, bias_starts,
+                     scaled, offset, scales, scores, row_max + i * rows, exp_sum + i * rows,
+                     value_sum + i * rows * value_dim);
     return 0;
 }
 

@@ -114,6 +114,8 @@ def native_library() -> ctypes.CDLL | None:
     library.int4_decode_attention.restype = ctypes.c_int
     library.int4_rows_stats.argtypes = [size] * 6 + [pointer, real] + [pointer] * 4 + [size] * 2 + [pointer] * 5
     library.int4_rows_stats.restype = ctypes.c_int
+    library.int4_prefix_stats.argtypes = [size] * 6 + [pointer] * 2 + [real] + [pointer] * 14
+    library.int4_prefix_stats.restype = ctypes.c_int
     return library
 
 
@@ -162,30 +164,89 @@ def native_int4_decode(
         raise ValueError("out must be contiguous: the kernel writes it in place")
     batch, query_heads, _, dim = query.shape
     kv_heads, appended, value_dim = appended_keys.shape[1], appended_keys.shape[2], out.shape[-1]
-    quantized = prefix.quantized
     lengths = [prefix.offsets[h + 1] - prefix.offsets[h] for h in heads]
     rows, longest = batch * (query_heads // kv_heads), max(lengths)
     stride = -(-longest // LANES) * LANES
     workspace = torch.empty(rows * (3 + dim + value_dim + stride) + longest + appended, dtype=torch.float32)
-    tensors = [query, quantized.key_scales, quantized.key_offsets, quantized.key_codes, quantized.value_codes]
-    tensors += [quantized.value_scales, prefix.bias, appended_keys, appended_values, mask]
-    query, key_scales, key_offsets, key_codes, value_codes, value_scales, bias, keys, values, mask = (
-        t.contiguous() for t in tensors
-    )
-
-    def int64s(values: list[int]) -> ctypes.Array:
-        return (ctypes.c_int64 * len(values))(*values)
-
+    query, keys, values, mask = (t.contiguous() for t in (query, appended_keys, appended_values, mask))
+    stored = _prefix_arguments(prefix, heads)
     status = library.int4_decode_attention(
-        batch, query_heads, kv_heads, dim, value_dim, appended, mask.shape[0], len(heads), int64s(heads),
-        query.data_ptr(), scaling, key_scales.data_ptr(), key_offsets.data_ptr(),
-        int64s([quantized.group_starts[h] for h in heads]), key_codes.data_ptr(), value_codes.data_ptr(),
-        value_scales.data_ptr(), int64s([quantized.row_starts[h] for h in heads]), int64s(lengths),
-        bias.data_ptr(), int64s([prefix.offsets[h] for h in heads]), keys.data_ptr(), values.data_ptr(),
+        batch, query_heads, kv_heads, dim, value_dim, appended, mask.shape[0], len(heads), _int64s(heads),
+        query.data_ptr(), scaling, *_pointers(stored), keys.data_ptr(), values.data_ptr(),
         mask.data_ptr(), workspace.data_ptr(), out.data_ptr(),
     )  # fmt: skip
     if status:
         raise RuntimeError(f"the INT4 CPU kernel refused dimensions {dim} / {value_dim} (at most {MAX_DIM}, even)")
+
+
+def _int64s(values: list[int]) -> ctypes.Array:
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+def _pointers(arguments: list) -> list:
+    """``arguments`` with each tensor replaced by its data pointer (the caller keeps the list, so the tensors, alive
+    through the call)."""
+    return [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in arguments]
+
+
+def _prefix_arguments(prefix: CompactedPrefix, heads: list[int]) -> list:
+    """The kernel's arguments from ``key_scales`` to ``bias_starts`` for INT4 heads ``heads`` of ``prefix``: the stored
+    tensors (made contiguous; `_pointers` turns them into pointers) and the heads' rows, lengths and bias offsets."""
+    quantized = prefix.quantized
+    tensors = [quantized.key_scales, quantized.key_offsets, quantized.key_codes, quantized.value_codes]
+    key_scales, key_offsets, key_codes, value_codes, value_scales, bias = (
+        t.contiguous() for t in [*tensors, quantized.value_scales, prefix.bias]
+    )
+    lengths = [prefix.offsets[h + 1] - prefix.offsets[h] for h in heads]
+    return [
+        key_scales, key_offsets, _int64s([quantized.group_starts[h] for h in heads]), key_codes, value_codes,
+        value_scales, _int64s([quantized.row_starts[h] for h in heads]), _int64s(lengths), bias,
+        _int64s([prefix.offsets[h] for h in heads]),
+    ]  # fmt: skip
+
+
+def native_int4_prefix_stats(
+    query: torch.Tensor, scaling: float, heads: list[int], prefix: CompactedPrefix
+) -> list[PartitionStats]:
+    """Softmax statistics of the INT4 KV heads ``heads`` of ``prefix`` at a decode step, read from their codes (as
+    `int4_head_stats` defines them: scales and offsets in fp16 as stored, every entry visible).
+
+    Args:
+        query: ``[B, H_q, 1, D]`` float32 queries (``g = H_q / H_kv`` query heads per KV head).
+        scaling: logit scale.
+        heads: KV heads, each read from codes (`int4_head_stats.reads_codes`).
+        prefix: the layer's compacted prefix (a `QuantizedPrefix`).
+
+    Returns:
+        per head, `PartitionStats` of shapes ``[B, g]`` and ``[B, g, D_v]``.
+
+    Raises:
+        RuntimeError: the library is not available or refused the dimensions.
+    """
+    library = native_library()
+    if library is None:
+        raise RuntimeError(f"the INT4 CPU kernel is not available ({NATIVE_ENV}=0 or no compiler)")
+    for name, tensor in {"query": query, "bias": prefix.bias}.items():
+        if tensor.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {tensor.dtype}")
+    batch, query_heads, _, dim = query.shape
+    group, value_dim = query_heads // prefix.num_kv_heads, prefix.values.shape[-1]
+    lengths = [prefix.offsets[h + 1] - prefix.offsets[h] for h in heads]
+    rows, longest = batch * group, max(lengths)
+    stride = -(-longest // LANES) * LANES
+    workspace = torch.empty(rows * (dim + 1 + stride) + longest, dtype=torch.float32)
+    row_max = torch.empty(len(heads), batch, group, dtype=torch.float32)
+    exp_sum = torch.empty_like(row_max)
+    value_sum = torch.empty(len(heads), batch, group, value_dim, dtype=torch.float32)
+    query, stored = query.contiguous(), _prefix_arguments(prefix, heads)
+    status = library.int4_prefix_stats(
+        batch, query_heads, prefix.num_kv_heads, dim, value_dim, len(heads), _int64s(heads), query.data_ptr(),
+        scaling, *_pointers(stored), workspace.data_ptr(), row_max.data_ptr(), exp_sum.data_ptr(),
+        value_sum.data_ptr(),
+    )  # fmt: skip
+    if status:
+        raise RuntimeError(f"the INT4 CPU kernel refused dimensions {dim} / {value_dim} (at most {MAX_DIM}, even)")
+    return [PartitionStats(*(t[i] for t in (row_max, exp_sum, value_sum))) for i in range(len(heads))]
 
 
 def _entry_strides(rows: torch.Tensor) -> tuple[int, int] | None:
