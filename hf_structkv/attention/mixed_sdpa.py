@@ -12,10 +12,9 @@ KV head's query heads are rows of one SDPA call over its entries (`grouped_sdpa`
 head; on the CPU, where the C kernel builds (`native_int4`), a decode step with INT4 partitions reads them from their
 codes instead (`native_int4_rows_stats`: their softmax statistics for every batch row and KV head in one call), and
 so are a compacted prefix's INT4 heads that `reads_codes` (`native_int4_prefix_stats`, a compacted tool catalogue's),
-merged with the other partitions' statistics from their FP32 scores by eq. 15, with nothing dequantised. A row that sees no
-key
-(padding) gets zeros, as in the reference (SDPA's softmax over nothing may give NaN). Soft-capping (tanh) has no SDPA
-form: such a call goes to the reference.
+merged with the other partitions' statistics from their FP32 scores by eq. 15, with nothing dequantised. A row that
+sees no key (padding) gets zeros, as in the reference (SDPA's softmax over nothing may give NaN). Soft-capping (tanh)
+has no SDPA form: such a call goes to the reference.
 
 Attention statistics (H2O / SnapKV / MiKV / CriticalKV) are not computed here: the layer computes them afterwards
 in a second pass with the reference's `attention_mass` whichever function served the output
@@ -80,8 +79,9 @@ def fused_mixed_precision_attention(
         return mixed_precision_attention(query, partitions, scaling, softcap, max_score_elements)
     grouped = group_query(query, partitions)  # [B, H_kv, g, q, D] FP32
     batch, n_kv_heads, group, q_len, _ = grouped.shape
-    if q_len == 1 and _reads_codes_natively(partitions, query.device):
-        out = _decode_reading_codes(grouped, partitions, scaling)  # [B, H_kv, g, 1, D_v]
+    code_heads = _prefix_code_heads(partitions) if q_len == 1 else {}
+    if q_len == 1 and _reads_codes_natively(partitions, code_heads, query.device):
+        out = _decode_reading_codes(grouped, partitions, code_heads, scaling)  # [B, H_kv, g, 1, D_v]
         return out.reshape(batch, -1, 1, out.shape[-1]).transpose(1, 2).contiguous().to(query.dtype)
     rows = rows_per_block(q_len, batch * group * sum(num_entries(part) for part in partitions), max_score_elements)
     prefixes = [part for part in partitions if isinstance(part, PrefixPartition)]
@@ -111,30 +111,36 @@ def fused_mixed_precision_attention(
     return torch.cat(heads, dim=1).transpose(1, 2).contiguous().to(query.dtype)
 
 
-def _prefix_code_heads(part: PrefixPartition) -> list[int]:
-    """The KV heads of a prefix that are read from their codes (`reads_codes`)."""
-    return [h for h in range(part.prefix.num_kv_heads) if reads_codes(part.prefix, h)]
+def _prefix_code_heads(partitions: list[Partition]) -> dict[int, list[int]]:
+    """Per prefix partition (by its index in ``partitions``), its KV heads that are read from their codes
+    (`reads_codes`)."""
+    return {
+        i: [h for h in range(p.prefix.num_kv_heads) if reads_codes(p.prefix, h)]
+        for i, p in enumerate(partitions)
+        if isinstance(p, PrefixPartition)
+    }
 
 
-def _reads_codes_natively(partitions: list[Partition], device: torch.device) -> bool:
-    """Whether a decode step has INT4 entries to read from their codes (an INT4 store, or prefix heads that
-    `reads_codes`) and the C kernel serves every such partition's dimensions on ``device``."""
+def _reads_codes_natively(partitions: list[Partition], code_heads: dict[int, list[int]], device: torch.device) -> bool:
+    """Whether a decode step has INT4 entries to read from their codes (an INT4 store, or prefix heads in
+    ``code_heads``) and the C kernel serves every such partition's dimensions on ``device``."""
     dims = [(p.head_dim, p.value_dim) for p in partitions if isinstance(p, Int4Partition)]
     dims += [
-        (p.prefix.keys.shape[-1], p.prefix.values.shape[-1])
-        for p in partitions
-        if isinstance(p, PrefixPartition) and _prefix_code_heads(p)
+        (partitions[i].prefix.keys.shape[-1], partitions[i].prefix.values.shape[-1]) for i, h in code_heads.items() if h
     ]
     return bool(dims) and all(runs_natively(device, *pair) for pair in dims)
 
 
-def _decode_reading_codes(grouped: torch.Tensor, partitions: list[Partition], scaling: float) -> torch.Tensor:
+def _decode_reading_codes(
+    grouped: torch.Tensor, partitions: list[Partition], code_heads: dict[int, list[int]], scaling: float
+) -> torch.Tensor:
     """A decode step with the INT4 entries read from their codes (an INT4 store by `native_int4_rows_stats`, the
-    prefix heads that `reads_codes` by `native_int4_prefix_stats`: one C call per partition for every batch row and
+    prefix heads in ``code_heads`` by `native_int4_prefix_stats`: one C call per partition for every batch row and
     KV head) and the other entries' statistics from their FP32 scores, merged (eq. 15).
 
     Args:
         grouped: ``[B, H_kv, g, 1, D]`` FP32 queries.
+        code_heads: `_prefix_code_heads` of ``partitions``.
 
     Returns:
         ``[B, H_kv, g, 1, D_v]`` FP32; a row that sees no key gets zeros.
@@ -152,23 +158,23 @@ def _decode_reading_codes(grouped: torch.Tensor, partitions: list[Partition], sc
     prefix_stats: dict[int, list[PartitionStats]] = {h: [] for h in range(n_kv_heads)}  # each [B, g], [B, g, D_v]
     plain: dict[int, list[PrefixPartition]] = {h: [] for h in range(n_kv_heads)}
     flat_query = query.reshape(batch, n_kv_heads * group, 1, -1)
-    for part in (p for p in partitions if isinstance(p, PrefixPartition)):
-        heads = _prefix_code_heads(part)
-        stats = native_int4_prefix_stats(flat_query, scaling, heads, part.prefix) if heads else []
+    for i, heads in code_heads.items():
+        stats = native_int4_prefix_stats(flat_query, scaling, heads, partitions[i].prefix) if heads else []
         for h in range(n_kv_heads):
             if h in heads:
                 prefix_stats[h].append(stats[heads.index(h)])
             else:
-                plain[h].append(part)
-    heads = []
+                plain[h].append(partitions[i])
+    visible = (
+        torch.cat([p.visible[:, 0] for p in dense], dim=-1) if dense else query.new_zeros(batch, 0, dtype=torch.bool)
+    )
+    dense_mask = torch.zeros(visible.shape, device=query.device).masked_fill_(~visible, float("-inf"))  # [B, n]
+    outputs = []
     for h in range(n_kv_heads):
         keys, values, bias = _head_entries(h, batch, plain[h], dense)  # [B, N, D], [B, N, D_v], [L]
-        mask = [bias.expand(batch, -1)] + [
-            torch.zeros(p.visible[:, 0].shape, device=keys.device).masked_fill_(~p.visible[:, 0], float("-inf"))
-            for p in dense
-        ]  # [B, L] and each [B, n]
-        scores = torch.bmm(query[:, h], keys.transpose(1, 2)) * scaling + torch.cat(mask, -1).unsqueeze(1)  # [B, g, N]
+        mask = torch.cat([bias.expand(batch, -1), dense_mask], dim=-1)  # [B, N]
+        scores = torch.bmm(query[:, h], keys.transpose(1, 2)) * scaling + mask.unsqueeze(1)  # [B, g, N]
         parts = [partition_stats(scores, values), *prefix_stats[h]]  # batched products, no copy per query head
         parts += [PartitionStats(*(t[:, h, :, 0] for t in stats)) for stats in code_stats]
-        heads.append(merge_partitions(parts))  # [B, g, D_v]
-    return torch.stack(heads, dim=1).unsqueeze(3)
+        outputs.append(merge_partitions(parts))  # [B, g, D_v]
+    return torch.stack(outputs, dim=1).unsqueeze(3)

@@ -1,6 +1,7 @@
-"""The C kernel of `int4_decode_attention` on the CPU (``int4_decode.c`` beside this file), and of the statistics of a
-mixed-precision cache's INT4 store at a decode step (`native_int4_rows_stats`): compiled once per machine with the
-system's C compiler, cached, loaded with ``ctypes``.
+"""The C kernel of `int4_decode_attention` on the CPU (``int4_decode.c`` beside this file), and of the softmax
+statistics at a decode step of a mixed-precision cache's INT4 store (`native_int4_rows_stats`) and of a compacted
+prefix's INT4 heads (`native_int4_prefix_stats`): compiled once per machine with the system's C compiler, cached,
+loaded with ``ctypes``.
 
 At a decode step over INT4 compacted heads, torch unpacks each head's codes into float32 matrices before its two
 matrix products and merges the appended tokens in a dozen small operations per head; the kernel reads the packed
@@ -119,6 +120,25 @@ def native_library() -> ctypes.CDLL | None:
     return library
 
 
+def _loaded_library() -> ctypes.CDLL:
+    """`native_library`, or a RuntimeError where it is turned off or cannot be built."""
+    library = native_library()
+    if library is None:
+        raise RuntimeError(f"the INT4 CPU kernel is not available ({NATIVE_ENV}=0 or no compiler)")
+    return library
+
+
+def _check_status(status: int, dim: int, value_dim: int) -> None:
+    """A kernel call's status: 0, else the RuntimeError for dimensions it refused."""
+    if status:
+        raise RuntimeError(f"the INT4 CPU kernel refused dimensions {dim} / {value_dim} (at most {MAX_DIM}, even)")
+
+
+def _padded(length: int) -> int:
+    """``length`` rounded up to whole `LANES`: the row stride of the kernel's score workspace."""
+    return -(-length // LANES) * LANES
+
+
 def runs_natively(device: torch.device, dim: int, value_dim: int) -> bool:
     """Whether `native_int4_decode` serves heads of these dimensions on ``device`` (builds the library on first
     use)."""
@@ -153,9 +173,7 @@ def native_int4_decode(
     Raises:
         RuntimeError: the library is not available or refused the dimensions.
     """
-    library = native_library()
-    if library is None:
-        raise RuntimeError(f"the INT4 CPU kernel is not available ({NATIVE_ENV}=0 or no compiler)")
+    library = _loaded_library()
     named = {"query": query, "appended_keys": appended_keys, "appended_values": appended_values, "mask": mask}
     for name, tensor in {**named, "bias": prefix.bias, "out": out}.items():
         if tensor.dtype != torch.float32:
@@ -166,7 +184,7 @@ def native_int4_decode(
     kv_heads, appended, value_dim = appended_keys.shape[1], appended_keys.shape[2], out.shape[-1]
     lengths = [prefix.offsets[h + 1] - prefix.offsets[h] for h in heads]
     rows, longest = batch * (query_heads // kv_heads), max(lengths)
-    stride = -(-longest // LANES) * LANES
+    stride = _padded(longest)
     workspace = torch.empty(rows * (3 + dim + value_dim + stride) + longest + appended, dtype=torch.float32)
     query, keys, values, mask = (t.contiguous() for t in (query, appended_keys, appended_values, mask))
     stored = _prefix_arguments(prefix, heads)
@@ -175,8 +193,7 @@ def native_int4_decode(
         query.data_ptr(), scaling, *_pointers(stored), keys.data_ptr(), values.data_ptr(),
         mask.data_ptr(), workspace.data_ptr(), out.data_ptr(),
     )  # fmt: skip
-    if status:
-        raise RuntimeError(f"the INT4 CPU kernel refused dimensions {dim} / {value_dim} (at most {MAX_DIM}, even)")
+    _check_status(status, dim, value_dim)
 
 
 def _int64s(values: list[int]) -> ctypes.Array:
@@ -223,9 +240,7 @@ def native_int4_prefix_stats(
     Raises:
         RuntimeError: the library is not available or refused the dimensions.
     """
-    library = native_library()
-    if library is None:
-        raise RuntimeError(f"the INT4 CPU kernel is not available ({NATIVE_ENV}=0 or no compiler)")
+    library = _loaded_library()
     for name, tensor in {"query": query, "bias": prefix.bias}.items():
         if tensor.dtype != torch.float32:
             raise TypeError(f"{name} must be float32, got {tensor.dtype}")
@@ -233,7 +248,7 @@ def native_int4_prefix_stats(
     group, value_dim = query_heads // prefix.num_kv_heads, prefix.values.shape[-1]
     lengths = [prefix.offsets[h + 1] - prefix.offsets[h] for h in heads]
     rows, longest = batch * group, max(lengths)
-    stride = -(-longest // LANES) * LANES
+    stride = _padded(longest)
     workspace = torch.empty(rows * (dim + 1 + stride) + longest, dtype=torch.float32)
     row_max = torch.empty(len(heads), batch, group, dtype=torch.float32)
     exp_sum = torch.empty_like(row_max)
@@ -244,8 +259,7 @@ def native_int4_prefix_stats(
         scaling, *_pointers(stored), workspace.data_ptr(), row_max.data_ptr(), exp_sum.data_ptr(),
         value_sum.data_ptr(),
     )  # fmt: skip
-    if status:
-        raise RuntimeError(f"the INT4 CPU kernel refused dimensions {dim} / {value_dim} (at most {MAX_DIM}, even)")
+    _check_status(status, dim, value_dim)
     return [PartitionStats(*(t[i] for t in (row_max, exp_sum, value_sum))) for i in range(len(heads))]
 
 
@@ -286,9 +300,7 @@ def native_int4_rows_stats(
     Raises:
         RuntimeError: the library is not available or refused the dimensions (at most `MAX_DIM`, even).
     """
-    library = native_library()
-    if library is None:
-        raise RuntimeError(f"the INT4 CPU kernel is not available ({NATIVE_ENV}=0 or no compiler)")
+    library = _loaded_library()
     if query.dtype != torch.float32:
         raise TypeError(f"query must be float32, got {query.dtype}")
     batch, kv_heads, group, dim = query.shape
@@ -298,7 +310,7 @@ def native_int4_rows_stats(
         stores = [t.contiguous() for t in stores]
     batch_stride, head_stride = _entry_strides(stores[0])
     query, visible = query.contiguous(), visible.to(torch.uint8).contiguous()
-    stride = -(-length // LANES) * LANES
+    stride = _padded(length)
     workspace = torch.empty(3 * length + group + group * stride, dtype=torch.float32)
     row_max = torch.empty(batch, kv_heads, group, 1, dtype=torch.float32)
     exp_sum = torch.empty_like(row_max)
@@ -308,6 +320,5 @@ def native_int4_rows_stats(
         *(t.data_ptr() for t in stores), batch_stride, head_stride, visible.data_ptr(), workspace.data_ptr(),
         row_max.data_ptr(), exp_sum.data_ptr(), value_sum.data_ptr(),
     )  # fmt: skip
-    if status:
-        raise RuntimeError(f"the INT4 CPU kernel refused dimensions {dim} / {value_dim} (at most {MAX_DIM}, even)")
+    _check_status(status, dim, value_dim)
     return PartitionStats(row_max, exp_sum, value_sum)
