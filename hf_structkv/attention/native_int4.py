@@ -182,12 +182,10 @@ def native_int4_decode(
         raise ValueError("out must be contiguous: the kernel writes it in place")
     batch, query_heads, _, dim = query.shape
     kv_heads, appended, value_dim = appended_keys.shape[1], appended_keys.shape[2], out.shape[-1]
-    lengths = [prefix.offsets[h + 1] - prefix.offsets[h] for h in heads]
-    rows, longest = batch * (query_heads // kv_heads), max(lengths)
-    stride = _padded(longest)
-    workspace = torch.empty(rows * (3 + dim + value_dim + stride) + longest + appended, dtype=torch.float32)
+    stored, longest = _prefix_arguments(prefix, heads)
+    rows = batch * (query_heads // kv_heads)
+    workspace = torch.empty(rows * (3 + dim + value_dim + _padded(longest)) + longest + appended, dtype=torch.float32)
     query, keys, values, mask = (t.contiguous() for t in (query, appended_keys, appended_values, mask))
-    stored = _prefix_arguments(prefix, heads)
     status = library.int4_decode_attention(
         batch, query_heads, kv_heads, dim, value_dim, appended, mask.shape[0], len(heads), _int64s(heads),
         query.data_ptr(), scaling, *_pointers(stored), keys.data_ptr(), values.data_ptr(),
@@ -206,20 +204,22 @@ def _pointers(arguments: list) -> list:
     return [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in arguments]
 
 
-def _prefix_arguments(prefix: CompactedPrefix, heads: list[int]) -> list:
-    """The kernel's arguments from ``key_scales`` to ``bias_starts`` for INT4 heads ``heads`` of ``prefix``: the stored
-    tensors (made contiguous; `_pointers` turns them into pointers) and the heads' rows, lengths and bias offsets."""
+def _prefix_arguments(prefix: CompactedPrefix, heads: list[int]) -> tuple[list, int]:
+    """The kernel's arguments from ``key_scales`` to ``bias_starts`` for INT4 heads ``heads`` of ``prefix`` (the stored
+    tensors, made contiguous, `_pointers` turns them into pointers; the heads' rows, lengths and bias offsets), and
+    the longest of those heads' lengths (the kernel's workspace is sized by it)."""
     quantized = prefix.quantized
     tensors = [quantized.key_scales, quantized.key_offsets, quantized.key_codes, quantized.value_codes]
     key_scales, key_offsets, key_codes, value_codes, value_scales, bias = (
         t.contiguous() for t in [*tensors, quantized.value_scales, prefix.bias]
     )
     lengths = [prefix.offsets[h + 1] - prefix.offsets[h] for h in heads]
-    return [
+    arguments = [
         key_scales, key_offsets, _int64s([quantized.group_starts[h] for h in heads]), key_codes, value_codes,
         value_scales, _int64s([quantized.row_starts[h] for h in heads]), _int64s(lengths), bias,
         _int64s([prefix.offsets[h] for h in heads]),
     ]  # fmt: skip
+    return arguments, max(lengths)
 
 
 def native_int4_prefix_stats(
@@ -246,14 +246,12 @@ def native_int4_prefix_stats(
             raise TypeError(f"{name} must be float32, got {tensor.dtype}")
     batch, query_heads, _, dim = query.shape
     group, value_dim = query_heads // prefix.num_kv_heads, prefix.values.shape[-1]
-    lengths = [prefix.offsets[h + 1] - prefix.offsets[h] for h in heads]
-    rows, longest = batch * group, max(lengths)
-    stride = _padded(longest)
-    workspace = torch.empty(rows * (dim + 1 + stride) + longest, dtype=torch.float32)
+    stored, longest = _prefix_arguments(prefix, heads)
+    workspace = torch.empty(batch * group * (dim + 1 + _padded(longest)) + longest, dtype=torch.float32)
     row_max = torch.empty(len(heads), batch, group, dtype=torch.float32)
     exp_sum = torch.empty_like(row_max)
     value_sum = torch.empty(len(heads), batch, group, value_dim, dtype=torch.float32)
-    query, stored = query.contiguous(), _prefix_arguments(prefix, heads)
+    query = query.contiguous()
     status = library.int4_prefix_stats(
         batch, query_heads, prefix.num_kv_heads, dim, value_dim, len(heads), _int64s(heads), query.data_ptr(),
         scaling, *_pointers(stored), workspace.data_ptr(), row_max.data_ptr(), exp_sum.data_ptr(),

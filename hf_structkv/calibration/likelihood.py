@@ -254,6 +254,7 @@ class DevelopmentReplay:
         self.max_prompt_bytes = check_int("max_prompt_bytes", max_prompt_bytes, 0, counts="bytes")
         self._reference_log_probs: dict[str, torch.Tensor] = {}
         self._prompts: OrderedDict[str, CaseReplay] = OrderedDict()
+        self._held_bytes = 0  # the kept prompts' K/V bytes
 
     def __call__(
         self, policy: RetentionPolicy, prefill_policy: PrefillPolicy | None = None, progress: bool = False
@@ -313,11 +314,13 @@ class DevelopmentReplay:
     def _prompt_replay(self, reference: ReferenceTrajectory) -> CaseReplay:
         """The case's `CaseReplay`: kept from an earlier candidate, else run now and kept within
         ``max_prompt_bytes``."""
-        replay = self._prompts.pop(reference.case_id, None) or CaseReplay(self.model, reference, self.all_high)
+        replay = self._prompts.pop(reference.case_id, None)
+        if replay is None:
+            replay = CaseReplay(self.model, reference, self.all_high)
+            self._held_bytes += replay.prompt_cache.nbytes()
         self._prompts[reference.case_id] = replay
-        held = sum(kept.prompt_cache.nbytes() for kept in self._prompts.values())
-        while self._prompts and held > self.max_prompt_bytes:
-            held -= self._prompts.popitem(last=False)[1].prompt_cache.nbytes()
+        while self._prompts and self._held_bytes > self.max_prompt_bytes:
+            self._held_bytes -= self._prompts.popitem(last=False)[1].prompt_cache.nbytes()
         return replay
 
 
