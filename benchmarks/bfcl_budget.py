@@ -11,6 +11,7 @@ mixed-precision cache, the same ledger (B.3) and the same held-out cases (PASK T
    that row is Full KV, run once). PASK runs its decode table and prefill policy with both budgets (``B_D``, ``B_P``)
    set to the target; floors are never crossed, so its measured B can exceed the target. Without ``--pask-policy``
    PASK is the shipped **illustrative** (hand-written, not calibrated) decode + prefill pair, labelled so.
+   ``--pask-prefill`` swaps in the prefill policy of another shipped pair or folder (a stage swap, labelled so).
 3. Reported per method x target: measured total B (Σ scheduled payload / Σ Full-KV payload over the cases), mean
    per-case B, accuracy overall and per category, physical bytes after generation next to a DynamicCache of the same
    tokens, wall time; ``--out`` JSON, a Table-1-like printout and ``--plot`` (accuracy vs measured B).
@@ -104,6 +105,16 @@ def load_pask(path: str | None, model, tiny: bool = False) -> tuple[PolicyTable,
             prefill = illustrative_prefill_policy(model)
     label = table.provenance if table.provenance == prefill.provenance else f"{table.provenance}+{prefill.provenance}"
     return table, prefill, label
+
+
+def load_prefill(path: str, model) -> PrefillPolicy:
+    """The prefill policy of ``path``: ``"calibrated"`` or a name of `SHIPPED_PAIRS` (that pair's prefill policy),
+    else a folder holding ``prefill_policy.json`` (ValueError without one)."""
+    if path == CALIBRATED or path in SHIPPED_PAIRS:
+        return calibrated_prefill_policy(model, path)
+    if not (Path(path) / PREFILL_POLICY_NAME).is_file():
+        raise ValueError(f"--pask-prefill {path!r} is neither a shipped pair nor a folder with {PREFILL_POLICY_NAME}")
+    return PrefillPolicy.from_pretrained(path, model=model)
 
 
 STAGE_SPLITS = ("equal", "calibrated_decode")
@@ -291,6 +302,12 @@ def main(argv: list[str] | None = None) -> dict:
         f"pair by name ({', '.join(SHIPPED_PAIRS)}) (default: the shipped illustrative pair)",
     )
     parser.add_argument(
+        "--pask-prefill",
+        default=None,
+        help="serve the --pask-policy decode table with the prefill policy of this shipped pair (by name) or policy "
+        "folder instead of its own (a stage swap: its row is labelled 'pask +prefill NAME')",
+    )
+    parser.add_argument(
         "--pask-stage-split",
         choices=STAGE_SPLITS,
         default="equal",
@@ -377,6 +394,8 @@ def run_methods(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
         if not sep or not name or not Path(path).is_dir():
             parser.error(f"--ablation-policy takes NAME=PATH with a policy folder, got {item!r}")
         ablations.append((name, path))
+    if args.pask_prefill is not None and "pask" not in args.methods:
+        parser.error("--pask-prefill serves the pask row: add pask to --methods")
     categories = list(CATEGORIES) if args.full else args.categories
     limit = None if args.full else args.cases
 
@@ -421,6 +440,10 @@ def run_methods(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
             records.append(evaluate(method, method, target, policy))
         for name, path in pask_rows:
             table, prefill, provenance = load_pask(path, model, args.tiny)
+            if name == "pask" and args.pask_prefill is not None:
+                prefill = load_prefill(args.pask_prefill, model)
+                provenance = provenance if provenance == prefill.provenance else f"{provenance}+{prefill.provenance}"
+                name = f"pask +prefill {args.pask_prefill}"
             label = name if provenance == "calibrated" else f"{name} ({provenance})"
             if args.pask_stage_split != "equal":
                 label = f"{label} [{args.pask_stage_split}]"

@@ -1,6 +1,7 @@
 """The GPU benchmark script `benchmarks/attention_kernels.py`: its cache-mix helpers against closed forms and stored
 bytes, its embedded-model architecture against the real model, and its ``--smoke`` run (CPU, Triton interpreter)."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -1005,6 +1006,32 @@ def test_bfcl_budget_skips_the_development_split_when_no_method_uses_its_lengths
         + ["--out", str(tmp_path / "c.json")]
     )
     assert len(split["dev_lengths"]) == 1
+
+
+def test_bfcl_budget_pask_prefill_swaps_the_prefill_policy_of_the_pask_row(tmp_path):
+    pytest.importorskip("bfcl_eval")
+    from hf_structkv.policy import GroupCosts, illustrative_prefill_policy
+
+    script = load_script(BENCHMARKS / "bfcl_budget.py")
+    tokenizer = script.tiny_byte_tokenizer()
+    model = script.tiny_model("qwen2", vocab_size=len(tokenizer), num_hidden_layers=3)
+    costs = GroupCosts.from_config(model.config)
+    # no entry: every prompt label is planned H, so the swapped-in policy keeps the whole prompt (B_P = 1)
+    keep_all = dataclasses.replace(illustrative_prefill_policy(), costs=costs, fingerprint=None, entries={})
+    keep_all.save_pretrained(tmp_path / "keep_all")
+    common = ["--tiny", "--categories", "simple_python", "--max-new-tokens", "4", "--budgets", "0.33"]
+    common += ["--methods", "pask"]
+    own = script.main([*common, "--out", str(tmp_path / "own.json")])
+    folder = str(tmp_path / "keep_all")
+    swapped = script.main([*common, "--pask-prefill", folder, "--out", str(tmp_path / "swapped.json")])
+    (own_row,), (swapped_row,) = own["records"], swapped["records"]
+    assert own_row["label"] == "pask (illustrative)" and own_row["measured_B_P"] < 1
+    assert swapped_row["label"] == f"pask +prefill {folder} (illustrative)"
+    assert swapped_row["measured_B_P"] == 1.0 and swapped_row["knobs"]["B_D"] == own_row["knobs"]["B_D"] == 0.33
+    with pytest.raises(ValueError, match="neither a shipped pair nor a folder with prefill_policy.json"):
+        script.load_prefill(str(tmp_path), None)
+    with pytest.raises(SystemExit):
+        script.main(["--tiny", "--methods", "full_kv", "--pask-prefill", folder, "--out", str(tmp_path / "x.json")])
 
 
 def test_bfcl_budget_serves_the_shipped_calibrated_pair_at_the_target_budgets():
