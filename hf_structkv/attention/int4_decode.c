@@ -254,6 +254,13 @@ static void merge_appended(const float *query, float scaling, const float *keys,
     for (int64_t c = 0; c < value_dim; c++) out[c] *= inverse;
 }
 
+/* The largest of the count head lengths (the score workspace is sized by it). */
+static int64_t longest_of(const int64_t *lengths, int64_t count) {
+    int64_t longest = 0;
+    for (int64_t i = 0; i < count; i++) longest = lengths[i] > longest ? lengths[i] : longest;
+    return longest;
+}
+
 /* The statistics of INT4 prefix head `h` (the `i`th of the call) for its batch * group query rows (row b * group + k:
  * query head h * group + k of batch row b): its per-channel key scales and offsets folded into the queries (`scaled`,
  * `offset`), its value scales read (`scales`), then head_stats into row_max, exp_sum, value_sum. */
@@ -299,8 +306,7 @@ int int4_decode_attention(int64_t batch, int64_t query_heads, int64_t kv_heads, 
                           const float *appended_values, const float *mask, float *workspace, float *out) {
     if (!dims_fit(dim, value_dim)) return 1;
     const int64_t group = query_heads / kv_heads, rows = batch * group;
-    int64_t longest = 0;
-    for (int64_t i = 0; i < count; i++) longest = lengths[i] > longest ? lengths[i] : longest;
+    const int64_t longest = longest_of(lengths, count);
     float *row_max = workspace, *exp_sum = row_max + rows, *scaled = exp_sum + rows, *offset = scaled + rows * dim;
     float *prefix_out = offset + rows, *scales = prefix_out + rows * value_dim, *appended_scores = scales + longest;
     float *scores = appended_scores + appended;
@@ -335,8 +341,7 @@ int int4_prefix_stats(int64_t batch, int64_t query_heads, int64_t kv_heads, int6
                       float *workspace, float *row_max, float *exp_sum, float *value_sum) {
     if (!dims_fit(dim, value_dim)) return 1;
     const int64_t group = query_heads / kv_heads, rows = batch * group;
-    int64_t longest = 0;
-    for (int64_t i = 0; i < count; i++) longest = lengths[i] > longest ? lengths[i] : longest;
+    const int64_t longest = longest_of(lengths, count);
     float *scaled = workspace, *offset = scaled + rows * dim, *scales = offset + rows, *scores = scales + longest;
     for (int64_t i = 0; i < count; i++)
         prefix_stats(i, heads[i], batch, query_heads, group, dim, value_dim, query, scaling, key_scales, key_offsets,
