@@ -396,6 +396,9 @@ def run_methods(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
         ablations.append((name, path))
     if args.pask_prefill is not None and "pask" not in args.methods:
         parser.error("--pask-prefill serves the pask row: add pask to --methods")
+    shipped = (CALIBRATED, *SHIPPED_PAIRS)
+    if args.pask_prefill not in (None, *shipped) and not (Path(args.pask_prefill) / PREFILL_POLICY_NAME).is_file():
+        parser.error(f"--pask-prefill takes one of {list(shipped)} or a folder with {PREFILL_POLICY_NAME}")
     categories = list(CATEGORIES) if args.full else args.categories
     limit = None if args.full else args.cases
 

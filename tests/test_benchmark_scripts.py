@@ -1032,6 +1032,8 @@ def test_bfcl_budget_pask_prefill_swaps_the_prefill_policy_of_the_pask_row(tmp_p
         script.load_prefill(str(tmp_path), None)
     with pytest.raises(SystemExit):
         script.main(["--tiny", "--methods", "full_kv", "--pask-prefill", folder, "--out", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit):  # refused before the model is loaded
+        script.main([*common, "--pask-prefill", str(tmp_path), "--out", str(tmp_path / "y.json")])
 
 
 def test_bfcl_budget_serves_the_shipped_calibrated_pair_at_the_target_budgets():
