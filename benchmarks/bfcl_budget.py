@@ -90,7 +90,7 @@ def load_pask(path: str | None, model, tiny: bool = False) -> tuple[PolicyTable,
     illustrative pair (with ``tiny``: its entries on the tiny model's layer groups); and a label naming their
     provenance."""
     if path == CALIBRATED or path in SHIPPED_PAIRS:
-        table, prefill = calibrated_policy(model, path), calibrated_prefill_policy(model, path)
+        table, prefill = calibrated_policy(model, path), load_prefill(path, model)
     elif path is None and tiny:
         costs = GroupCosts.from_config(model.config)
         table = dataclasses.replace(illustrative_policy(), costs=costs, fingerprint=None)
@@ -99,21 +99,24 @@ def load_pask(path: str | None, model, tiny: bool = False) -> tuple[PolicyTable,
         table, prefill = illustrative_policy(model), illustrative_prefill_policy(model)
     else:
         table = PolicyTable.from_pretrained(path, model=model)
-        if (Path(path) / PREFILL_POLICY_NAME).is_file():
-            prefill = PrefillPolicy.from_pretrained(path, model=model)
-        else:
-            prefill = illustrative_prefill_policy(model)
+        prefill = load_prefill(path, model) if is_prefill_source(path) else illustrative_prefill_policy(model)
     label = table.provenance if table.provenance == prefill.provenance else f"{table.provenance}+{prefill.provenance}"
     return table, prefill, label
 
 
+def is_prefill_source(path: str) -> bool:
+    """Whether ``path`` names a prefill policy: ``"calibrated"``, a name of `SHIPPED_PAIRS`, or a folder holding
+    ``prefill_policy.json``."""
+    return path == CALIBRATED or path in SHIPPED_PAIRS or (Path(path) / PREFILL_POLICY_NAME).is_file()
+
+
 def load_prefill(path: str, model) -> PrefillPolicy:
-    """The prefill policy of ``path``: ``"calibrated"`` or a name of `SHIPPED_PAIRS` (that pair's prefill policy),
-    else a folder holding ``prefill_policy.json`` (ValueError without one)."""
+    """The prefill policy of ``path`` (`is_prefill_source`; ValueError otherwise): a shipped pair's, or the
+    folder's."""
+    if not is_prefill_source(path):
+        raise ValueError(f"--pask-prefill {path!r} is neither a shipped pair nor a folder with {PREFILL_POLICY_NAME}")
     if path == CALIBRATED or path in SHIPPED_PAIRS:
         return calibrated_prefill_policy(model, path)
-    if not (Path(path) / PREFILL_POLICY_NAME).is_file():
-        raise ValueError(f"--pask-prefill {path!r} is neither a shipped pair nor a folder with {PREFILL_POLICY_NAME}")
     return PrefillPolicy.from_pretrained(path, model=model)
 
 
@@ -396,9 +399,9 @@ def run_methods(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
         ablations.append((name, path))
     if args.pask_prefill is not None and "pask" not in args.methods:
         parser.error("--pask-prefill serves the pask row: add pask to --methods")
-    shipped = (CALIBRATED, *SHIPPED_PAIRS)
-    if args.pask_prefill not in (None, *shipped) and not (Path(args.pask_prefill) / PREFILL_POLICY_NAME).is_file():
-        parser.error(f"--pask-prefill takes one of {list(shipped)} or a folder with {PREFILL_POLICY_NAME}")
+    if args.pask_prefill is not None and not is_prefill_source(args.pask_prefill):
+        shipped = [CALIBRATED, *SHIPPED_PAIRS]
+        parser.error(f"--pask-prefill takes one of {shipped} or a folder with {PREFILL_POLICY_NAME}")
     categories = list(CATEGORIES) if args.full else args.categories
     limit = None if args.full else args.cases
 

@@ -159,10 +159,14 @@ def _decode_reading_codes(
     plain: dict[int, list[PrefixPartition]] = {h: [] for h in range(n_kv_heads)}
     flat_query = query.reshape(batch, n_kv_heads * group, 1, -1)
     for i, heads in code_heads.items():
-        stats = native_int4_prefix_stats(flat_query, scaling, heads, partitions[i].prefix) if heads else []
+        stats = (
+            dict(zip(heads, native_int4_prefix_stats(flat_query, scaling, heads, partitions[i].prefix)))
+            if heads
+            else {}
+        )
         for h in range(n_kv_heads):
-            if h in heads:
-                prefix_stats[h].append(stats[heads.index(h)])
+            if h in stats:
+                prefix_stats[h].append(stats[h])
             else:
                 plain[h].append(partitions[i])
     visible = (

@@ -304,9 +304,11 @@ def native_int4_rows_stats(
     batch, kv_heads, group, dim = query.shape
     length, value_dim = key_codes.shape[2], value_codes.shape[-1] * 2
     stores = [key_codes, key_scales, value_codes, value_scales]
-    if len({_entry_strides(t) for t in stores}) != 1 or _entry_strides(key_codes) is None:
+    strides = {_entry_strides(t) for t in stores}
+    if len(strides) != 1 or None in strides:
         stores = [t.contiguous() for t in stores]
-    batch_stride, head_stride = _entry_strides(stores[0])
+        strides = {_entry_strides(stores[0])}
+    ((batch_stride, head_stride),) = strides
     query, visible = query.contiguous(), visible.to(torch.uint8).contiguous()
     stride = _padded(length)
     workspace = torch.empty(3 * length + group + group * stride, dtype=torch.float32)
