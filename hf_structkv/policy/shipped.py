@@ -21,13 +21,22 @@ SHIPPED_PAIRS: dict[str, tuple[str, str]] = {
         "qwen2.5-coder-0.5b-instruct-calibrated-likelihood-384",
         "qwen2.5-coder-0.5b-instruct-calibrated-likelihood-384-prefill",
     ),
+    "calibrated-likelihood-int4": (
+        "qwen2.5-coder-0.5b-instruct-calibrated-likelihood-int4",
+        "qwen2.5-coder-0.5b-instruct-calibrated-prefill",
+    ),
 }
 """``{name: (decode table folder, prefill policy folder)}``. ``calibrated-verdict-24``: PASK Algorithm 1 with
 verdict sensitivity on 12 calibration + 12 development BFCL cases (docs/RESULTS.md measures it on the 224-case test
 split). ``calibrated-likelihood-384``: Algorithm 1 with likelihood sensitivity (issue 32) on 256 calibration + 128
 development BFCL cases (64 + 32 per category of ``simple_python``, ``multiple``, ``parallel``, ``parallel_multiple``,
 disjoint from the 224-case test split), both stages in one run, development selection by likelihood confirmed by
-verdicts (nominal ``B_D`` 0.163, ``B_P`` 0.474; its ``calibration_report.json`` beside both policies)."""
+verdicts (nominal ``B_D`` 0.163, ``B_P`` 0.474; its ``calibration_report.json`` beside both policies).
+``calibrated-likelihood-int4``: the decode table of the same likelihood calibration with floors from ``τ_low`` 0.001
+(a bucket is released only where releasing it alone leaves the reply's likelihood unchanged, else floored at INT4)
+and ``α_D`` 0.02 (nominal ``B_D`` 0.265, development accuracy 0.492 against all-high 0.500), served with the
+``calibrated-verdict-24`` prefill policy: the likelihood prefill calibration with the same floors lost 4.7 development
+points at ``B_P`` 0.28 and its next candidate sits at ``B_P`` 0.48, above the 0.33 target."""
 
 DEFAULT_CALIBRATED = "calibrated-verdict-24"
 """The pair ``"calibrated"`` loads."""
