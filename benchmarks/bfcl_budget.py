@@ -12,6 +12,8 @@ mixed-precision cache, the same ledger (B.3) and the same held-out cases (PASK T
    set to the target; floors are never crossed, so its measured B can exceed the target. Without ``--pask-policy``
    PASK is the shipped **illustrative** (hand-written, not calibrated) decode + prefill pair, labelled so.
    ``--pask-prefill`` swaps in the prefill policy of another shipped pair or folder (a stage swap, labelled so).
+   ``--split development`` answers the development partition instead (Full KV and PASK rows only): PASK pairs are
+   chosen between there, at the served budget, never on the test split.
 3. Reported per method x target: measured total B (Σ scheduled payload / Σ Full-KV payload over the cases), mean
    per-case B, accuracy overall and per category, physical bytes after generation next to a DynamicCache of the same
    tokens, wall time; ``--out`` JSON, a Table-1-like printout and ``--plot`` (accuracy vs measured B).
@@ -196,7 +198,14 @@ def method_record(row: dict, records: list[dict], seconds: float) -> dict:
     }
 
 
-SHARED_SETTINGS = ("model", "seed", "window", "max_new_tokens", "torch", "transformers")
+SHARED_SETTINGS = ("model", "seed", "split", "window", "max_new_tokens", "torch", "transformers")
+ANSWERED_SPLITS = ("test", "development")
+"""``--split``: the partitions a run may answer (a result file without ``split`` answered the test split)."""
+
+
+def _setting(payload: dict, key: str):
+    """A run's setting ``key`` (`SHARED_SETTINGS`); a file written before ``--split`` answered the test split."""
+    return payload.get(key, "test" if key == "split" else None)
 
 
 def merge_runs(payloads: list[dict]) -> dict:
@@ -214,7 +223,7 @@ def merge_runs(payloads: list[dict]) -> dict:
     if len(payloads) < 2:
         raise ValueError(f"--merge needs at least two result files, got {len(payloads)}")
     for key in SHARED_SETTINGS:
-        values = {json.dumps(p.get(key), sort_keys=True) for p in payloads}
+        values = {json.dumps(_setting(p, key), sort_keys=True) for p in payloads}
         if len(values) > 1:
             raise ValueError(f"the runs differ in {key!r} ({sorted(values)}): merge only runs with the same settings")
     baseline_knobs: dict[str, dict] = {}  # the script's table of each run (it grew with the methods)
@@ -245,7 +254,7 @@ def merge_runs(payloads: list[dict]) -> dict:
         raise ValueError(f"the merged rows cover different cases ({sizes}): every method must answer every case")
     categories = list(dict.fromkeys(c for p in payloads for c in p["categories"]))
     return {
-        **{key: payloads[0].get(key) for key in SHARED_SETTINGS},
+        **{key: _setting(payloads[0], key) for key in SHARED_SETTINGS},
         "categories": categories,
         "baseline_knobs": baseline_knobs,
         "merged_from": [
@@ -296,6 +305,14 @@ def main(argv: list[str] | None = None) -> dict:
         "disjoint cases, joined by --merge",
     )
     parser.add_argument("--dev-cases", type=int, default=1, help="development cases per category for the knobs")
+    parser.add_argument(
+        "--split",
+        default="test",
+        choices=ANSWERED_SPLITS,
+        help="the partition answered (--cases / --first-case count in it): 'development' compares PASK pairs at a "
+        "target budget to choose between them, never on the test split; baselines, whose knobs come from the "
+        "development cases, are refused there",
+    )
     parser.add_argument("--budgets", nargs="+", type=float, default=list(BUDGETS))
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument(
@@ -397,6 +414,11 @@ def run_methods(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
         if not sep or not name or not Path(path).is_dir():
             parser.error(f"--ablation-policy takes NAME=PATH with a policy folder, got {item!r}")
         ablations.append((name, path))
+    if args.split == "development" and (any(m in BASELINES for m in args.methods) or args.pask_stage_split != "equal"):
+        parser.error(
+            "--split development answers full_kv and pask rows with --pask-stage-split equal only: the "
+            "baselines' knobs and the other stage splits are fitted on the development cases"
+        )
     if args.pask_prefill is not None and "pask" not in args.methods:
         parser.error("--pask-prefill serves the pask row: add pask to --methods")
     if args.pask_prefill is not None and not is_prefill_source(args.pask_prefill):
@@ -416,7 +438,7 @@ def run_methods(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
         dev_entries = bfcl_split(categories, "development", seed=args.seed, limit=args.dev_cases)
         dev = evaluate_bfcl(model, tokenizer, dev_entries, PolicyTable.all_high(model), **run)
         lengths = development_lengths(dev.records, costs)
-    test_entries = bfcl_split(categories, "test", seed=args.seed, limit=limit, start=args.first_case)
+    test_entries = bfcl_split(categories, args.split, seed=args.seed, limit=limit, start=args.first_case)
 
     def evaluate(method: str, label: str, target: float, policy, prefill=None, provenance=None) -> dict:
         start = time.perf_counter()
@@ -457,13 +479,14 @@ def run_methods(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
             records.append(evaluate("pask", label, target, *served, provenance=provenance))
 
     print(
-        f"BFCL v4 test split (seed {args.seed}), {len(test_entries)} cases, knobs from {len(dev_entries)} development "
-        f"cases, {args.threads} thread(s)"
+        f"BFCL v4 {args.split} split (seed {args.seed}), {len(test_entries)} cases, knobs from {len(dev_entries)} "
+        f"development cases, {args.threads} thread(s)"
     )
     return {
         "model": type(model).__name__ + (" (tiny, random)" if args.tiny else f" {model.config.name_or_path}"),
         "categories": categories,
         "seed": args.seed,
+        "split": args.split,
         "cases_per_category": limit,
         "first_case": args.first_case,
         "dev_cases_per_category": args.dev_cases if dev else 0,

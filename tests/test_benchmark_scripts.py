@@ -1036,6 +1036,29 @@ def test_bfcl_budget_pask_prefill_swaps_the_prefill_policy_of_the_pask_row(tmp_p
         script.main([*common, "--pask-prefill", str(tmp_path), "--out", str(tmp_path / "y.json")])
 
 
+def test_bfcl_budget_split_development_answers_the_development_partition(tmp_path):
+    pytest.importorskip("bfcl_eval")
+    from hf_structkv.eval.bfcl import bfcl_split
+
+    script = load_script(BENCHMARKS / "bfcl_budget.py")
+    common = ["--tiny", "--categories", "simple_python", "--max-new-tokens", "2", "--budgets", "0.33"]
+    common += ["--cases", "2", "--first-case", "1", "--methods", "full_kv", "pask"]
+    dev = script.main([*common, "--split", "development", "--out", str(tmp_path / "dev.json")])
+    expected = [entry.id for entry in bfcl_split(["simple_python"], "development", limit=2, start=1)]
+    assert dev["split"] == "development" and len(dev["records"]) == 2
+    for row in dev["records"]:
+        assert [case["id"] for case in row["records"]] == expected
+    test = script.main([*common, "--out", str(tmp_path / "test.json")])
+    assert test["split"] == "test" and not set(expected) & {c["id"] for c in test["records"][0]["records"]}
+    with pytest.raises(ValueError, match="the runs differ in 'split'"):  # a development run never joins a test run
+        script.merge_runs([dev, {**test, "records": []}])
+    old = {key: value for key, value in test.items() if key != "split"}  # files written before --split answered test
+    assert script.merge_runs([test, {**old, "records": []}])["split"] == "test"
+    for refused in (["--methods", "mikv"], ["--pask-stage-split", "calibrated_decode"]):
+        with pytest.raises(SystemExit):  # baselines' knobs and stage splits are fitted on the development cases
+            script.main([*common, *refused, "--split", "development", "--out", str(tmp_path / "x.json")])
+
+
 def test_bfcl_budget_serves_the_shipped_calibrated_pair_at_the_target_budgets():
     pytest.importorskip("bfcl_eval")
     from hf_structkv.policy import calibrated_policy, calibrated_prefill_policy
