@@ -1059,6 +1059,54 @@ def test_bfcl_budget_split_development_answers_the_development_partition(tmp_pat
             script.main([*common, *refused, "--split", "development", "--out", str(tmp_path / "x.json")])
 
 
+def test_int4_key_layouts_attention_errors_match_a_per_query_loop_and_the_row_bytes_are_closed_form(tmp_path):
+    script = load_script(BENCHMARKS / "int4_key_layouts.py")
+    torch.manual_seed(0)
+    heads, groups, window, total, d = 2, 2, 3, 7, 8
+    queries, keys, values = (
+        torch.randn(heads, groups * window, d),
+        torch.randn(heads, total, d),
+        torch.randn(heads, total, d),
+    )
+    served_keys = keys[:, : total - window] + 0.3 * torch.randn(heads, total - window, d)
+    served_values = values[:, : total - window] - 0.2
+    errors = script.attention_errors(queries, keys, values, served_keys, served_values, window, 0.5)
+    expected = []
+    for head in range(heads):
+        for row in range(groups * window):
+            position = total - window + row % window  # causal: the row sees positions 0 .. position
+            q, k, v = queries[head, row], keys[head, : position + 1], values[head, : position + 1]
+            k2 = torch.cat([served_keys[head], keys[head, total - window :]])[: position + 1]
+            v2 = torch.cat([served_values[head], values[head, total - window :]])[: position + 1]
+            exact, stored = torch.softmax(k @ q * 0.5, 0) @ v, torch.softmax(k2 @ q * 0.5, 0) @ v2
+            expected.append(float((stored - exact).norm() / exact.norm()))
+    assert errors == pytest.approx(expected, rel=1e-5)
+    stored = keys[:, : total - window]
+    assert (
+        script.attention_errors(queries, keys, values, stored, values[:, : total - window], window, 0.5) == [0.0] * 12
+    )
+    n = 64  # bytes of one K row per head: codes d/2, plus a row scale or a scale and offset per channel and group
+    rows = torch.randn(heads, n, d)
+    assert script.stored_keys(rows, "keys exact")[1] == 2 * d
+    assert script.stored_keys(rows, "row")[1] == d / 2 + 2
+    assert script.stored_keys(rows, "channel/g32")[1] == d / 2 + 4 * d / 32
+    assert script.stored_keys(rows, "channel/prompt")[1] == d / 2 + 4 * d / n
+    for layout in script.LAYOUTS:
+        served, _ = script.stored_keys(rows, layout)
+        assert served.shape == rows.shape and (served - rows).abs().max() < 0.6 * rows.abs().max() / 7
+
+
+def test_int4_key_layouts_runs_on_the_tiny_model(tmp_path):
+    pytest.importorskip("bfcl_eval")
+    script = load_script(BENCHMARKS / "int4_key_layouts.py")
+    out = tmp_path / "layouts.json"
+    payload = script.main(["--tiny", "--cases", "1", "--categories", "simple_python", "--out", str(out)])
+    assert json.loads(out.read_text())["rows"] == payload["rows"] and payload["split"] == "development"
+    rows = {row["layout"]: row for row in payload["rows"]}
+    assert list(rows) == list(script.LAYOUTS) and rows["keys exact"]["bytes_per_row"] > rows["row"]["bytes_per_row"]
+    assert all(0 < row["median"] <= row["p90"] for row in payload["rows"])
+
+
 def test_bfcl_budget_serves_the_shipped_calibrated_pair_at_the_target_budgets():
     pytest.importorskip("bfcl_eval")
     from hf_structkv.policy import calibrated_policy, calibrated_prefill_policy
