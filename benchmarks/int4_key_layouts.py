@@ -37,10 +37,13 @@ from hf_structkv.structured_generation import call_prompt
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_json import write_json  # noqa: E402
 
-LAYOUTS = ("keys exact", "row", "channel/g32", "channel/g128", "channel/prompt")
-"""Key layouts: ``keys exact`` (only the values quantised), ``row`` (PASK's INT4 action: `quantize_int4` per token
-row), ``channel/gN`` (`quantize_int4_channels` over groups of N tokens), ``channel/prompt`` (one group of all the
-quantised tokens)."""
+LAYOUTS = ("keys exact", "row", "row/smoothed", "row/centred", "channel/g32", "channel/g128", "channel/prompt")
+"""Key layouts: ``keys exact`` (only the values quantised), ``row`` (PASK's INT4 action: `quantize_int4` per token row),
+``row/smoothed`` (each channel divided by its largest magnitude over the quantised tokens before the per-row
+quantisation, multiplied back after: one FP16 vector per head and prompt; attention can fold it into the query),
+``row/centred`` (the same after subtracting each channel's mean over those tokens: a second vector; its dot product
+with the query is one logit shift for all of them), ``channel/gN`` (`quantize_int4_channels` over groups of N
+tokens), ``channel/prompt`` (one group of all the quantised tokens)."""
 
 
 def stored_keys(keys: torch.Tensor, layout: str) -> tuple[torch.Tensor, float]:
@@ -52,6 +55,13 @@ def stored_keys(keys: torch.Tensor, layout: str) -> tuple[torch.Tensor, float]:
     if layout == "row":
         codes, scales = quantize_int4(keys)
         return dequantize_int4(codes, scales, d), d / 2 + 2
+    if layout.startswith("row/"):
+        keys = keys.float()
+        centre = keys.mean(dim=-2, keepdim=True).half().float() if layout == "row/centred" else torch.zeros(1, d)
+        spread = (keys - centre).abs().amax(dim=-2, keepdim=True).half().float().clamp_min(2**-14)
+        codes, scales = quantize_int4((keys - centre) / spread)
+        vectors = 2 if layout == "row/centred" else 1
+        return dequantize_int4(codes, scales, d) * spread + centre, d / 2 + 2 + 2.0 * d * vectors / n
     group = None if layout == "channel/prompt" else int(layout.removeprefix("channel/g"))
     codes, scales, offsets = quantize_int4_channels(keys, group)
     per_group_row = 4.0 * d  # an fp16 scale and offset per channel

@@ -1089,6 +1089,8 @@ def test_int4_key_layouts_attention_errors_match_a_per_query_loop_and_the_row_by
     rows = torch.randn(heads, n, d)
     assert script.stored_keys(rows, "keys exact")[1] == 2 * d
     assert script.stored_keys(rows, "row")[1] == d / 2 + 2
+    assert script.stored_keys(rows, "row/smoothed")[1] == d / 2 + 2 + 2 * d / n
+    assert script.stored_keys(rows, "row/centred")[1] == d / 2 + 2 + 4 * d / n
     assert script.stored_keys(rows, "channel/g32")[1] == d / 2 + 4 * d / 32
     assert script.stored_keys(rows, "channel/prompt")[1] == d / 2 + 4 * d / n
     for layout in script.LAYOUTS:
