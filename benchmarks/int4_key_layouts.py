@@ -6,11 +6,11 @@ FP16 scale per token row) against per-channel layouts (an FP16 scale and offset 
 Protocol: the first ``--cases`` development cases of each category (BFCL v4, seed 0; never the test split), each
 prompt as `generate_calls` builds it (`call_prompt`), run once with a cache; the queries of its last ``--window``
 positions are recorded (`capture_queries`). Per layer and KV head, those queries attend causally over the prompt's
-keys and values, with the ``P − window`` earlier tokens (the ones a prefill plan may quantise) stored in each layout
-and the window exact, against the same attention with every token exact. Values are per-row INT4 in every layout
-(``keys exact`` isolates their share). Reported per layout: the bytes of one stored token row of one KV head (codes,
-scales, offsets; K and V; the window excluded), and the relative error of the attention output
-``‖ô − o‖ / ‖o‖`` per (layer, query head, query): median, 90th percentile, mean.
+keys and values, with the tokens between the first ``--sinks`` and the window (the ones a prefill plan may quantise)
+stored in each layout and the sinks and the window exact, against the same attention with every token exact. Values
+are per-row INT4 in every layout (``keys exact`` isolates their share). Reported per layout: the bytes of one stored
+token row of one KV head (codes, scales, offsets; K and V; the window excluded), and the relative error of the
+attention output ``‖ô − o‖ / ‖o‖`` per (layer, query head, query): median, 90th percentile, mean.
 
     python benchmarks/int4_key_layouts.py --cases 8 --out benchmarks/results/int4_key_layouts.json
     python benchmarks/int4_key_layouts.py --tiny --cases 1 --out /tmp/int4_key_layouts.json   # smoke test
@@ -29,12 +29,12 @@ from transformers import DynamicCache
 
 from hf_structkv.attention.recording import capture_queries
 from hf_structkv.eval.bfcl import CATEGORIES, bfcl_split
-from hf_structkv.models import load_default_model, tiny_byte_tokenizer, tiny_model
 from hf_structkv.quant.int4 import dequantize_int4, quantize_int4
 from hf_structkv.quant.int4_channels import dequantize_int4_channels, quantize_int4_channels
 from hf_structkv.structured_generation import call_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bfcl_budget import load_model  # noqa: E402
 from results_json import write_json  # noqa: E402
 
 LAYOUTS = ("keys exact", "row", "row/smoothed", "row/centred", "channel/g32", "channel/g128", "channel/prompt")
@@ -76,10 +76,12 @@ def attention_errors(
     served_values: torch.Tensor,
     window: int,
     scaling: float,
+    sinks: int = 0,
 ) -> list[float]:
     """``‖ô − o‖ / ‖o‖`` per query row: ``queries [H_kv, g·W, d]`` (the last ``W = window`` prompt positions, the
-    ``g`` query heads of a KV head stacked head-major) over ``keys`` / ``values [H_kv, P, d]`` exact and over
-    ``served_keys`` / ``served_values [H_kv, P − W, d]`` (the stored prefix) followed by the exact window, causally."""
+    ``g`` query heads of a KV head stacked head-major) over ``keys`` / ``values [H_kv, P, d]`` exact and over the
+    first ``sinks`` exact, then ``served_keys`` / ``served_values [H_kv, P − sinks − W, d]`` (the stored tokens),
+    then the exact window, causally."""
     total = keys.shape[-2]
     positions = torch.arange(total - window, total).repeat(queries.shape[1] // window)  # each row's position
     visible = torch.arange(total)[None, :] <= positions[:, None]  # [g·W, P]
@@ -90,17 +92,10 @@ def attention_errors(
 
     exact = attend(keys.float(), values.float())
     stored = attend(
-        torch.cat([served_keys, keys[..., total - window :, :].float()], dim=-2),
-        torch.cat([served_values, values[..., total - window :, :].float()], dim=-2),
+        torch.cat([keys[..., :sinks, :].float(), served_keys, keys[..., total - window :, :].float()], dim=-2),
+        torch.cat([values[..., :sinks, :].float(), served_values, values[..., total - window :, :].float()], dim=-2),
     )
     return ((stored - exact).norm(dim=-1) / exact.norm(dim=-1).clamp_min(1e-12)).flatten().tolist()
-
-
-def load_model(tiny: bool):
-    if tiny:
-        tokenizer = tiny_byte_tokenizer()
-        return tiny_model("qwen2", vocab_size=len(tokenizer), num_hidden_layers=2), tokenizer
-    return load_default_model()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -109,12 +104,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--categories", nargs="+", default=list(CATEGORIES[:4]), choices=CATEGORIES)
     parser.add_argument("--cases", type=int, default=8, help="development cases per category")
     parser.add_argument("--window", type=int, default=32, help="recent window kept exact (PASK's: 32)")
+    parser.add_argument("--sinks", type=int, default=4, help="first tokens kept exact (PASK's sink tokens: 4)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tiny", action="store_true", help="smoke test: random tiny model, byte tokenizer")
     parser.add_argument("--out", default="benchmarks/results/int4_key_layouts.json")
     args = parser.parse_args(argv)
-    if args.cases < 1 or args.window < 1:
-        parser.error("--cases and --window must be at least 1")
+    if args.cases < 1 or args.window < 1 or args.sinks < 0:
+        parser.error("--cases and --window must be at least 1, --sinks at least 0")
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.tiny)
     entries = bfcl_split(args.categories, "development", limit=args.cases)
@@ -124,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     for entry in entries:
         ids = tokenizer(call_prompt(tokenizer, list(entry.messages), entry.tools), add_special_tokens=False)
         input_ids = torch.tensor([ids["input_ids"]])
-        if input_ids.shape[1] <= args.window:
+        if input_ids.shape[1] <= args.window + args.sinks:
             continue
         prompt_tokens.append(input_ids.shape[1])
         cache = DynamicCache(config=model.config)
@@ -133,18 +129,18 @@ def main(argv: list[str] | None = None) -> dict:
         for index, layer_queries in queries.items():
             keys, values = cache.layers[index].keys[0], cache.layers[index].values[0]  # [H_kv, P, d]
             head_dim = keys.shape[-1]
-            stored = input_ids.shape[1] - args.window
-            codes, scales = quantize_int4(values[..., :stored, :])
+            stored = slice(args.sinks, input_ids.shape[1] - args.window)
+            codes, scales = quantize_int4(values[..., stored, :])
             served_values = dequantize_int4(codes, scales, values.shape[-1])
             scaling = model.model.layers[index].self_attn.scaling
             for layout in LAYOUTS:
-                served_keys, key_bytes = stored_keys(keys[..., :stored, :], layout)
+                served_keys, key_bytes = stored_keys(keys[..., stored, :], layout)
                 errors[layout] += attention_errors(
-                    layer_queries, keys, values, served_keys, served_values, args.window, scaling
+                    layer_queries, keys, values, served_keys, served_values, args.window, scaling, args.sinks
                 )
                 row_bytes[layout].append(key_bytes + values.shape[-1] / 2 + 2)
     if not prompt_tokens:
-        parser.error(f"no prompt is longer than --window {args.window}")
+        parser.error(f"no prompt is longer than --window + --sinks ({args.window + args.sinks})")
     rows = []
     for layout in LAYOUTS:
         ordered = sorted(errors[layout])
@@ -174,6 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prompts": len(prompt_tokens),
         "mean_prompt_tokens": statistics.fmean(prompt_tokens),
         "window": args.window,
+        "sinks": args.sinks,
         "bf16_bytes_per_row": 4 * head_dim,
         "rows": rows,
     }

@@ -1062,29 +1062,26 @@ def test_bfcl_budget_split_development_answers_the_development_partition(tmp_pat
 def test_int4_key_layouts_attention_errors_match_a_per_query_loop_and_the_row_bytes_are_closed_form(tmp_path):
     script = load_script(BENCHMARKS / "int4_key_layouts.py")
     torch.manual_seed(0)
-    heads, groups, window, total, d = 2, 2, 3, 7, 8
-    queries, keys, values = (
-        torch.randn(heads, groups * window, d),
-        torch.randn(heads, total, d),
-        torch.randn(heads, total, d),
-    )
-    served_keys = keys[:, : total - window] + 0.3 * torch.randn(heads, total - window, d)
-    served_values = values[:, : total - window] - 0.2
-    errors = script.attention_errors(queries, keys, values, served_keys, served_values, window, 0.5)
+    heads, groups, window, total, d, sinks = 2, 2, 3, 9, 8, 2
+    queries = torch.randn(heads, groups * window, d)
+    keys, values = torch.randn(heads, total, d), torch.randn(heads, total, d)
+    kept = slice(sinks, total - window)  # the stored tokens: after the sinks, before the window
+    served_keys = keys[:, kept] + 0.3 * torch.randn(heads, total - window - sinks, d)
+    served_values = values[:, kept] - 0.2
+    errors = script.attention_errors(queries, keys, values, served_keys, served_values, window, 0.5, sinks)
     expected = []
     for head in range(heads):
         for row in range(groups * window):
             position = total - window + row % window  # causal: the row sees positions 0 .. position
             q, k, v = queries[head, row], keys[head, : position + 1], values[head, : position + 1]
-            k2 = torch.cat([served_keys[head], keys[head, total - window :]])[: position + 1]
-            v2 = torch.cat([served_values[head], values[head, total - window :]])[: position + 1]
-            exact, stored = torch.softmax(k @ q * 0.5, 0) @ v, torch.softmax(k2 @ q * 0.5, 0) @ v2
-            expected.append(float((stored - exact).norm() / exact.norm()))
+            k2, v2 = keys[head].clone(), values[head].clone()
+            k2[kept], v2[kept] = served_keys[head], served_values[head]
+            k2, v2 = k2[: position + 1], v2[: position + 1]
+            exact, served = torch.softmax(k @ q * 0.5, 0) @ v, torch.softmax(k2 @ q * 0.5, 0) @ v2
+            expected.append(float((served - exact).norm() / exact.norm()))
     assert errors == pytest.approx(expected, rel=1e-5)
-    stored = keys[:, : total - window]
-    assert (
-        script.attention_errors(queries, keys, values, stored, values[:, : total - window], window, 0.5) == [0.0] * 12
-    )
+    unchanged = script.attention_errors(queries, keys, values, keys[:, kept], values[:, kept], window, 0.5, sinks)
+    assert unchanged == [0.0] * 12
     n = 64  # bytes of one K row per head: codes d/2, plus a row scale or a scale and offset per channel and group
     rows = torch.randn(heads, n, d)
     assert script.stored_keys(rows, "keys exact")[1] == 2 * d
