@@ -57,7 +57,7 @@ def stored_keys(keys: torch.Tensor, layout: str) -> tuple[torch.Tensor, float]:
         return dequantize_int4(codes, scales, d), d / 2 + 2
     if layout.startswith("row/"):
         keys = keys.float()
-        centre = keys.mean(dim=-2, keepdim=True).half().float() if layout == "row/centred" else torch.zeros(1, d)
+        centre = keys.mean(dim=-2, keepdim=True).half().float() if layout == "row/centred" else keys.new_zeros(1, d)
         spread = (keys - centre).abs().amax(dim=-2, keepdim=True).half().float().clamp_min(2**-14)
         codes, scales = quantize_int4((keys - centre) / spread)
         vectors = 2 if layout == "row/centred" else 1
@@ -83,8 +83,8 @@ def attention_errors(
     first ``sinks`` exact, then ``served_keys`` / ``served_values [H_kv, P − sinks − W, d]`` (the stored tokens),
     then the exact window, causally."""
     total = keys.shape[-2]
-    positions = torch.arange(total - window, total).repeat(queries.shape[1] // window)  # each row's position
-    visible = torch.arange(total)[None, :] <= positions[:, None]  # [g·W, P]
+    positions = torch.arange(total - window, total, device=keys.device).repeat(queries.shape[1] // window)
+    visible = torch.arange(total, device=keys.device)[None, :] <= positions[:, None]  # [g·W, P]: causal
 
     def attend(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         scores = (queries.float() @ k.transpose(-1, -2)) * scaling
