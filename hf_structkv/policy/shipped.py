@@ -23,7 +23,7 @@ SHIPPED_PAIRS: dict[str, tuple[str, str]] = {
     ),
     "calibrated-likelihood-int4": (
         "qwen2.5-coder-0.5b-instruct-calibrated-likelihood-int4",
-        "qwen2.5-coder-0.5b-instruct-calibrated-prefill",
+        "qwen2.5-coder-0.5b-instruct-calibrated-likelihood-int4-prefill",
     ),
 }
 """``{name: (decode table folder, prefill policy folder)}``. ``calibrated-verdict-24``: PASK Algorithm 1 with
@@ -32,11 +32,12 @@ split). ``calibrated-likelihood-384``: Algorithm 1 with likelihood sensitivity (
 development BFCL cases (64 + 32 per category of ``simple_python``, ``multiple``, ``parallel``, ``parallel_multiple``,
 disjoint from the 224-case test split), both stages in one run, development selection by likelihood confirmed by
 verdicts (nominal ``B_D`` 0.163, ``B_P`` 0.474; its ``calibration_report.json`` beside both policies).
-``calibrated-likelihood-int4``: the decode table of the same likelihood calibration with floors from ``τ_low`` 0.001
-(a bucket is released only where releasing it alone leaves the reply's likelihood unchanged, else floored at INT4)
-and ``α_D`` 0.02 (nominal ``B_D`` 0.265, development accuracy 0.492 against all-high 0.500), served with the
-``calibrated-verdict-24`` prefill policy: the likelihood prefill calibration with the same floors lost 4.7 development
-points at ``B_P`` 0.28 and its next candidate sits at ``B_P`` 0.48, above the 0.33 target."""
+``calibrated-likelihood-int4``: the same likelihood calibration with floors from ``τ_low`` 0.001 (a bucket is
+released only where releasing it alone leaves the reply's likelihood unchanged, else floored at INT4): decode
+``α_D`` 0.02 (nominal ``B_D`` 0.265, development accuracy 0.492 against all-high 0.500); prefill ``τ`` (0.001, 1)
+candidate 0 written with ``α_P`` 0.05 (nominal ``B_P`` 0.274, development accuracy 0.453), chosen over the
+verdict-24 prefill on the development split at B = 0.33 (54 against 49 of 128). Until commit 4426d68 this name paired
+the decode table with the verdict-24 prefill (its rows in docs/NOTES.md say how to rerun them)."""
 
 DEFAULT_CALIBRATED = "calibrated-verdict-24"
 """The pair ``"calibrated"`` loads."""
