@@ -61,6 +61,7 @@ from hf_structkv.policy import (
 )
 from hf_structkv.policy.prefill import PREFILL_POLICY_NAME
 from hf_structkv.policy.shipped import CALIBRATED, SHIPPED_PAIRS
+from hf_structkv.quant import INT4_KEY_LAYOUTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bfcl_accuracy import print_table  # noqa: E402
@@ -337,6 +338,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--ablation-policy", action="append", default=[], metavar="NAME=PATH", help="extra PASK rows (Fig. 5)"
     )
+    parser.add_argument(
+        "--int4-keys",
+        choices=INT4_KEY_LAYOUTS,
+        default="row",
+        help="how the caches store the keys of INT4 tokens (StructuredMixedPrecisionCache's int4_keys): row (PASK "
+        "B.5) or centred (by the prompt's per-channel centre and spread); rows of a centred run are labelled "
+        "'... [centred keys]'",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--seed", type=int, default=0, help="split seed")
     parser.add_argument("--threads", type=int, default=1)
@@ -430,7 +439,7 @@ def run_methods(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.tiny)
     costs = GroupCosts.from_config(model.config)
-    run = dict(max_new_tokens=args.max_new_tokens, progress=not args.tiny)
+    run = dict(max_new_tokens=args.max_new_tokens, progress=not args.tiny, int4_keys=args.int4_keys)
     window = PolicyTable.all_high(model).window
 
     dev_entries, dev, lengths = (), None, []
@@ -449,6 +458,9 @@ def run_methods(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
             knobs = knobs_of(policy)
         if method in BASELINES:
             knobs["expected_B_on_development"] = policy.expected_budget(lengths)
+        if method != "full_kv":
+            knobs["int4_keys"] = args.int4_keys
+            label = label if args.int4_keys == "row" else f"{label} [{args.int4_keys} keys]"
         row = {"method": method, "label": label, "target_B": target, "knobs": knobs, "provenance": provenance}
         record = method_record(row, evaluation.records, seconds=time.perf_counter() - start)
         print(

@@ -26,6 +26,7 @@ from .generation import generation_inputs
 from .policy.costs import Action
 from .policy.prefill import PrefillPolicy, batch_prefill_plan
 from .policy.retention import RetentionPolicy, check_retention_policy
+from .quant.int4_centred import check_int4_keys
 from .structure.processor import StructuralLogitsProcessor, resolve_engine
 
 CALL_INSTRUCTION = (
@@ -246,6 +247,7 @@ def generate_calls(
     prefill_policy: PrefillPolicy | None = None,
     engine: str = "auto",
     context: CompactedCache | None = None,
+    int4_keys: str = "row",
     **generate_kwargs,
 ) -> StructuredGeneration:
     """Answer each question with function calls to ``tools`` under their JSON schema, on a mixed-precision cache.
@@ -270,10 +272,12 @@ def generate_calls(
             the catalogue (placeholders stand for it, `generation_inputs`) and the cache serves the compacted
             catalogue before them, shared; ``sequences`` start with those placeholders, and a prefill plan covers
             the conversation tokens only.
+        int4_keys: the cache's INT4 key layout (`StructuredMixedPrecisionCache`): ``"row"`` or ``"centred"``.
         generate_kwargs: passed to ``model.generate`` (not ``logits_processor`` / ``past_key_values``: this call
             owns them).
     """
     check_retention_policy(policy)
+    check_int4_keys(int4_keys)
     resolve_engine(engine)
     if isinstance(questions, str) or (
         isinstance(questions, Sequence) and questions and all(isinstance(m, Mapping) for m in questions)
@@ -297,12 +301,20 @@ def generate_calls(
     )
     if context is None:
         output = generate_structured(
-            model, tokenizer, batch, processor, policy, max_new_tokens, prefill_plan=prefill_plan, **generate_kwargs
+            model,
+            tokenizer,
+            batch,
+            processor,
+            policy,
+            max_new_tokens,
+            prefill_plan=prefill_plan,
+            int4_keys=int4_keys,
+            **generate_kwargs,
         )
     else:
         prompt_length = context.get_seq_length() + batch["input_ids"].shape[1]  # placeholders + conversation
         cache = StructuredMixedPrecisionCache(
-            model, policy, processor, prefill_plan, context=context, prompt_length=prompt_length
+            model, policy, processor, prefill_plan, context=context, prompt_length=prompt_length, int4_keys=int4_keys
         )
         batch = generation_inputs(cache, batch["input_ids"], batch["attention_mask"])
         output = generate_structured(
@@ -330,6 +342,7 @@ def generate_structured(
     max_new_tokens: int,
     prefill_plan: torch.Tensor | None = None,
     cache: StructuredMixedPrecisionCache | None = None,
+    int4_keys: str = "row",
     **generate_kwargs,
 ) -> StructuredOutput:
     """One ``model.generate`` call under ``processor``'s grammar on a `StructuredMixedPrecisionCache` with
@@ -341,6 +354,8 @@ def generate_structured(
         prefill_plan: optional prompt actions for the cache (``[B, P, groups]``, the policy's layer groups).
         cache: a cache to continue instead of a new one: built with ``policy`` and ``processor`` and already holding
             a prefix of ``batch`` (``generate`` runs only the rest; the processor must have seen that prefix).
+        int4_keys: the INT4 key layout of a new cache (`StructuredMixedPrecisionCache`); a cache to continue keeps
+            its own.
         generate_kwargs: passed to ``model.generate`` (not ``logits_processor`` / ``past_key_values`` / ``cache``).
     """
     for owned in ("logits_processor", "past_key_values", "cache"):
@@ -350,7 +365,7 @@ def generate_structured(
         # declared so generate may prefill in chunks; attention-statistics policies read one prompt forward instead
         declared = None if policy.attention_statistics() is not None else batch["input_ids"].shape[1]
         cache = StructuredMixedPrecisionCache(
-            model, policy, processor=processor, prefill_plan=prefill_plan, prompt_length=declared
+            model, policy, processor=processor, prefill_plan=prefill_plan, prompt_length=declared, int4_keys=int4_keys
         )
     elif prefill_plan is not None or cache.policy is not policy or cache.processor is not processor:
         raise ValueError("a cache to continue must be built with this policy and processor (and no prefill_plan)")

@@ -1036,6 +1036,24 @@ def test_bfcl_budget_pask_prefill_swaps_the_prefill_policy_of_the_pask_row(tmp_p
         script.main([*common, "--pask-prefill", str(tmp_path), "--out", str(tmp_path / "y.json")])
 
 
+def test_bfcl_budget_int4_keys_serves_every_cache_with_that_key_layout(tmp_path, monkeypatch):
+    pytest.importorskip("bfcl_eval")
+    script = load_script(BENCHMARKS / "bfcl_budget.py")
+    layouts, evaluate = [], script.evaluate_bfcl
+    monkeypatch.setattr(script, "evaluate_bfcl", lambda *a, **k: layouts.append(k["int4_keys"]) or evaluate(*a, **k))
+    common = ["--tiny", "--categories", "simple_python", "--max-new-tokens", "4", "--budgets", "0.33"]
+    result = script.main(
+        [*common, "--methods", "full_kv", "pask", "--int4-keys", "centred", "--out", str(tmp_path / "c.json")]
+    )
+    full_kv, pask = result["records"]
+    assert layouts == ["centred", "centred"] and "int4_keys" not in full_kv["knobs"]
+    assert pask["label"] == "pask (illustrative) [centred keys]" and pask["knobs"]["int4_keys"] == "centred"
+    plain = script.main([*common, "--methods", "pask", "--out", str(tmp_path / "row.json")])
+    assert plain["records"][0]["label"] == "pask (illustrative)" and plain["records"][0]["knobs"]["int4_keys"] == "row"
+    with pytest.raises(SystemExit):
+        script.main([*common, "--int4-keys", "channel"])
+
+
 def test_bfcl_budget_split_development_answers_the_development_partition(tmp_path):
     pytest.importorskip("bfcl_eval")
     from hf_structkv.eval.bfcl import bfcl_split

@@ -21,7 +21,7 @@ from hf_structkv.attention.mixed_reference import (  # noqa: E402
     Int4Partition,
     mixed_precision_attention,
 )
-from hf_structkv.quant import quantize_int4  # noqa: E402
+from hf_structkv.quant import key_centre, quantize_int4, quantize_int4_centred  # noqa: E402
 
 try:
     from hf_structkv.attention.kernels import runtime
@@ -113,8 +113,28 @@ def test_odd_head_and_value_dims_and_softcap():
     assert_matches_reference(query, parts, softcap=3.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_centred_int4_keys_are_served_dequantised(dtype):
+    """An INT4 store with centred keys (`hf_structkv.quant.int4_centred`) is dequantised to the query dtype before
+    its launch: the result is the reference's over the same codes, centre and spread."""
+    _, parts = make_partitions("did", (5, BLOCK_N + 3, 2), dtype=dtype)
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randn(2, 2, BLOCK_N + 3, 16, generator=g) + torch.linspace(-20, 20, 16)
+    centre, spread = key_centre(keys, torch.ones(2, BLOCK_N + 3, dtype=torch.bool))
+    codes, scales = quantize_int4_centred(keys, centre, spread)
+    parts[1] = int4_with(parts[1], key_codes=codes, key_scales=scales, key_centre=centre, key_spread=spread)
+    query = grouped_query(2, 2, 2, 1, dtype) * 0.2
+    assert_matches_reference(query, parts)
+    plain = int4_with(parts[1], key_centre=None, key_spread=None)
+    assert not torch.allclose(
+        mixed_precision_attention(query, parts, 0.25),
+        mixed_precision_attention(query, [*parts[:1], plain, parts[2]], 0.25),
+    )
+
+
 def int4_with(part, **changes):
     fields = ("key_codes", "key_scales", "value_codes", "value_scales", "head_dim", "value_dim", "visible")
+    fields += ("key_centre", "key_spread")
     return Int4Partition(**{**{f: getattr(part, f) for f in fields}, **changes})
 
 

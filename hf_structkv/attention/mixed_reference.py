@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..quant.int4 import dequantize_int4
+from ..quant.int4_centred import dequantize_int4_centred
 from .compacted_inputs import CompactedPrefix
 from .partitions import PartitionStats, merge_partitions, partition_stats
 
@@ -51,13 +52,15 @@ class DensePartition:
 
 @dataclass(frozen=True)
 class Int4Partition:
-    """Keys and values held as packed INT4 codes with one FP16 scale per token x KV-head row (`quantize_int4`).
+    """Keys and values held as packed INT4 codes with one FP16 scale per token x KV-head row (`quantize_int4`); the
+    keys optionally centred (`hf_structkv.quant.int4_centred`: ``k̂ = spread ⊙ (code · scale) + centre``).
 
     Attributes:
         key_codes: uint8 ``[B, H_kv, n, ceil(D/2)]``; key_scales: fp16 ``[B, H_kv, n, 1]``.
         value_codes / value_scales: the same for values (``D_v``).
         head_dim / value_dim: ``D`` and ``D_v`` (unpadded).
         visible: bool ``[B, q, n]``.
+        key_centre / key_spread: fp16 ``[B, H_kv, 1, D]`` of centred keys, or both ``None`` (plain rows).
     """
 
     key_codes: torch.Tensor
@@ -67,20 +70,32 @@ class Int4Partition:
     head_dim: int
     value_dim: int
     visible: torch.Tensor
+    key_centre: torch.Tensor | None = None
+    key_spread: torch.Tensor | None = None
 
     @property
     def num_kv_heads(self) -> int:
         return self.key_codes.shape[1]
 
+    @property
+    def centred(self) -> bool:
+        return self.key_centre is not None
+
+    def _keys(self, codes: torch.Tensor, scales: torch.Tensor, h: int | slice) -> torch.Tensor:
+        if self.key_centre is None:
+            return dequantize_int4(codes, scales, self.head_dim)
+        centre, spread = self.key_centre[:, h], self.key_spread[:, h]
+        return dequantize_int4_centred(codes, scales, centre, spread, self.head_dim)
+
     def float_keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
-        keys = dequantize_int4(self.key_codes, self.key_scales, self.head_dim)
+        keys = self._keys(self.key_codes, self.key_scales, slice(None))
         values = dequantize_int4(self.value_codes, self.value_scales, self.value_dim)
         return keys, values
 
     def float_head(self, h: int) -> tuple[torch.Tensor, torch.Tensor]:
         """FP32 keys ``[B, n, D]`` and values ``[B, n, D_v]`` of KV head ``h``, dequantised from that head's codes
         only."""
-        keys = dequantize_int4(self.key_codes[:, h], self.key_scales[:, h], self.head_dim)
+        keys = self._keys(self.key_codes[:, h], self.key_scales[:, h], h)
         values = dequantize_int4(self.value_codes[:, h], self.value_scales[:, h], self.value_dim)
         return keys, values
 

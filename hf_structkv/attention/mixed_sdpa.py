@@ -149,11 +149,7 @@ def _decode_reading_codes(
     dense = [part for part in partitions if isinstance(part, DensePartition)]
     query = grouped[:, :, :, 0]  # [B, H_kv, g, D]
     code_stats = [
-        native_int4_rows_stats(
-            query, p.key_codes, p.key_scales, p.value_codes, p.value_scales, p.visible[:, 0], scaling
-        )
-        for p in partitions
-        if isinstance(p, Int4Partition)
+        _int4_store_stats(query, p, scaling) for p in partitions if isinstance(p, Int4Partition)
     ]  # each [B, H_kv, g, 1] and [B, H_kv, g, 1, D_v]
     prefix_stats: dict[int, list[PartitionStats]] = {h: [] for h in range(n_kv_heads)}  # each [B, g], [B, g, D_v]
     plain: dict[int, list[PrefixPartition]] = {h: [] for h in range(n_kv_heads)}
@@ -182,3 +178,23 @@ def _decode_reading_codes(
         parts += [PartitionStats(*(t[:, h, :, 0] for t in stats)) for stats in code_stats]
         outputs.append(merge_partitions(parts))  # [B, g, D_v]
     return torch.stack(outputs, dim=1).unsqueeze(3)
+
+
+def _int4_store_stats(query: torch.Tensor, part: Int4Partition, scaling: float) -> PartitionStats:
+    """`native_int4_rows_stats` of an INT4 store for ``query`` ``[B, H_kv, g, D]`` (FP32); centred keys are read
+    from their codes too: ``q · k̂ = (q ⊙ spread) · (code · scale) + q · centre``, the first term the plain rows' score
+    for the query ``q ⊙ spread``, the second one logit shift of every entry (added to the row maximum).
+
+    Returns:
+        `PartitionStats` ``[B, H_kv, g, 1]`` / ``[B, H_kv, g, 1, D_v]``.
+    """
+    if part.centred:
+        spread, centre = part.key_spread.float(), part.key_centre.float()  # [B, H_kv, 1, D]
+        shift = (query * centre).sum(dim=-1, keepdim=True) * scaling  # [B, H_kv, g, 1]
+        query = query * spread
+    stats = native_int4_rows_stats(
+        query, part.key_codes, part.key_scales, part.value_codes, part.value_scales, part.visible[:, 0], scaling
+    )
+    if not part.centred:
+        return stats
+    return PartitionStats(stats.row_max + shift, stats.exp_sum, stats.value_sum)

@@ -17,6 +17,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from ..attention.attention_mass import AttentionMass
 from ..policy.costs import GroupCosts
 from ..policy.retention import RetentionPolicy, check_retention_policy
+from ..quant.int4_centred import check_int4_keys
 from ..structure.tag_source import TagSource
 from .action_schedule import ActionSchedule
 from .compacted import CompactedCache
@@ -59,6 +60,9 @@ class StructuredMixedPrecisionCache(Cache):
             is committed until the whole prompt is cached, so the chunks attend the prompt at full precision, as one
             forward does. Without it, a second forward before the processor's first call is refused. Not with
             attention-statistics policies.
+        int4_keys: how the keys of the INT4 (``L``) tokens are stored: ``"row"`` (PASK B.5, per token row, the
+            default) or ``"centred"`` (per row after centring each channel by the prompt's mean and range,
+            `hf_structkv.quant.int4_centred`: the same bytes per token, two FP16 vectors per row and KV head).
 
     A policy whose `RetentionPolicy.attention_statistics` returns an `AttentionMass` (the attention-based baselines)
     has it filled by the layers during attention (torch reference only), and its controllers plan the prompt at the
@@ -68,8 +72,9 @@ class StructuredMixedPrecisionCache(Cache):
         TypeError: ``model`` is not a model or config, ``policy`` not a `RetentionPolicy`, ``processor`` not a
             `TagSource`.
         ValueError: the policy was built for other layer dimensions, the processor emits another tag view, the
-            context was compacted for another model or is combined with an attention-statistics policy, or
-            ``prompt_length`` is not an int past the context covering ``prefill_plan``.
+            context was compacted for another model or is combined with an attention-statistics policy,
+            ``prompt_length`` is not an int past the context covering ``prefill_plan``, or ``int4_keys`` names no
+            layout.
     """
 
     def __init__(
@@ -80,6 +85,7 @@ class StructuredMixedPrecisionCache(Cache):
         prefill_plan: torch.Tensor | None = None,
         context: CompactedCache | None = None,
         prompt_length: int | None = None,
+        int4_keys: str = "row",
     ):
         from ..attention.registry import enable
 
@@ -87,6 +93,7 @@ class StructuredMixedPrecisionCache(Cache):
         if not isinstance(config, PretrainedConfig):
             raise TypeError(f"model must be a transformers model or its config, got {type(model).__name__}")
         check_retention_policy(policy)
+        check_int4_keys(int4_keys)
         if processor is not None and not isinstance(processor, TagSource):
             raise TypeError(
                 "processor must be a TagSource: the StructuralLogitsProcessor passed to generate (it provides "
@@ -132,7 +139,11 @@ class StructuredMixedPrecisionCache(Cache):
                 layers.append(sliding if layer_context is None else layer_context)
             else:
                 group = self.costs.group_of_layer(idx)
-                layers.append(MixedPrecisionLayer(group, self.schedule, policy.window, self.statistics, layer_context))
+                layers.append(
+                    MixedPrecisionLayer(
+                        group, self.schedule, policy.window, self.statistics, layer_context, int4_keys=int4_keys
+                    )
+                )
         super().__init__(layers=layers)
 
     def mixed_layers(self) -> list[MixedPrecisionLayer]:

@@ -6,7 +6,11 @@ Layout, for a batch of ``B`` sequences with ``H_kv`` KV heads:
   the current step's included), in the model's dtype;
 * high store: ``keys``, ``values`` ``[B, H_kv, n_H, D]`` in the model's dtype, with a slot map ``[B, n_H]``;
 * low store: ``key_codes`` / ``value_codes`` uint8 ``[B, H_kv, n_L, ceil(D/2)]`` and ``key_scales`` /
-  ``value_scales`` fp16 ``[B, H_kv, n_L, 1]`` (`quantize_int4`), with a slot map ``[B, n_L]``.
+  ``value_scales`` fp16 ``[B, H_kv, n_L, 1]`` (`quantize_int4`), with a slot map ``[B, n_L]``; with
+  ``int4_keys="centred"`` the keys are quantised after centring (`hf_structkv.quant.int4_centred`) by ``key_centre`` /
+  ``key_spread`` fp16 ``[B, H_kv, 1, D]``, fitted to each row's real prompt tokens when the prompt is first committed
+  (the real slots are those the prompt's last query row sees, recorded by `partitions` during the prompt forward)
+  and fixed from then on.
 
 Released tokens are stored nowhere. A token stays in the recent region until it is more than ``window`` tokens old;
 its scheduled action is applied at the beginning of the next ``update`` (the commit point: a ``crop`` between a
@@ -50,6 +54,7 @@ from ..attention.mixed_reference import (
 )
 from ..policy.costs import Action
 from ..quant.int4 import quantize_int4
+from ..quant.int4_centred import check_int4_keys, key_centre, quantize_int4_centred
 from .action_schedule import ActionSchedule
 from .compacted_layers import CompactedLayer
 from .slot_store import SlotStore
@@ -80,6 +85,7 @@ class MixedPrecisionLayer(CacheLayerMixin):
         statistics: the cache's `AttentionMass` when its policy asks for attention statistics, else ``None``.
         context: a compacted context's layer whose prefix precedes this layer's slots (module docstring), or
             ``None``.
+        int4_keys: ``"row"`` or ``"centred"``: how the keys of INT4 tokens are stored (module docstring).
     """
 
     is_sliding = False
@@ -93,6 +99,7 @@ class MixedPrecisionLayer(CacheLayerMixin):
         window: int,
         statistics: AttentionMass | None = None,
         context: CompactedLayer | None = None,
+        int4_keys: str = "row",
     ):
         super().__init__()
         self.group = group
@@ -100,10 +107,14 @@ class MixedPrecisionLayer(CacheLayerMixin):
         self.window = window
         self.statistics = statistics
         self.context = context
+        self.int4_keys = check_int4_keys(int4_keys)
         self.context_length = 0 if context is None else context.original_length
         self.first_recent = self.context_length
         self.high = SlotStore()
         self.low = SlotStore()
+        self.prompt_real: torch.Tensor | None = None  # [B, P]: the prompt's real slots, until the centre is fitted
+        self.key_centre: torch.Tensor | None = None  # [B, H_kv, 1, D] fp16, centred keys only
+        self.key_spread: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ transformers' layer API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -130,6 +141,7 @@ class MixedPrecisionLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.schedule.may_commit(self.get_seq_length()):  # a prompt in several forwards stays whole until cached
+            self.fit_key_centre()
             self.commit()
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
@@ -146,6 +158,17 @@ class MixedPrecisionLayer(CacheLayerMixin):
         return -1
 
     # ------------------------------------------------------------------ storage
+    def fit_key_centre(self) -> None:
+        """With centred INT4 keys, fit ``key_centre`` / ``key_spread`` to the prompt's real keys the first time the
+        whole prompt is cached (a no-op afterwards, and for row keys)."""
+        if self.int4_keys != "centred" or self.key_centre is not None:
+            return
+        real = self.prompt_real
+        if real is None or real.shape[-1] != self.keys.shape[-2]:
+            real = torch.ones(self.keys.shape[0], self.keys.shape[-2], dtype=torch.bool, device=self.keys.device)
+        self.key_centre, self.key_spread = key_centre(self.keys, real)
+        self.prompt_real = None
+
     def commit(self) -> None:
         """Apply the scheduled action of every recent token older than ``window``: keep (high store), quantise
         (low store) or release. Never undone."""
@@ -157,7 +180,10 @@ class MixedPrecisionLayer(CacheLayerMixin):
         old_keys, old_values = self.keys[..., :leaving, :], self.values[..., :leaving, :]
         self.high.append({"keys": old_keys, "values": old_values}, positions, actions == Action.H)
         if bool((actions == Action.L).any()):
-            key_codes, key_scales = quantize_int4(old_keys)
+            if self.key_centre is None:
+                key_codes, key_scales = quantize_int4(old_keys)
+            else:
+                key_codes, key_scales = quantize_int4_centred(old_keys, self.key_centre, self.key_spread)
             value_codes, value_scales = quantize_int4(old_values)
             fields = {
                 "key_codes": key_codes,
@@ -181,6 +207,8 @@ class MixedPrecisionLayer(CacheLayerMixin):
         """
         batch, seen = self.keys.shape[0], self.get_seq_length()
         visible = slot_visibility(attention_mask, batch, q_len, seen, self.keys.device)
+        if self.int4_keys == "centred" and self.key_centre is None:  # a prompt forward: its real slots
+            self.prompt_real = visible[:, -1, self.context_length :]
         parts: list[Partition] = []
         if self.context is not None:
             parts.append(PrefixPartition(self.context.served_prefix(module)))
@@ -198,6 +226,8 @@ class MixedPrecisionLayer(CacheLayerMixin):
                     self.keys.shape[-1],
                     self.values.shape[-1],
                     _gather_visibility(visible, positions),
+                    self.key_centre,
+                    self.key_spread,
                 )
             )
         parts.append(DensePartition(self.keys, self.values, visible[..., self.first_recent :]))
@@ -279,6 +309,11 @@ class MixedPrecisionLayer(CacheLayerMixin):
         self.keys, self.values = self.keys.index_select(0, indices), self.values.index_select(0, indices)
         self.high.select_rows(indices)
         self.low.select_rows(indices)
+        if self.key_centre is not None:
+            self.key_centre = self.key_centre.index_select(0, indices)
+            self.key_spread = self.key_spread.index_select(0, indices)
+        if self.prompt_real is not None:
+            self.prompt_real = self.prompt_real.index_select(0, indices)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.select_rows(beam_idx)
@@ -291,7 +326,7 @@ class MixedPrecisionLayer(CacheLayerMixin):
         self.select_rows(torch.arange(self.keys.shape[0], device=self.keys.device)[indices])
 
     def reset(self) -> None:
-        self.__init__(self.group, self.schedule, self.window, self.statistics, self.context)
+        self.__init__(self.group, self.schedule, self.window, self.statistics, self.context, self.int4_keys)
 
     def context_nbytes(self) -> int:
         """Bytes of the compacted context's stored tensors (shared with every cache built on it; 0 without one)."""
@@ -300,8 +335,10 @@ class MixedPrecisionLayer(CacheLayerMixin):
 
     def nbytes(self) -> int:
         """Allocated bytes: the compacted context, recent region, both stores with their scales and slot maps
-        (padding included)."""
-        recent = 0 if self.keys is None else sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+        (padding included), a centred key layout's centre and spread."""
+        held = [] if self.keys is None else [self.keys, self.values]
+        held += [t for t in (self.key_centre, self.key_spread) if t is not None]
+        recent = sum(t.numel() * t.element_size() for t in held)
         return self.context_nbytes() + recent + self.high.nbytes() + self.low.nbytes()
 
     def full_nbytes(self) -> int:

@@ -8,7 +8,8 @@ per-row INT4 (``L``, `quantize_int4` of its keys and values) or not at all (``R`
 ``< P``) commits nothing. When the tokens are known in advance, one forward over positions ``P .. P + T - 2`` can
 give each query row the cache exactly as that step of ``generate`` saw it: row ``p`` sees key ``j`` at full precision
 while ``j >= p - window`` or its action is ``H``, dequantised when it is committed with ``L``, and not when committed
-with ``R``. Quantisation is per token row, so a committed key's served value does not depend on the other tokens, and
+with ``R``. Quantisation is per token row (centred keys: by the prompt's centre and spread, fixed before the first
+commit), so a committed key's served value does not depend on the other generated tokens, and
 the replay equals step-by-step decoding with the same cache and schedule up to floating-point summation order
 (``tests/test_teacher_forced.py``, in float64). In float32 that rounding noise (a token's K/V computed in a batch
 forward here, in a one-token forward in ``generate``) can move a committed value across an INT4 rounding boundary:
@@ -38,6 +39,7 @@ from ..attention.mixed_reference import DensePartition, Int4Partition
 from ..policy.costs import Action, GroupCosts
 from ..policy.retention import RetentionPolicy, check_retention_policy
 from ..quant.int4 import quantize_int4
+from ..quant.int4_centred import check_int4_keys, key_centre, quantize_int4_centred
 from ..structure.tag_source import TagSource
 from .action_schedule import ActionSchedule
 from .layer_types import SLIDING_TYPES, model_layer_types
@@ -54,15 +56,18 @@ class TeacherForcedLayer(CacheLayerMixin):
         schedule: the cache's `ActionSchedule`.
         window: the policy's recent window.
         first_commit: the first position whose forward commits (the prompt length ``P``).
+        int4_keys: ``"row"`` or ``"centred"``, as `MixedPrecisionLayer`: centred keys take the centre and spread of
+            the prompt's real keys (the prompt slots the first committing row sees), as generation fits them.
     """
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, group: int, schedule: ActionSchedule, window: int, first_commit: int):
+    def __init__(self, group: int, schedule: ActionSchedule, window: int, first_commit: int, int4_keys: str = "row"):
         super().__init__()
         self.group, self.schedule, self.window, self.first_commit = group, schedule, window, first_commit
+        self.int4_keys = check_int4_keys(int4_keys)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -111,19 +116,28 @@ class TeacherForcedLayer(CacheLayerMixin):
         kept = ~committed | (actions == Action.H).unsqueeze(1)
         parts: list[DensePartition | Int4Partition] = [DensePartition(self.keys, self.values, visible & kept)]
         lowered = (actions == Action.L).any(0).nonzero().squeeze(-1)  # columns lowered in some row
-        if lowered.numel():
+        if lowered.numel() and bool(committed.any()):  # the prompt forward commits nothing
             low_visible = (visible & committed & (actions == Action.L).unsqueeze(1))[..., lowered]
-            key_codes, key_scales = quantize_int4(self.keys[..., lowered, :])
+            centre = spread = None
+            if self.int4_keys == "row":
+                key_codes, key_scales = quantize_int4(self.keys[..., lowered, :])
+            else:
+                prompt, first_row = self.first_commit, max(self.first_commit - (seen - q_len), 0)
+                real = visible[:, first_row, :prompt]  # [B, P]: the real prompt slots a row past the prompt sees
+                centre, spread = key_centre(self.keys[..., :prompt, :], real)
+                key_codes, key_scales = quantize_int4_centred(self.keys[..., lowered, :], centre, spread)
             value_codes, value_scales = quantize_int4(self.values[..., lowered, :])
             dims = self.keys.shape[-1], self.values.shape[-1]
-            parts.append(Int4Partition(key_codes, key_scales, value_codes, value_scales, *dims, low_visible))
+            parts.append(
+                Int4Partition(key_codes, key_scales, value_codes, value_scales, *dims, low_visible, centre, spread)
+            )
         return parts
 
     def record_attention(self, *args, **kwargs) -> None:
         """No attention statistics are recorded in a replay (the cache refuses policies that need them)."""
 
     def reset(self) -> None:
-        self.__init__(self.group, self.schedule, self.window, self.first_commit)
+        self.__init__(self.group, self.schedule, self.window, self.first_commit, self.int4_keys)
 
 
 class TeacherForcedCache(Cache):
@@ -137,10 +151,12 @@ class TeacherForcedCache(Cache):
         policy: a `RetentionPolicy` without attention statistics (a `PolicyTable`, an intervention).
         tags: the `TagSource` of the known continuation (its tags decide the generated tokens' actions).
         prefill_plan: optional int ``[B, P, groups]`` prompt actions (`ActionSchedule`).
+        int4_keys: ``"row"`` or ``"centred"``: the INT4 key layout of the mixed-precision cache being replayed.
 
     Raises:
         TypeError: ``model``, ``policy`` or ``tags`` of the wrong type.
-        ValueError: a policy with attention statistics, or one built for other layer dimensions.
+        ValueError: a policy with attention statistics, one built for other layer dimensions, or an unknown
+            ``int4_keys``.
     """
 
     def __init__(
@@ -149,6 +165,7 @@ class TeacherForcedCache(Cache):
         policy: RetentionPolicy,
         tags: TagSource,
         prefill_plan: torch.Tensor | None = None,
+        int4_keys: str = "row",
     ):
         from ..attention.registry import enable
 
@@ -161,6 +178,7 @@ class TeacherForcedCache(Cache):
             raise ValueError("tags.prompt_length must be known: the replay commits from the first generated position")
         if not isinstance(model, PretrainedConfig):
             enable(model)
+        check_int4_keys(int4_keys)
         self.text_config = config.get_text_config()
         self.tags = tags
         self.schedule = self._schedule(policy, prefill_plan)
@@ -170,7 +188,7 @@ class TeacherForcedCache(Cache):
                 layers.append(DynamicSlidingWindowLayer(sliding_window=self.text_config.sliding_window))
             else:
                 group = self.schedule.costs.group_of_layer(idx)
-                layers.append(TeacherForcedLayer(group, self.schedule, policy.window, tags.prompt_length))
+                layers.append(TeacherForcedLayer(group, self.schedule, policy.window, tags.prompt_length, int4_keys))
         super().__init__(layers=layers)
 
     def _schedule(self, policy: RetentionPolicy, prefill_plan: torch.Tensor | None) -> ActionSchedule:

@@ -2,7 +2,9 @@
 
 It computes what ``hf_structkv.attention.mixed_reference.mixed_precision_attention`` computes. Each partition (a
 dense store in the query dtype, a packed-INT4 store with one FP16 scale per token x KV-head row, the recent region)
-is read in place by its own launch of `attention_kernel` (no prefix; the partition's visibility as a boolean mask),
+is read in place by its own launch of `attention_kernel` (no prefix; the partition's visibility as a boolean mask;
+an INT4 store with centred keys, `hf_structkv.quant.int4_centred`, is dequantised to the query dtype first: the
+kernel has no per-store query scale and logit shift yet, which reading its codes would need),
 split along its keys (split-KV for long histories); every (partition, split) writes FP32 softmax statistics into one
 shared buffer, and `merge_splits_kernel` merges them all (eq. 15).
 """
@@ -66,6 +68,14 @@ def _key_store(part: DensePartition | Int4Partition) -> KeyStore:
     return KeyStore(part.keys, part.values, MASK_BOOL, visible)
 
 
+def _served(part: DensePartition | Int4Partition, dtype: torch.dtype) -> DensePartition | Int4Partition:
+    """``part`` as a launch reads it: an INT4 store with centred keys dequantised to ``dtype``, others as they are."""
+    if not isinstance(part, Int4Partition) or not part.centred:
+        return part
+    keys, values = part.float_keys_values()
+    return DensePartition(keys.to(dtype), values.to(dtype), part.visible)
+
+
 def _num_keys(part: DensePartition | Int4Partition) -> int:
     return part.visible.shape[-1]
 
@@ -103,6 +113,7 @@ def triton_mixed_precision_attention(
             raise TypeError(
                 f"partitions[{index}] must be a DensePartition or an Int4Partition, got {type(part).__name__}"
             )
+    partitions = [_served(part, query.dtype) for part in partitions]
     first = partitions[0]
     value_dim = (
         first.value_dim
