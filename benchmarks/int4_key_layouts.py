@@ -30,6 +30,7 @@ from transformers import DynamicCache
 from hf_structkv.attention.recording import capture_queries
 from hf_structkv.eval.bfcl import CATEGORIES, bfcl_split
 from hf_structkv.quant.int4 import dequantize_int4, quantize_int4
+from hf_structkv.quant.int4_centred import dequantize_int4_centred, key_centre, quantize_int4_centred
 from hf_structkv.quant.int4_channels import dequantize_int4_channels, quantize_int4_channels
 from hf_structkv.structured_generation import call_prompt
 
@@ -41,27 +42,33 @@ LAYOUTS = ("keys exact", "row", "row/smoothed", "row/centred", "channel/g32", "c
 """Key layouts: ``keys exact`` (only the values quantised), ``row`` (PASK's INT4 action: `quantize_int4` per token row),
 ``row/smoothed`` (each channel divided by its largest magnitude over the quantised tokens before the per-row
 quantisation, multiplied back after: one FP16 vector per head and prompt; attention can fold it into the query),
-``row/centred`` (the same after subtracting each channel's mean over those tokens: a second vector; its dot product
-with the query is one logit shift for all of them), ``channel/gN`` (`quantize_int4_channels` over groups of N
-tokens), ``channel/prompt`` (one group of all the quantised tokens)."""
+``row/centred`` (the cache's ``int4_keys="centred"``, `hf_structkv.quant.int4_centred`: each channel centred by
+its mean over the whole prompt and divided by its largest deviation there, as the cache fits them: a second vector;
+its dot product with the query is one logit shift for all of them), ``channel/gN`` (`quantize_int4_channels` over
+groups of N tokens), ``channel/prompt`` (one group of all the quantised tokens)."""
 
 
-def stored_keys(keys: torch.Tensor, layout: str) -> tuple[torch.Tensor, float]:
+def stored_keys(keys: torch.Tensor, layout: str, prompt_keys: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
     """``keys [H_kv, n, d]`` as served from ``layout`` (dequantised, FP32) and the bytes one token row of one head
-    costs in it (codes, scales and offsets; a prompt-wide group's two rows are spread over the ``n`` rows)."""
+    costs in it (codes, scales and offsets; a prompt-wide group's two rows are spread over the ``n`` rows).
+    ``prompt_keys [H_kv, P, d]``: the whole prompt's keys, which ``row/centred`` is centred on (default ``keys``)."""
     n, d = keys.shape[-2:]
     if layout == "keys exact":
         return keys.float(), 2.0 * d
     if layout == "row":
         codes, scales = quantize_int4(keys)
         return dequantize_int4(codes, scales, d), d / 2 + 2
-    if layout.startswith("row/"):
+    if layout == "row/centred":
+        prompt_keys = keys if prompt_keys is None else prompt_keys
+        real = torch.ones(1, prompt_keys.shape[-2], dtype=torch.bool, device=keys.device)
+        centre, spread = key_centre(prompt_keys[None], real)
+        codes, scales = quantize_int4_centred(keys[None], centre, spread)
+        return dequantize_int4_centred(codes, scales, centre, spread, d)[0], d / 2 + 2 + 4.0 * d / n
+    if layout == "row/smoothed":
         keys = keys.float()
-        centre = keys.mean(dim=-2, keepdim=True).half().float() if layout == "row/centred" else keys.new_zeros(1, d)
-        spread = (keys - centre).abs().amax(dim=-2, keepdim=True).half().float().clamp_min(2**-14)
-        codes, scales = quantize_int4((keys - centre) / spread)
-        vectors = 2 if layout == "row/centred" else 1
-        return dequantize_int4(codes, scales, d) * spread + centre, d / 2 + 2 + 2.0 * d * vectors / n
+        spread = keys.abs().amax(dim=-2, keepdim=True).half().float().clamp_min(2**-14)
+        codes, scales = quantize_int4(keys / spread)
+        return dequantize_int4(codes, scales, d) * spread, d / 2 + 2 + 2.0 * d / n
     group = None if layout == "channel/prompt" else int(layout.removeprefix("channel/g"))
     codes, scales, offsets = quantize_int4_channels(keys, group)
     per_group_row = 4.0 * d  # an fp16 scale and offset per channel
@@ -134,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
             served_values = dequantize_int4(codes, scales, values.shape[-1])
             scaling = model.model.layers[index].self_attn.scaling
             for layout in LAYOUTS:
-                served_keys, key_bytes = stored_keys(keys[..., stored, :], layout)
+                served_keys, key_bytes = stored_keys(keys[..., stored, :], layout, keys)
                 errors[layout] += attention_errors(
                     layer_queries, keys, values, served_keys, served_values, args.window, scaling, args.sinks
                 )

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from .policy.shipped import CALIBRATED, SHIPPED_PAIRS
+from .quant.int4_centred import INT4_KEY_LAYOUTS
 from .validation import int_option, is_hub_id
 
 POLICIES = (CALIBRATED, *SHIPPED_PAIRS, "illustrative", "all-high")
@@ -84,7 +85,14 @@ def run_generate_calls(args, load_model) -> int:
         start = time.perf_counter()
         with torch.no_grad():
             result = generate_calls(
-                model, tokenizer, prompt, tools, policy, max_new_tokens=args.max_new_tokens, context=context
+                model,
+                tokenizer,
+                prompt,
+                tools,
+                policy,
+                max_new_tokens=args.max_new_tokens,
+                context=context,
+                int4_keys=args.int4_keys,
             )
         report = result.bytes_report()
         print(f"Q: {prompt!r}  ({time.perf_counter() - start:.1f} s)")
@@ -139,6 +147,13 @@ def add_generate_calls_parser(sub, model_options, request) -> argparse.ArgumentP
         type=catalogue_source,
         help="folder or Hub id of the tools' compacted catalogue (hf-structkv compact --tools): served before each "
         "prompt instead of the catalogue's tokens",
+    )
+    parser.add_argument(
+        "--int4-keys",
+        choices=INT4_KEY_LAYOUTS,
+        default="row",
+        help="how the cache stores the keys of INT4 tokens: row (PASK's per-row scales, default) or centred (by the "
+        "prompt's per-channel centre and spread)",
     )
     parser.add_argument("--max-new-tokens", type=int_option(1), default=128)
     return parser

@@ -126,6 +126,8 @@ def test_cli_compacts_a_catalogue_and_generates_calls_after_it(tmp_path, cli_mod
     assert catalogue_bytes == saved.nbytes() > 0 and "Q: 'Book for 4 at Noma.'" in out
     assert main([*calls, "--prompt", "Book for 4 at Noma."]) == 0
     assert "(0 of them the compacted catalogue)" in capsys.readouterr().out
+    assert main([*calls, "--prompt", "Book for 4 at Noma.", "--int4-keys", "centred"]) == 0
+    assert "Q: 'Book for 4 at Noma.'" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -136,6 +138,7 @@ def test_cli_compacts_a_catalogue_and_generates_calls_after_it(tmp_path, cli_mod
         (["generate-calls", "--tools", "{tools}", "--prompt", "x", "--policy", "best"], r"argument --policy: takes"),
         (["generate-calls", "--tools", "{bad}", "--prompt", "x"], r"--tools '.*bad.json': tools must contain"),
         (["generate-calls", "--tools", "{tools}", "--prompt", "x", "--catalogue", "/no/such/dir"], r"--catalogue"),
+        (["generate-calls", "--tools", "{tools}", "--prompt", "x", "--int4-keys", "channel"], r"--int4-keys: invalid"),
         (["compact", "--tools", "{tools}", "--keep-template", "--out", "{out}"], r"--keep-template applies"),
         (["compact", "--tools", "{tools}", "--context-file", "a.txt", "--out", "x"], r"not allowed with"),
     ],
