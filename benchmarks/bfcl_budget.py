@@ -341,10 +341,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--int4-keys",
         choices=INT4_KEY_LAYOUTS,
-        default="row",
+        default=None,
         help="how the caches store the keys of INT4 tokens (StructuredMixedPrecisionCache's int4_keys): row (PASK "
-        "B.5) or centred (by the prompt's per-channel centre and spread); rows of a centred run are labelled "
-        "'... [centred keys]'",
+        "B.5) or centred (by the prompt's per-channel centre and spread); default: each policy's own (row but for "
+        "a pair shipped centred); rows served centred are labelled '... [centred keys]'",
     )
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--seed", type=int, default=0, help="split seed")
@@ -459,8 +459,8 @@ def run_methods(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
         if method in BASELINES:
             knobs["expected_B_on_development"] = policy.expected_budget(lengths)
         if method != "full_kv":
-            knobs["int4_keys"] = args.int4_keys
-            label = label if args.int4_keys == "row" else f"{label} [{args.int4_keys} keys]"
+            knobs["int4_keys"] = args.int4_keys or policy.int4_keys
+            label = label if knobs["int4_keys"] == "row" else f"{label} [{knobs['int4_keys']} keys]"
         row = {"method": method, "label": label, "target_B": target, "knobs": knobs, "provenance": provenance}
         record = method_record(row, evaluation.records, seconds=time.perf_counter() - start)
         print(

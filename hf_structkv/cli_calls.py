@@ -151,9 +151,9 @@ def add_generate_calls_parser(sub, model_options, request) -> argparse.ArgumentP
     parser.add_argument(
         "--int4-keys",
         choices=INT4_KEY_LAYOUTS,
-        default="row",
-        help="how the cache stores the keys of INT4 tokens: row (PASK's per-row scales, default) or centred (by the "
-        "prompt's per-channel centre and spread)",
+        default=None,
+        help="how the cache stores the keys of INT4 tokens: row (PASK's per-row scales) or centred (by the prompt's "
+        "per-channel centre and spread); default: the policy's",
     )
     parser.add_argument("--max-new-tokens", type=int_option(1), default=128)
     return parser

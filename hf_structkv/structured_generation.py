@@ -247,7 +247,7 @@ def generate_calls(
     prefill_policy: PrefillPolicy | None = None,
     engine: str = "auto",
     context: CompactedCache | None = None,
-    int4_keys: str = "row",
+    int4_keys: str | None = None,
     **generate_kwargs,
 ) -> StructuredGeneration:
     """Answer each question with function calls to ``tools`` under their JSON schema, on a mixed-precision cache.
@@ -272,12 +272,19 @@ def generate_calls(
             the catalogue (placeholders stand for it, `generation_inputs`) and the cache serves the compacted
             catalogue before them, shared; ``sequences`` start with those placeholders, and a prefill plan covers
             the conversation tokens only.
-        int4_keys: the cache's INT4 key layout (`StructuredMixedPrecisionCache`): ``"row"`` or ``"centred"``.
+        int4_keys: the cache's INT4 key layout (`StructuredMixedPrecisionCache`): ``"row"`` or ``"centred"``;
+            ``None``: ``policy``'s, which a ``prefill_policy`` must share (else ``ValueError``: pass it explicitly
+            to serve a pair calibrated under different layouts).
         generate_kwargs: passed to ``model.generate`` (not ``logits_processor`` / ``past_key_values``: this call
             owns them).
     """
     check_retention_policy(policy)
-    check_int4_keys(int4_keys)
+    if int4_keys is None and prefill_policy is not None and prefill_policy.int4_keys != policy.int4_keys:
+        raise ValueError(
+            f"the decode policy stores INT4 keys {policy.int4_keys!r}, the prefill policy "
+            f"{prefill_policy.int4_keys!r}: one cache has one layout; pass int4_keys='row' or 'centred' to choose"
+        )
+    int4_keys = check_int4_keys(policy.int4_keys if int4_keys is None else int4_keys)
     resolve_engine(engine)
     if isinstance(questions, str) or (
         isinstance(questions, Sequence) and questions and all(isinstance(m, Mapping) for m in questions)
@@ -342,7 +349,7 @@ def generate_structured(
     max_new_tokens: int,
     prefill_plan: torch.Tensor | None = None,
     cache: StructuredMixedPrecisionCache | None = None,
-    int4_keys: str = "row",
+    int4_keys: str | None = None,
     **generate_kwargs,
 ) -> StructuredOutput:
     """One ``model.generate`` call under ``processor``'s grammar on a `StructuredMixedPrecisionCache` with
@@ -354,8 +361,8 @@ def generate_structured(
         prefill_plan: optional prompt actions for the cache (``[B, P, groups]``, the policy's layer groups).
         cache: a cache to continue instead of a new one: built with ``policy`` and ``processor`` and already holding
             a prefix of ``batch`` (``generate`` runs only the rest; the processor must have seen that prefix).
-        int4_keys: the INT4 key layout of a new cache (`StructuredMixedPrecisionCache`); a cache to continue keeps
-            its own.
+        int4_keys: the INT4 key layout of a new cache (`StructuredMixedPrecisionCache`; ``None``: ``policy``'s); a
+            cache to continue keeps its own.
         generate_kwargs: passed to ``model.generate`` (not ``logits_processor`` / ``past_key_values`` / ``cache``).
     """
     for owned in ("logits_processor", "past_key_values", "cache"):

@@ -1048,7 +1048,7 @@ def test_bfcl_budget_int4_keys_serves_every_cache_with_that_key_layout(tmp_path,
     full_kv, pask = result["records"]
     assert layouts == ["centred", "centred"] and "int4_keys" not in full_kv["knobs"]
     assert pask["label"] == "pask (illustrative) [centred keys]" and pask["knobs"]["int4_keys"] == "centred"
-    plain = script.main([*common, "--methods", "pask", "--out", str(tmp_path / "row.json")])
+    plain = script.main([*common, "--methods", "pask", "--out", str(tmp_path / "row.json")])  # the policy's: row
     assert plain["records"][0]["label"] == "pask (illustrative)" and plain["records"][0]["knobs"]["int4_keys"] == "row"
     with pytest.raises(SystemExit):
         script.main([*common, "--int4-keys", "channel"])

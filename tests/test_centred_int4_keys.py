@@ -18,8 +18,8 @@ from hf_structkv.attention.registry import enable
 from hf_structkv.cache.mixed_precision import StructuredMixedPrecisionCache
 from hf_structkv.cache.mixed_precision_layer import MixedPrecisionLayer
 from hf_structkv.cache.teacher_forced import TeacherForcedCache
-from hf_structkv.models import tiny_model
-from hf_structkv.policy.costs import Action
+from hf_structkv.models import tiny_byte_tokenizer, tiny_model
+from hf_structkv.policy.costs import Action, GroupCosts
 from hf_structkv.policy.table import PolicyTable
 from hf_structkv.quant import (
     check_int4_keys,
@@ -114,7 +114,7 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="int4_keys must be one of"):
         StructuredMixedPrecisionCache(model, PolicyTable.all_high(model.config), int4_keys="rows")
     with pytest.raises(ValueError, match="int4_keys must be one of"):
-        TeacherForcedCache(model, PolicyTable.all_high(model.config), FixedTags(_tags(), PROMPT), int4_keys=None)
+        TeacherForcedCache(model, PolicyTable.all_high(model.config), FixedTags(_tags(), PROMPT), int4_keys="")
 
 
 def centred(parts: list, seed: int = 7) -> list:
@@ -245,3 +245,51 @@ def test_a_centred_layer_resets_and_selects_rows_with_its_centre():
     assert torch.equal(layer.key_centre, centre[[1, 1, 0]]) and layer.key_spread.shape[0] == 3
     layer.reset()
     assert layer.key_centre is None and layer.int4_keys == "centred"
+
+
+def test_a_policys_key_layout_is_saved_as_its_quantizer_and_serves_its_caches(tmp_path):
+    import dataclasses
+    import json
+
+    from hf_structkv.policy import illustrative_prefill_policy
+    from hf_structkv.policy.prefill import PrefillPolicy
+    from hf_structkv.quant.int4_centred import QUANTIZERS
+    from hf_structkv.structured_generation import generate_calls
+
+    model = tiny_model("qwen2", num_hidden_layers=3)
+    table = dataclasses.replace(PolicyTable.all_high(model.config), int4_keys="centred")
+    table.save_pretrained(tmp_path / "table")
+    record = json.loads((tmp_path / "table" / "policy_table.json").read_text())
+    assert record["conventions"]["quantizer"] == QUANTIZERS["centred"]
+    assert "int4-centred-keys-row-fp16-scale" in (tmp_path / "table" / "README.md").read_text()
+    loaded = PolicyTable.from_pretrained(tmp_path / "table")
+    assert loaded == table and loaded.int4_keys == "centred"
+    costs = GroupCosts.from_config(model.config)
+    prefill = dataclasses.replace(illustrative_prefill_policy(), costs=costs, fingerprint=None, int4_keys="centred")
+    prefill.save_pretrained(tmp_path / "prefill")
+    assert PrefillPolicy.from_pretrained(tmp_path / "prefill").int4_keys == "centred"
+    assert "INT4 keys (`L`): `centred`" in (tmp_path / "prefill" / "README.md").read_text()
+    for name in ("table/policy_table.json", "prefill/prefill_policy.json"):
+        path = tmp_path / name
+        text = path.read_text()
+        path.write_text(text.replace(QUANTIZERS["centred"], "int4-nf4"))
+        with pytest.raises(ValueError, match="names the quantizer 'int4-nf4'"):
+            (PolicyTable if "table" in name else PrefillPolicy).from_pretrained(path.parent)
+        path.write_text(text.replace('"pask-b3"', '"other-cost"'))
+        with pytest.raises(ValueError, match=r"conventions this hf_structkv does not implement: \['payload_cost'\]"):
+            (PolicyTable if "table" in name else PrefillPolicy).from_pretrained(path.parent)
+    with pytest.raises(ValueError, match="int4_keys must be one of"):
+        dataclasses.replace(table, int4_keys="rows")
+    cache = StructuredMixedPrecisionCache(model, table)
+    assert {layer.int4_keys for layer in cache.mixed_layers()} == {"centred"}
+    assert {
+        layer.int4_keys for layer in StructuredMixedPrecisionCache(model, table, int4_keys="row").mixed_layers()
+    } == {"row"}
+    assert {layer.int4_keys for layer in TeacherForcedCache(model, table, FixedTags(_tags(), PROMPT)).layers} == {
+        "centred"
+    }
+    row_prefill = dataclasses.replace(prefill, int4_keys="row")
+    tokenizer = tiny_byte_tokenizer()
+    tools = [{"name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}]
+    with pytest.raises(ValueError, match="one cache has one layout"):
+        generate_calls(model, tokenizer, "q", tools, table, max_new_tokens=2, prefill_policy=row_prefill)

@@ -60,9 +60,11 @@ class StructuredMixedPrecisionCache(Cache):
             is committed until the whole prompt is cached, so the chunks attend the prompt at full precision, as one
             forward does. Without it, a second forward before the processor's first call is refused. Not with
             attention-statistics policies.
-        int4_keys: how the keys of the INT4 (``L``) tokens are stored: ``"row"`` (PASK B.5, per token row, the
-            default) or ``"centred"`` (per row after centring each channel by the prompt's mean and range,
-            `hf_structkv.quant.int4_centred`: the same bytes per token, two FP16 vectors per row and KV head).
+        int4_keys: how the keys of the INT4 (``L``) tokens are stored: ``"row"`` (PASK B.5, per token row) or
+            ``"centred"`` (per row after centring each channel by the prompt's mean and range,
+            `hf_structkv.quant.int4_centred`: the same bytes per token, two FP16 vectors per row and KV head);
+            ``None`` (the default): the policy's ``int4_keys`` (what a calibrated table was calibrated or shipped
+            with).
 
     A policy whose `RetentionPolicy.attention_statistics` returns an `AttentionMass` (the attention-based baselines)
     has it filled by the layers during attention (torch reference only), and its controllers plan the prompt at the
@@ -85,7 +87,7 @@ class StructuredMixedPrecisionCache(Cache):
         prefill_plan: torch.Tensor | None = None,
         context: CompactedCache | None = None,
         prompt_length: int | None = None,
-        int4_keys: str = "row",
+        int4_keys: str | None = None,
     ):
         from ..attention.registry import enable
 
@@ -93,7 +95,7 @@ class StructuredMixedPrecisionCache(Cache):
         if not isinstance(config, PretrainedConfig):
             raise TypeError(f"model must be a transformers model or its config, got {type(model).__name__}")
         check_retention_policy(policy)
-        check_int4_keys(int4_keys)
+        int4_keys = check_int4_keys(policy.int4_keys if int4_keys is None else int4_keys)
         if processor is not None and not isinstance(processor, TagSource):
             raise TypeError(
                 "processor must be a TagSource: the StructuralLogitsProcessor passed to generate (it provides "

@@ -151,7 +151,8 @@ class TeacherForcedCache(Cache):
         policy: a `RetentionPolicy` without attention statistics (a `PolicyTable`, an intervention).
         tags: the `TagSource` of the known continuation (its tags decide the generated tokens' actions).
         prefill_plan: optional int ``[B, P, groups]`` prompt actions (`ActionSchedule`).
-        int4_keys: ``"row"`` or ``"centred"``: the INT4 key layout of the mixed-precision cache being replayed.
+        int4_keys: ``"row"`` or ``"centred"``: the INT4 key layout of the mixed-precision cache being replayed
+            (``None``: ``policy``'s, as that cache takes it; `with_schedule` keeps this one).
 
     Raises:
         TypeError: ``model``, ``policy`` or ``tags`` of the wrong type.
@@ -165,7 +166,7 @@ class TeacherForcedCache(Cache):
         policy: RetentionPolicy,
         tags: TagSource,
         prefill_plan: torch.Tensor | None = None,
-        int4_keys: str = "row",
+        int4_keys: str | None = None,
     ):
         from ..attention.registry import enable
 
@@ -178,7 +179,8 @@ class TeacherForcedCache(Cache):
             raise ValueError("tags.prompt_length must be known: the replay commits from the first generated position")
         if not isinstance(model, PretrainedConfig):
             enable(model)
-        check_int4_keys(int4_keys)
+        check_retention_policy(policy)
+        int4_keys = check_int4_keys(policy.int4_keys if int4_keys is None else int4_keys)
         self.text_config = config.get_text_config()
         self.tags = tags
         self.schedule = self._schedule(policy, prefill_plan)

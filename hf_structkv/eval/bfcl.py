@@ -240,7 +240,7 @@ def evaluate_bfcl(
     max_new_tokens: int = 256,
     progress: bool = False,
     prefill_policy=None,
-    int4_keys: str = "row",
+    int4_keys: str | None = None,
 ) -> BfclEvaluation:
     """Answer each entry with `generate_calls` (greedy, batch 1, the entry's tools as the grammar and in the chat
     template) on a mixed-precision cache under ``policy``, and score the calls with BFCL's AST checker.
@@ -252,7 +252,8 @@ def evaluate_bfcl(
             (``ast_decoder:decoder_failed``).
         progress: show a tqdm bar over the entries.
         prefill_policy: optional `PrefillPolicy` for the prompt tokens (`generate_calls`).
-        int4_keys: the cache's INT4 key layout, ``"row"`` or ``"centred"`` (`generate_calls`).
+        int4_keys: the cache's INT4 key layout, ``"row"`` or ``"centred"`` (`generate_calls`; ``None``: the
+            policy's).
     """
     if isinstance(entries, BfclEntry) or not entries:
         raise ValueError("entries must be a non-empty list of BfclEntry objects (load_bfcl / bfcl_split)")

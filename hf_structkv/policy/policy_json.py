@@ -7,12 +7,15 @@ import json
 from typing import Any
 
 from ..persistence import FINGERPRINT_LIMITS
+from ..quant.int4_centred import QUANTIZERS, int4_keys_of_quantizer
 from ..validation import is_int
 from .costs import Action, GroupCosts
 from .entries import UPGRADE_STEPS, PolicyEntry, is_score
 
 __all__ = [
     "CONVENTIONS",
+    "conventions_with_keys",
+    "int4_keys_of_conventions",
     "FORMAT_VERSION",
     "TABLE_NAME",
     "costs_from_json",
@@ -28,12 +31,37 @@ TABLE_NAME = "policy_table.json"
 # The rules a decode table is compiled under, recorded in its file: a file compiled under other rules is refused.
 CONVENTIONS = {
     "payload_cost": "pask-b3",  # m(R,c)=0, m(H,c)=16 n_c, m(L,c)=4 n_c + 16 k_c + 4 p_c bits per token
-    "quantizer": "int4-symmetric-row-fp16-scale",  # B.5: per token x KV-head row, scale max|x|/7, codes [-7, 7]
+    "quantizer": QUANTIZERS["row"],  # B.5: per token x KV-head row, scale max|x|/7, codes [-7, 7] (or centred keys)
     "fallback": "class|role|state|next>class|role|state>class|role>class",  # B.1; no entry -> H action and floor
     "resolution": "single-entry-or-eq12-max",  # eq. 12 over distinct entries; promotion scores only when unique
     "tie_order": "score-then-group",  # demote ascending (score, group), promote descending (score, group)
     "reserve_state": "max-over-candidates-pooled-when-empty",  # Γ of a token: max over its candidates' states
 }
+
+
+def conventions_with_keys(conventions: dict[str, str], int4_keys: str) -> dict[str, str]:
+    """``conventions`` with the ``quantizer`` of the key layout ``int4_keys`` (`QUANTIZERS`)."""
+    return {**conventions, "quantizer": QUANTIZERS[int4_keys]}
+
+
+def int4_keys_of_conventions(conventions: Any, expected: dict[str, str], where: str) -> str:
+    """The key layout of a policy file's ``conventions``: every convention but ``quantizer`` as ``expected``, the
+    ``quantizer`` one of `QUANTIZERS`.
+
+    Raises:
+        ValueError: naming ``where`` and the conventions that differ.
+    """
+    if not isinstance(conventions, dict):
+        raise ValueError(f"conventions in {where} must be a JSON object, got {type(conventions).__name__}")
+    differ = sorted(
+        k for k in expected.keys() | conventions.keys() if k != "quantizer" and conventions.get(k) != expected.get(k)
+    )
+    if differ:
+        raise ValueError(
+            f"{where} was compiled under conventions this hf_structkv does not implement: {differ} "
+            f"(expected {expected})"
+        )
+    return int4_keys_of_quantizer(conventions.get("quantizer"), where)
 
 
 def entry_to_json(entry: PolicyEntry) -> dict[str, Any]:

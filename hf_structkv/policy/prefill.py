@@ -46,13 +46,22 @@ from ..persistence import (
     markdown_items,
     render_card,
 )
+from ..quant.int4_centred import check_int4_keys
 from ..structure.prompt_spans import PROMPT_LABELS, label_prompt, token_labels
 from ..validation import check_int, is_number
 from ..version import __version__
 from .costs import Action, GroupCosts, layer_groups
 from .entries import PolicyEntry, PolicyLookup, merge_lookups
 from .policy_file import PolicyFile, shipped_policy
-from .policy_json import CONVENTIONS, costs_from_json, costs_to_json, entry_from_json, entry_to_json
+from .policy_json import (
+    CONVENTIONS,
+    conventions_with_keys,
+    costs_from_json,
+    costs_to_json,
+    entry_from_json,
+    entry_to_json,
+    int4_keys_of_conventions,
+)
 from .retention import RetentionPolicy
 from .shipped import CALIBRATED, shipped_pair_folders
 
@@ -107,6 +116,8 @@ class PrefillPolicy(PolicyFile):
         calibration: JSON-serialisable calibration record.
         fingerprint: `persistence.model_fingerprint` of the model the policy was built for (required when
             calibrated), or ``None`` when it depends only on the layer dimensions.
+        int4_keys: the key layout of its ``L`` tokens (``"row"`` or ``"centred"``,
+            `hf_structkv.quant.int4_centred`; the ``quantizer`` convention of its file).
     """
 
     costs: GroupCosts
@@ -117,6 +128,7 @@ class PrefillPolicy(PolicyFile):
     thresholds: Mapping[str, float] = field(default_factory=dict)
     calibration: Mapping[str, Any] = field(default_factory=dict)
     fingerprint: Mapping[str, Any] | None = None
+    int4_keys: str = "row"
 
     _FILE_NAME: ClassVar[str] = PREFILL_POLICY_NAME
     SAVED_FILES: ClassVar[tuple[str, ...]] = (PREFILL_POLICY_NAME, CARD_NAME)
@@ -145,6 +157,7 @@ class PrefillPolicy(PolicyFile):
             raise ValueError(
                 f"budget (B_P) must be a number in [0, 1] (prefill_budget in the file), got {self.budget!r}"
             )
+        check_int4_keys(self.int4_keys)
         self._check_records()
 
     def lookup(self, labels: Sequence[str]) -> PolicyLookup:
@@ -170,7 +183,7 @@ class PrefillPolicy(PolicyFile):
             "format_version": FORMAT_VERSION,
             "hf_structkv_version": __version__,
             "labels": list(PROMPT_LABELS),
-            "conventions": dict(PREFILL_CONVENTIONS),
+            "conventions": conventions_with_keys(PREFILL_CONVENTIONS, self.int4_keys),
             "group_costs": costs_to_json(self.costs),
             "prefill_budget": self.budget,
             "entries": {label: entry_to_json(self.entries[label]) for label in PROMPT_LABELS if label in self.entries},
@@ -193,11 +206,7 @@ class PrefillPolicy(PolicyFile):
             raise ValueError(f"{PREFILL_POLICY_NAME} has unknown fields {unknown} and lacks the fields {missing}")
         if record["labels"] != list(PROMPT_LABELS):
             raise ValueError(f"labels in {PREFILL_POLICY_NAME} must be {list(PROMPT_LABELS)}, got {record['labels']!r}")
-        if record["conventions"] != PREFILL_CONVENTIONS:
-            raise ValueError(
-                f"{PREFILL_POLICY_NAME} was planned under conventions this hf_structkv does not implement: "
-                f"{record['conventions']!r} (expected {PREFILL_CONVENTIONS})"
-            )
+        int4_keys = int4_keys_of_conventions(record["conventions"], PREFILL_CONVENTIONS, PREFILL_POLICY_NAME)
         entries = record["entries"]
         if not isinstance(entries, dict):
             raise ValueError(f"entries in {PREFILL_POLICY_NAME} must be a JSON object of label -> entry")
@@ -205,6 +214,7 @@ class PrefillPolicy(PolicyFile):
             costs=costs_from_json(record["group_costs"]),
             entries={label: entry_from_json(label, value) for label, value in entries.items()},
             budget=record["prefill_budget"],
+            int4_keys=int4_keys,
             **cls._records_from_json(record),
         )
 
@@ -224,6 +234,7 @@ class PrefillPolicy(PolicyFile):
             description=self.description or "none",
             repo_id=repo_id or "<this repository id or local folder>",
             budget=self.budget,
+            int4_keys=self.int4_keys,
             entry_rows="\n".join(rows) or "| (none: every label is planned H) | | |",
             thresholds=markdown_items(dict(self.thresholds)),
             calibration=markdown_items(dict(self.calibration)),

@@ -37,6 +37,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from ..persistence import CARD_NAME, check_format_version, model_fingerprint
+from ..quant.int4_centred import check_int4_keys
 from ..structure.tags import NEXT, ROLES, STATES, TAG_CLASSES, StructuralTag, check_tag_view, view_vocabulary
 from ..validation import is_int, is_number
 from ..version import __version__
@@ -48,10 +49,12 @@ from .policy_json import (
     CONVENTIONS,
     FORMAT_VERSION,
     TABLE_NAME,
+    conventions_with_keys,
     costs_from_json,
     costs_to_json,
     entry_from_json,
     entry_to_json,
+    int4_keys_of_conventions,
     json_object,
 )
 from .retention import RetentionPolicy
@@ -145,6 +148,9 @@ class PolicyTable(PolicyFile, RetentionPolicy):
         calibration: JSON-serialisable calibration record (data, reserve horizon and quantile, ...).
         fingerprint: `persistence.model_fingerprint` of the model the table was built for, or ``None`` when it
             depends only on the layer dimensions in ``costs`` (required for calibrated tables).
+        int4_keys: the key layout its ``L`` action stores (``"row"``, PASK B.5, or ``"centred"``,
+            `hf_structkv.quant.int4_centred`): a cache serves the table with it unless told otherwise; saved as the
+            ``quantizer`` convention.
     """
 
     family: str
@@ -162,6 +168,7 @@ class PolicyTable(PolicyFile, RetentionPolicy):
     thresholds: Mapping[str, float] = field(default_factory=dict)
     calibration: Mapping[str, Any] = field(default_factory=dict)
     fingerprint: Mapping[str, Any] | None = None
+    int4_keys: str = "row"
 
     _FILE_NAME: ClassVar[str] = TABLE_NAME
     SAVED_FILES: ClassVar[tuple[str, ...]] = (TABLE_NAME, CARD_NAME)
@@ -218,6 +225,7 @@ class PolicyTable(PolicyFile, RetentionPolicy):
                 )
 
     def _check_scalars(self) -> None:
+        check_int4_keys(self.int4_keys)
         if not is_number(self.budget) or not 0 <= self.budget <= 1:
             raise ValueError(
                 f"budget (B_D) must be a number in [0, 1] (decode_budget in the file), got {self.budget!r}"
@@ -368,7 +376,7 @@ class PolicyTable(PolicyFile, RetentionPolicy):
             "hf_structkv_version": __version__,
             "family": self.family,
             "vocabulary": _vocabulary(self.family),
-            "conventions": dict(CONVENTIONS),
+            "conventions": conventions_with_keys(CONVENTIONS, self.int4_keys),
             "group_costs": costs_to_json(self.costs),
             "decode_budget": self.budget,
             "sink_tokens": self.sink_tokens,
@@ -404,13 +412,7 @@ class PolicyTable(PolicyFile, RetentionPolicy):
                 f"the tag vocabulary in {TABLE_NAME} is not hf_structkv's {family} vocabulary "
                 f"{_vocabulary(family)}: the table was compiled for other tags"
             )
-        conventions = json_object(record["conventions"], "conventions")
-        if conventions != CONVENTIONS:
-            differ = sorted(k for k in CONVENTIONS.keys() | conventions if conventions.get(k) != CONVENTIONS.get(k))
-            raise ValueError(
-                f"{TABLE_NAME} was compiled under conventions this hf_structkv does not implement: {differ} "
-                f"(expected {CONVENTIONS})"
-            )
+        int4_keys = int4_keys_of_conventions(json_object(record["conventions"], "conventions"), CONVENTIONS, TABLE_NAME)
         reserve = json_object(record["reserve"], "reserve", ("by_state", "pooled"))
         return cls(
             family=family,
@@ -425,6 +427,7 @@ class PolicyTable(PolicyFile, RetentionPolicy):
             window=record["window"],
             tag_view=record.get("tag_view", _OPTIONAL_JSON_FIELDS["tag_view"]),
             position_bins=_position_bins_from_json(record.get("position_bins", _OPTIONAL_JSON_FIELDS["position_bins"])),
+            int4_keys=int4_keys,
             **cls._records_from_json(record),
         )
 

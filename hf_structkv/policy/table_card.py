@@ -10,7 +10,7 @@ from ..persistence import base_model, card_front_matter, markdown_items, render_
 from ..version import __version__
 from .costs import Action, GroupCosts, group_names
 from .entries import UPGRADE_STEPS, PolicyEntry
-from .policy_json import CONVENTIONS, FORMAT_VERSION
+from .policy_json import CONVENTIONS, FORMAT_VERSION, conventions_with_keys
 
 __all__ = ["render_table_card"]
 
@@ -56,7 +56,9 @@ def render_table_card(table: Any, repo_id: str | None = None) -> str:
         resolution_rows=_resolution_rows(table),
         thresholds=markdown_items(dict(table.thresholds)),
         calibration=markdown_items(dict(table.calibration)),
-        conventions="\n".join(f"- **{k}**: `{v}`" for k, v in CONVENTIONS.items()),
+        conventions="\n".join(
+            f"- **{k}**: `{v}`" for k, v in conventions_with_keys(CONVENTIONS, table.int4_keys).items()
+        ),
         fingerprint=json.dumps(fingerprint, indent=2, sort_keys=True) if fingerprint else "null",
         hf_structkv_version=__version__,
         format_version=FORMAT_VERSION,

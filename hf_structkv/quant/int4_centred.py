@@ -87,6 +87,22 @@ def dequantize_int4_centred(
 INT4_KEY_LAYOUTS = ("row", "centred")
 """How a mixed-precision cache stores the keys of its INT4 (``L``) tokens: ``row`` (PASK B.5: `quantize_int4` per
 token row) or ``centred`` (`quantize_int4_centred` with the prompt's `key_centre`)."""
+QUANTIZERS = {"row": "int4-symmetric-row-fp16-scale", "centred": "int4-centred-keys-row-fp16-scale"}
+"""The ``quantizer`` convention a policy file records for each key layout (values per row in both)."""
+
+
+def int4_keys_of_quantizer(quantizer: object, where: str) -> str:
+    """The key layout whose `QUANTIZERS` name is ``quantizer``.
+
+    Raises:
+        ValueError: naming ``where`` (the file) and the known quantizers.
+    """
+    for layout, name in QUANTIZERS.items():
+        if quantizer == name:
+            return layout
+    raise ValueError(
+        f"{where} names the quantizer {quantizer!r}; this hf_structkv implements {sorted(QUANTIZERS.values())}"
+    )
 
 
 def check_int4_keys(int4_keys: object) -> str:
