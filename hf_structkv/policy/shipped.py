@@ -25,6 +25,10 @@ SHIPPED_PAIRS: dict[str, tuple[str, str]] = {
         "qwen2.5-coder-0.5b-instruct-calibrated-likelihood-int4",
         "qwen2.5-coder-0.5b-instruct-calibrated-likelihood-int4-prefill",
     ),
+    "calibrated-likelihood-int4-centred": (
+        "qwen2.5-coder-0.5b-instruct-calibrated-likelihood-int4-centred",
+        "qwen2.5-coder-0.5b-instruct-calibrated-likelihood-int4-centred-prefill",
+    ),
 }
 """``{name: (decode table folder, prefill policy folder)}``. ``calibrated-verdict-24``: PASK Algorithm 1 with
 verdict sensitivity on 12 calibration + 12 development BFCL cases (docs/RESULTS.md measures it on the 224-case test
@@ -37,7 +41,10 @@ released only where releasing it alone leaves the reply's likelihood unchanged, 
 ``α_D`` 0.02 (nominal ``B_D`` 0.265, development accuracy 0.492 against all-high 0.500); prefill ``τ`` (0.001, 1)
 candidate 0 written with ``α_P`` 0.05 (nominal ``B_P`` 0.274, development accuracy 0.453), chosen over the
 verdict-24 prefill on the development split at B = 0.33 (54 against 49 of 128). Until commit 4426d68 this name paired
-the decode table with the verdict-24 prefill (its rows in docs/NOTES.md say how to rerun them)."""
+the decode table with the verdict-24 prefill (its rows in docs/NOTES.md say how to rerun them).
+``calibrated-likelihood-int4-centred``: that pair's two policies served with centred INT4 keys (``int4_keys``
+``"centred"``, `hf_structkv.quant.int4_centred`; saved as their ``quantizer`` convention), which the development
+split chose over the row keys they were calibrated with at B = 0.33 (60 against 54 of 128); not recalibrated."""
 
 DEFAULT_CALIBRATED = "calibrated-verdict-24"
 """The pair ``"calibrated"`` loads."""
