@@ -124,8 +124,7 @@ def test_replay_equals_forced_stepwise_decoding(arch, monkeypatch):
             # The reference merges per-partition statistics, to which entries that no row sees add exact zeros: a
             # shared prompt cache and a recomputed one give the same logits bit for bit, so the schedule alone decides.
             # The fused SDPA path (the torch backend) reduces over all of a KV head's entries at once, so entries that
-            # no row sees (the replay's prompt forward under the prefill plan holds 3 INT4 entries no prompt row sees)
-            # change how its FP32 sums round: equal up to FP32 rounding of the attention (observed: at most 1.6e-6 on
+            # no row sees (masked columns of the dense and INT4 partitions) change how its FP32 sums round: equal up to FP32 rounding of the attention (observed: at most 1.6e-6 on
             # logits of magnitude ~6, with 1 and 2 threads; the logits are compared in FP32).
             torch.testing.assert_close(shared, replayed, rtol=0, atol=exact, msg=f"{name} ({backend})")
         changed += not torch.allclose(stepwise, baseline, atol=1e-4)
