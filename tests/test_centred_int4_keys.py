@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 from test_fused_mixed_attention import case
-from test_teacher_forced import PROMPT, STEPS, FixedTags, _policies, _tags
+from test_teacher_forced import PROMPT, STEPS, FixedTags, _policies, _replayed_logits, _stepwise_logits, _tags
 
 from hf_structkv.attention import mixed_sdpa
 from hf_structkv.attention.backend import BACKEND_ENV
@@ -214,17 +214,8 @@ def test_replay_with_centred_keys_equals_forced_stepwise_decoding(arch, monkeypa
     for name, policy, plan in _policies(model, window):
         logits = {}
         for int4_keys in ("row", "centred"):
-            cache = StructuredMixedPrecisionCache(model, policy, processor=tags, prefill_plan=plan, int4_keys=int4_keys)
-            rows = []
-            with torch.no_grad():
-                model(input_ids=tokens[:, :PROMPT], cache=cache, use_cache=True)
-                for p in range(PROMPT, tokens.shape[1]):
-                    rows.append(model(input_ids=tokens[:, p : p + 1], cache=cache, use_cache=True).logits[:, -1])
-            replay = TeacherForcedCache(model, policy, tags, prefill_plan=plan, int4_keys=int4_keys)
-            with torch.no_grad():
-                model(input_ids=tokens[:, :PROMPT], cache=replay, use_cache=True)
-                replayed = model(input_ids=tokens[:, PROMPT:], cache=replay, use_cache=True).logits[0]
-            logits[int4_keys] = torch.cat(rows)
+            logits[int4_keys] = _stepwise_logits(model, tokens, policy, tags, plan, int4_keys=int4_keys)
+            replayed = _replayed_logits(model, tokens, policy, tags, plan, int4_keys=int4_keys)
             torch.testing.assert_close(replayed, logits[int4_keys], rtol=1e-4, atol=1e-4, msg=f"{name} {int4_keys}")
         differs += not torch.allclose(logits["row"], logits["centred"], atol=1e-6)
     assert differs >= 3  # the schedules that lower keys serve them differently in the two layouts

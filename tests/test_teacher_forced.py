@@ -44,9 +44,9 @@ def _tags() -> list:
     return [(HIT,) if i % 3 == 0 else (MISS,) for i in range(STEPS - 1)] + [None]
 
 
-def _stepwise_logits(model, tokens, policy, tags, plan) -> torch.Tensor:
+def _stepwise_logits(model, tokens, policy, tags, plan, int4_keys=None) -> torch.Tensor:
     """Logits ``[T - 1, V]`` of forced decoding, one token per forward (the prompt first)."""
-    cache = StructuredMixedPrecisionCache(model, policy, processor=tags, prefill_plan=plan)
+    cache = StructuredMixedPrecisionCache(model, policy, processor=tags, prefill_plan=plan, int4_keys=int4_keys)
     rows = []
     with torch.no_grad():
         model(input_ids=tokens[:, :PROMPT], cache=cache, use_cache=True)
@@ -55,9 +55,11 @@ def _stepwise_logits(model, tokens, policy, tags, plan) -> torch.Tensor:
     return torch.cat(rows).float()
 
 
-def _replayed_logits(model, tokens, policy, tags, plan, from_prompt=None) -> torch.Tensor:
+def _replayed_logits(model, tokens, policy, tags, plan, from_prompt=None, int4_keys=None) -> torch.Tensor:
+    """Logits ``[T - P, V]`` of one teacher-forced forward over the continuation (the prompt's own forward first,
+    or ``from_prompt``'s prompt cache given the schedule)."""
     if from_prompt is None:
-        cache = TeacherForcedCache(model, policy, tags, prefill_plan=plan)
+        cache = TeacherForcedCache(model, policy, tags, prefill_plan=plan, int4_keys=int4_keys)
         with torch.no_grad():
             model(input_ids=tokens[:, :PROMPT], cache=cache, use_cache=True)
     else:
@@ -124,8 +126,9 @@ def test_replay_equals_forced_stepwise_decoding(arch, monkeypatch):
             # The reference merges per-partition statistics, to which entries that no row sees add exact zeros: a
             # shared prompt cache and a recomputed one give the same logits bit for bit, so the schedule alone decides.
             # The fused SDPA path (the torch backend) reduces over all of a KV head's entries at once, so entries that
-            # no row sees (masked columns of the dense and INT4 partitions) change how its FP32 sums round: equal up to FP32 rounding of the attention (observed: at most 1.6e-6 on
-            # logits of magnitude ~6, with 1 and 2 threads; the logits are compared in FP32).
+            # no row sees (masked columns of the dense and INT4 partitions) change how its FP32 sums round: equal up
+            # to FP32 rounding of the attention (observed: at most 1.6e-6 on logits of magnitude ~6, with 1 and 2
+            # threads; the logits are compared in FP32).
             torch.testing.assert_close(shared, replayed, rtol=0, atol=exact, msg=f"{name} ({backend})")
         changed += not torch.allclose(stepwise, baseline, atol=1e-4)
     assert changed >= 6  # the lowered schedules do change the logits: the comparison is not between all-high runs

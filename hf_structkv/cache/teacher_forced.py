@@ -179,11 +179,10 @@ class TeacherForcedCache(Cache):
             raise ValueError("tags.prompt_length must be known: the replay commits from the first generated position")
         if not isinstance(model, PretrainedConfig):
             enable(model)
-        check_retention_policy(policy)
-        int4_keys = check_int4_keys(policy.int4_keys if int4_keys is None else int4_keys)
         self.text_config = config.get_text_config()
         self.tags = tags
-        self.schedule = self._schedule(policy, prefill_plan)
+        self.schedule = self._schedule(policy, prefill_plan)  # checks the policy
+        int4_keys = check_int4_keys(policy.int4_keys if int4_keys is None else int4_keys)
         layers = []
         for idx, layer_type in enumerate(model_layer_types(self.text_config)):
             if layer_type in SLIDING_TYPES:
