@@ -30,6 +30,7 @@ from hf_structkv.calibration import (
     reserve_table,
     search_path,
     select_cheapest,
+    task_sensitivity,
     upgrade_priorities,
 )
 from hf_structkv.calibration.buckets import parse_bucket
@@ -50,6 +51,7 @@ from hf_structkv.eval.bfcl import bfcl_split
 from hf_structkv.policy import Action, GroupCosts, PolicyTable, PrefillPolicy
 from hf_structkv.policy.prefill import illustrative_prefill_policy
 from hf_structkv.quant.int4 import dequantize_int4, quantize_int4
+from hf_structkv.quant.int4_centred import dequantize_int4_centred, key_centre, quantize_int4_centred
 from hf_structkv.structure.prompt_spans import PROMPT_LABELS
 from hf_structkv.structure.tags import StructuralTag, position_bin_starts, view_tags
 from hf_structkv.structured_generation import generate_calls
@@ -320,7 +322,7 @@ def test_a_resumed_prefill_intervention_is_the_fresh_generation(model, tokenizer
     assert generators[0](entry, reference, bucket, R) == generators[1](entry, reference, bucket, R)
 
 
-def test_resume_refuses_what_it_cannot_replay(model, tokenizer, cases, references):
+def test_resume_refuses_what_it_cannot_replay(model, tokenizer, cases, references, monkeypatch):
     entry, reference = cases[0][0], references[0]
     all_high = PolicyTable.all_high(model, window=WINDOW, sink_tokens=4)
     other = dataclasses.replace(reference, tokens=reference.tokens[:-1] + (reference.tokens[-1] + 1,))
@@ -338,6 +340,24 @@ def test_resume_refuses_what_it_cannot_replay(model, tokenizer, cases, reference
     bucket = Bucket(reference.tags[0][0], 1)
     assert generate(entry, reference, bucket, R) == fresh(entry, reference, bucket, R)
     assert generate(entry, other, bucket, R) == fresh(entry, other, bucket, R)  # not the recorded run: generated
+    # centred INT4 keys: the interventions store L in that layout, and a resumed run fits the same prompt centre
+    served, run = [], task_sensitivity.run_case
+    monkeypatch.setattr(task_sensitivity, "run_case", lambda *args: served.append(args[4].int4_keys) or run(*args))
+    generate, fresh = (
+        decode_generator(
+            model,
+            tokenizer,
+            BFCL,
+            GroupCosts.from_config(model.config),
+            MAX_NEW,
+            4,
+            WINDOW,
+            resume=resume,
+            int4_keys="centred",
+        )
+        for resume in (True, False)
+    )
+    assert generate(entry, reference, bucket, L) == fresh(entry, reference, bucket, L) and served == ["centred"]
 
 
 def test_intervention_controller_lowers_only_occurrences():
@@ -548,13 +568,15 @@ def _toy_reference(tags, prompt_labels):
     )
 
 
-def _brute_force_distortion(reference, states, key, stage, action, sink, window, costs, group):
-    """Per query and layer: rebuild the keys / values the query sees, attention head by head, max over heads."""
+def _brute_force_distortion(reference, states, key, stage, action, sink, window, costs, group, int4_keys="row"):
+    """Per query and layer: rebuild the keys / values the query sees, attention head by head, max over heads (a
+    lowered key rounded on its own, per row or centred by its head's prompt keys' `key_centre`)."""
     prompt, tokens = len(reference.prompt_ids), len(reference.tokens)
     total = 0.0
     for layer, (queries, keys, values, scaling) in states.items():
         if costs.group_of_layer(layer) != group:
             continue
+        centre, spread = key_centre(keys[None, :, :prompt], torch.ones(1, prompt, dtype=torch.bool))
         groups = queries.shape[0] // keys.shape[0]
         for j in range(tokens - 1):
             worst = 0.0
@@ -570,8 +592,12 @@ def _brute_force_distortion(reference, states, key, stage, action, sink, window,
                     else:
                         hit = sink <= n < prompt - window and key in reference.prompt_labels[n]
                     k, v = keys[kv, n], values[kv, n]
-                    if hit and action == L:
+                    if hit and action == L and int4_keys == "row":
                         k = dequantize_int4(*quantize_int4(k[None]), k.shape[-1])[0]
+                    elif hit and action == L:
+                        mu, s = centre[0, kv], spread[0, kv]  # [1, D]
+                        k = dequantize_int4_centred(*quantize_int4_centred(k[None], mu, s), mu, s, k.shape[-1])[0]
+                    if hit and action == L:
                         v = dequantize_int4(*quantize_int4(v[None]), v.shape[-1])[0]
                     new_k.append(k)
                     new_v.append(v)
@@ -599,7 +625,8 @@ def _random_states(generator, tokens: int, total: int) -> dict:
     }
 
 
-def test_distortion_equals_brute_force_on_random_states():
+@pytest.mark.parametrize("int4_keys", ["row", "centred"])
+def test_distortion_equals_brute_force_on_random_states(int4_keys):
     costs = GroupCosts.from_dims([2] * 3, [8] * 3)
     a, b = "schema_bearing|required|critical|no_lookahead", "pure_scaffold|scaffold_separator|boundary|no_lookahead"
     tags = [(a,), (b,), (a, b), (a,), (), (b,), (a,), (a,), None]
@@ -615,14 +642,17 @@ def test_distortion_equals_brute_force_on_random_states():
     sink, window = 2, 2
     for stage, keys in (("decode", (a, b)), ("prefill", ("function_name", "schema_scaffold", "protected_content"))):
         buckets = [Bucket(key, c) for key in keys for c in range(3)]
-        got = attention_distortion([reference], buckets, stage, costs, sink, window, lambda r: states)
+        got = attention_distortion([reference], buckets, stage, costs, sink, window, lambda r: states, None, int4_keys)
         for bucket in buckets:
             for action in (R, L):
                 want = _brute_force_distortion(
-                    reference, states, bucket.key, stage, action, sink, window, costs, bucket.group
+                    reference, states, bucket.key, stage, action, sink, window, costs, bucket.group, int4_keys
                 )
                 assert got[bucket][action] == pytest.approx(want, rel=1e-4, abs=1e-7)
         assert any(got[bucket][R] > 0 for bucket in buckets)
+        if int4_keys == "centred":  # the layout is used: L differs from the row layout's round trip
+            row = attention_distortion([reference], buckets, stage, costs, sink, window, lambda r: states)
+            assert any(got[b][L] != pytest.approx(row[b][L], rel=1e-3) for b in buckets if row[b][L] > 0)
 
 
 def test_distortion_store_resumes_without_capturing_the_stored_references(tmp_path):

@@ -284,3 +284,56 @@ def test_settings_refuse_an_unknown_sensitivity():
         dataclasses.replace(SETTINGS, sensitivity="bits")
     with pytest.raises(ValueError, match="max_confirmations"):
         dataclasses.replace(SETTINGS, max_confirmations=0)
+
+
+def test_the_likelihood_of_L_is_measured_in_the_calibrations_key_layout(model, references):
+    """An ``L`` loss replays the calibration's key layout (the all-high policy carries it); an ``R`` loss is the same
+    in both layouts (a release keeps no INT4 token)."""
+    costs = GroupCosts.from_config(model.config)
+    reference = references[0]
+    key = next(key for tags in reference.tags if tags for key in tags)
+    first = first_changed_forward(reference, key, WINDOW)
+    losses = {}
+    for int4_keys in ("row", "centred"):
+        all_high = PolicyTable.all_high(model.config, window=WINDOW, sink_tokens=SINKS, int4_keys=int4_keys)
+        replay = CaseReplay(model, reference, all_high)
+        for stage, bucket in (("decode", Bucket(key, 1)), ("prefill", Bucket("protected_content", 1))):
+            measure = likelihood_measure(model, costs, stage, all_high)
+            for action in (Action.L, Action.R):
+                losses[int4_keys, stage, action] = measure(None, reference, bucket, action)
+        policy = BucketIntervention(costs, Bucket(key, 1), Action.L, SINKS, WINDOW, int4_keys=int4_keys)
+        assert losses[int4_keys, "decode", Action.L] == replay.loss(policy, first)
+    for stage in ("decode", "prefill"):
+        assert losses["row", stage, Action.R] == pytest.approx(losses["centred", stage, Action.R], abs=1e-6)
+        assert losses["row", stage, Action.L] != pytest.approx(losses["centred", stage, Action.L], abs=1e-6)
+
+
+def test_a_centred_calibration_records_its_layout_and_shares_only_releases_with_a_row_run(
+    model, tokenizer, cases, tmp_path
+):
+    settings = dataclasses.replace(SETTINGS, max_dev_candidates=1, max_confirmations=1, curve_pairs=4)
+    row = calibrate(model, tokenizer, *cases, settings, cache_dir=tmp_path, log=lambda _: None)
+    references = sorted(tmp_path.glob("reference-*.json"))
+    stores = {p.name: len(p.read_text().splitlines()) for p in tmp_path.glob("likelihood-*.jsonl")}
+    centred = calibrate(
+        model,
+        tokenizer,
+        *cases,
+        dataclasses.replace(settings, int4_keys="centred"),
+        cache_dir=tmp_path,
+        log=lambda _: None,
+    )
+    assert sorted(tmp_path.glob("reference-*.json")) == references  # the all-high references are shared
+    for stage in ("decode", "prefill"):  # every R read back from the row run's store, every L replayed
+        measured, reused = row.report[stage]["runtime_v_generations"], centred.report[stage]["runtime_v_reused"]
+        assert measured > 0 and reused == measured // 2
+    after = {p.name: len(p.read_text().splitlines()) for p in tmp_path.glob("likelihood-*.jsonl")}
+    assert {name: after[name] for name in stores} == stores and len(after) == 2 * len(stores)
+    assert (row.table.int4_keys, row.prefill_policy.int4_keys) == ("row", "row")
+    assert (centred.table.int4_keys, centred.prefill_policy.int4_keys) == ("centred", "centred")
+    assert centred.report["settings"]["int4_keys"] == "centred"
+    centred.save_pretrained(tmp_path / "out")
+    assert PolicyTable.from_pretrained(tmp_path / "out" / "decode").int4_keys == "centred"
+    assert PrefillPolicy.from_pretrained(tmp_path / "out" / "prefill").int4_keys == "centred"
+    with pytest.raises(ValueError, match="int4_keys"):
+        dataclasses.replace(settings, int4_keys="column")

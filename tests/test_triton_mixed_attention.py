@@ -113,23 +113,56 @@ def test_odd_head_and_value_dims_and_softcap():
     assert_matches_reference(query, parts, softcap=3.0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_centred_int4_keys_are_served_dequantised(dtype):
-    """An INT4 store with centred keys (`hf_structkv.quant.int4_centred`) is dequantised to the query dtype before
-    its launch: the result is the reference's over the same codes, centre and spread."""
-    _, parts = make_partitions("did", (5, BLOCK_N + 3, 2), dtype=dtype)
-    g = torch.Generator().manual_seed(5)
-    keys = torch.randn(2, 2, BLOCK_N + 3, 16, generator=g) + torch.linspace(-20, 20, 16)
-    centre, spread = key_centre(keys, torch.ones(2, BLOCK_N + 3, dtype=torch.bool))
+def centred(part, seed=5):
+    """``part`` with keys re-drawn around large per-channel offsets and stored centred (codes, centre, spread)."""
+    batch, n_kv, n, _ = part.key_codes.shape
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(batch, n_kv, n, part.head_dim, generator=g) + torch.linspace(-20, 20, part.head_dim)
+    centre, spread = key_centre(keys, torch.ones(batch, n, dtype=torch.bool))
     codes, scales = quantize_int4_centred(keys, centre, spread)
-    parts[1] = int4_with(parts[1], key_codes=codes, key_scales=scales, key_centre=centre, key_spread=spread)
-    query = grouped_query(2, 2, 2, 1, dtype) * 0.2
-    assert_matches_reference(query, parts)
-    plain = int4_with(parts[1], key_centre=None, key_spread=None)
+    return int4_with(part, key_codes=codes, key_scales=scales, key_centre=centre, key_spread=spread)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("kinds", "lengths", "q_len", "num_splits"),
+    [
+        ("did", (5, BLOCK_N + 3, 2), 1, None),  # three launches: the shift enters the merged statistics
+        ("did", (5, 2 * BLOCK_N + 3, 2), 3, 5),  # the centred store split in several pieces
+        ("i", (BLOCK_N - 3,), 2, 1),  # one launch, one split: the output needs no shift
+    ],
+)
+def test_centred_int4_keys_are_read_as_codes(dtype, kinds, lengths, q_len, num_splits, monkeypatch):
+    """An INT4 store with centred keys (`hf_structkv.quant.int4_centred`) is read as codes: its launch reads
+    ``q ⊙ s`` and its statistics get ``q · μ``; the result is the reference's over the same codes, centre and spread
+    (nothing dequantised: `Int4Partition.float_keys_values` is not called)."""
+    _, parts = make_partitions(kinds, lengths, q_len=q_len, dtype=dtype)
+    index = kinds.index("i")
+    parts[index] = centred(parts[index])
+    query = grouped_query(2, 2, 2, q_len, dtype) * 0.2
+    scaling = query.shape[-1] ** -0.5
+    expected = mixed_precision_attention(query, parts, scaling)
+
+    def refuse(self):
+        raise AssertionError("a centred store was dequantised for a launch")
+
+    monkeypatch.setattr(Int4Partition, "float_keys_values", refuse)
+    got = triton_mixed_precision_attention(query, parts, scaling, num_splits=num_splits)
+    monkeypatch.undo()
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+    plain = int4_with(parts[index], key_centre=None, key_spread=None)
     assert not torch.allclose(
-        mixed_precision_attention(query, parts, 0.25),
-        mixed_precision_attention(query, [*parts[:1], plain, parts[2]], 0.25),
+        expected.float(),
+        mixed_precision_attention(query, [*parts[:index], plain, *parts[index + 1 :]], scaling).float(),
     )
+
+
+def test_centred_int4_keys_with_softcap_are_dequantised():
+    """No logit shift commutes with soft-capping: a centred store is dequantised first, the reference's result."""
+    _, parts = make_partitions("id", (9, 4), q_len=2)
+    parts[0] = centred(parts[0])
+    assert_matches_reference(grouped_query(2, 2, 2, 2, torch.float32) * 4, parts, softcap=3.0)
 
 
 def int4_with(part, **changes):
@@ -154,6 +187,16 @@ BAD_INPUTS = {
         "value_scales",
     ),
     "value dims differ": (lambda q, p: (q, [p[0], int4_with(p[1], value_dim=12)]), ValueError, "value_dim"),
+    "centre without spread": (
+        lambda q, p: (q, [p[0], int4_with(p[1], key_centre=torch.zeros(2, 2, 1, 16, dtype=torch.float16))]),
+        ValueError,
+        "come together",
+    ),
+    "centre of another head dim": (
+        lambda q, p: (q, [p[0], int4_with(centred(p[1]), key_spread=torch.ones(2, 2, 1, 8, dtype=torch.float16))]),
+        ValueError,
+        "key_spread must be",
+    ),
 }
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..policy.costs import GROUP_COUNTS
+from ..quant.int4_centred import INT4_KEY_LAYOUTS
 from ..structure.tags import TAG_VIEWS
 from ..validation import int_option
 
@@ -113,6 +114,14 @@ def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
         help="with --sensitivity likelihood: Runtime-V interventions per stage also generated and scored, to fit the "
         "loss curve that reads development likelihood losses as an expected change of the error rate",
     )
+    parser.add_argument(
+        "--int4-keys",
+        choices=INT4_KEY_LAYOUTS,
+        default="row",
+        help="INT4 key layout of the L action in every run of the calibration and in the calibrated policies "
+        "(centred: each row's keys centred and scaled per channel by the prompt's mean and range); the stores of a "
+        "centred run are kept apart from a row run's in one --cache-dir, the reference trajectories are shared",
+    )
     parser.add_argument("--seed", type=int, default=0, help="split and torch seed")
     parser.add_argument(
         "--cache-dir",
@@ -179,6 +188,7 @@ def run_calibrate(args: argparse.Namespace, load_model) -> int:
         sensitivity=args.sensitivity,
         max_confirmations=args.max_confirmations,
         curve_pairs=args.curve_pairs,
+        int4_keys=args.int4_keys,
     )
     if not args.out and not (args.references_only or args.runtime_v_only):
         raise ValueError("--out is required: the folder the calibrated policies and the report are written to")

@@ -11,10 +11,11 @@ applied to the bucket's entries *that a query sees lowered*:
 * prefill bucket (label ``z``): prompt tokens carrying ``z`` outside the sinks and the last ``window`` prompt tokens,
   for every reference query (committed before the first generated token's forward).
 
-``a = L`` replaces the entry's key and value by their INT4 round trip (`quantize_int4` / `dequantize_int4`), ``a = R``
-removes it. ``D(q, a) = (1 / |D_cal|) Σ_cases Σ_j Σ_{ℓ∈c} max_h ‖o_ref − o_a‖²`` (query heads ``h``, FP32); queries
-with no lowered entry contribute zero, so the sum runs over the affected positions ``S(q)`` only, shared by ``R`` and
-``L``.
+``a = L`` replaces the entry's key and value by their INT4 round trip (`quantize_int4` / `dequantize_int4`; keys in
+the calibration's layout: per row, or centred by the `key_centre` of the reference's prompt keys as the cache fits
+it), ``a = R`` removes it. ``D(q, a) = (1 / |D_cal|) Σ_cases Σ_j Σ_{ℓ∈c} max_h ‖o_ref − o_a‖²`` (query heads ``h``,
+FP32); queries with no lowered entry contribute zero, so the sum runs over the affected positions ``S(q)`` only,
+shared by ``R`` and ``L``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..attention.modules import attention_scalings
 from ..attention.recording import capture_queries
 from ..policy.costs import Action, GroupCosts
 from ..quant.int4 import dequantize_int4, quantize_int4
+from ..quant.int4_centred import check_int4_keys, dequantize_int4_centred, key_centre, quantize_int4_centred
 from .buckets import Bucket
 from .intervention_store import InterventionStore
 from .interventions import occurrences, prefill_positions
@@ -105,6 +107,17 @@ def _round_trip(x: torch.Tensor) -> torch.Tensor:
     return dequantize_int4(codes, scales, x.shape[-1])
 
 
+def _lowered_keys(keys: torch.Tensor, prompt: int, int4_keys: str) -> torch.Tensor:
+    """The INT4 round trip of one reference's keys ``[H_kv, N, D]`` in the layout ``int4_keys`` (centred: on the
+    ``prompt`` first keys' centre and spread, every prompt token real, as the cache fits them at its first commit)."""
+    if int4_keys == "row":
+        return _round_trip(keys)
+    batch = keys[None]  # [1, H_kv, N, D]
+    centre, spread = key_centre(batch[..., :prompt, :], torch.ones(1, prompt, dtype=torch.bool))
+    codes, scales = quantize_int4_centred(batch, centre, spread)
+    return dequantize_int4_centred(codes, scales, centre, spread, keys.shape[-1])[0]
+
+
 class DistortionStore(InterventionStore):
     """Runtime-D kept on disk: one reference's distortion ``Σ_j Σ_{ℓ∈c} max_h ‖o_ref − o_a‖²`` of one intervention
     ``(bucket, action)`` per line (``{"case", "reference", "bucket", "action", "error"}``), so a stopped or repeated
@@ -129,6 +142,7 @@ def attention_distortion(
     window: int,
     states_of,
     store: DistortionStore | None = None,
+    int4_keys: str = "row",
 ) -> dict[Bucket, dict[Action, float]]:
     """``{bucket: {Action.R: D(q, R), Action.L: D(q, L)}}`` (eq. 7) over ``references``.
 
@@ -136,7 +150,9 @@ def attention_distortion(
         states_of: ``reference -> ReferenceStates`` (e.g. ``lambda r: capture_reference_states(model, r)``), called
             once per reference whose distortions ``store`` does not hold.
         store: where each reference's distortions are read from, or written to as soon as they are computed.
+        int4_keys: the key layout of ``L`` (``"row"`` or ``"centred"``; keep one store per layout).
     """
+    check_int4_keys(int4_keys)
     totals: dict[Bucket, dict[Action, float]] = {b: {Action.R: 0.0, Action.L: 0.0} for b in buckets}
     for reference in references:
         lowered = {b: lowered_entries(reference, b, stage, sink_tokens, window) for b in buckets}
@@ -145,7 +161,7 @@ def attention_distortion(
         if stored is not None and None not in stored.values():
             errors = {b: {a: stored[b, a] for a in (Action.R, Action.L)} for b, _ in reached}
         else:
-            errors = _reference_errors(reference, lowered, costs, states_of) or {}
+            errors = _reference_errors(reference, lowered, costs, states_of, int4_keys) or {}
             for bucket, action in reached if store is not None else ():
                 store.put(reference, bucket, action, errors[bucket][action])
         for bucket, by_action in errors.items():
@@ -155,7 +171,7 @@ def attention_distortion(
 
 
 def _reference_errors(
-    reference: ReferenceTrajectory, lowered: Mapping[Bucket, torch.Tensor], costs: GroupCosts, states_of
+    reference: ReferenceTrajectory, lowered: Mapping[Bucket, torch.Tensor], costs: GroupCosts, states_of, int4_keys
 ) -> dict[Bucket, dict[Action, float]] | None:
     """One reference's ``Σ_j Σ_{ℓ∈c} max_h ‖o_ref − o_a‖²`` per bucket and action (``lowered``: each bucket's
     `lowered_entries` on it); ``None`` when it has no reference queries."""
@@ -172,7 +188,7 @@ def _reference_errors(
         if not active:
             continue
         reference_out = _outputs(queries, keys, values, scaling, visible)
-        low_keys, low_values = _round_trip(keys), _round_trip(values)
+        low_keys, low_values = _lowered_keys(keys, prompt, int4_keys), _round_trip(values)
         for bucket in active:
             rows = lowered[bucket].any(dim=1)  # the affected queries S(q) of this case
             args = (queries[:, rows], keys, values, scaling, visible[rows], lowered[bucket][rows])

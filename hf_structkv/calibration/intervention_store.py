@@ -1,5 +1,6 @@
 """`InterventionStore`: one measurement per (case, reference tokens, bucket, action) in a `JsonLinesStore`, the
-shared shape of the Runtime-V caches (`VerdictStore`: verdicts; `LikelihoodStore`: likelihood losses)."""
+shared shape of the Runtime-V caches (`VerdictStore`: verdicts; `LikelihoodStore`: likelihood losses); `LayoutStores`:
+the releases of a calibration with centred INT4 keys shared with the row-key store of the same key."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from .buckets import Bucket
 from .jsonl_store import JsonLinesStore
 from .references import ReferenceTrajectory, key_digest
 
-__all__ = ["InterventionStore"]
+__all__ = ["InterventionStore", "LayoutStores"]
 
 
 class InterventionStore(JsonLinesStore):
@@ -53,3 +54,40 @@ class InterventionStore(JsonLinesStore):
         if action not in (Action.L, Action.R):
             raise ValueError(f"an intervention applies R or L, got {action!r}")
         return reference.case_id, key_digest(list(reference.tokens)), str(bucket), action.name
+
+
+class LayoutStores:
+    """The Runtime-V store of a calibration whose ``L`` keeps INT4 keys in a layout other than per row: ``R``
+    measurements are read from and written to ``release``, the store of the same key without the layout (a release
+    keeps no INT4 token, so its measurement is the same in every layout and is shared with row-key runs), ``L``
+    measurements to ``lower`` (the layout's own store). Same `get` / `put` as an `InterventionStore`."""
+
+    def __init__(self, release: InterventionStore, lower: InterventionStore):
+        if type(release) is not type(lower):
+            raise TypeError(
+                f"release and lower must be stores of one kind, got {type(release).__name__} and {type(lower).__name__}"
+            )
+        self.release, self.lower = release, lower
+
+    @classmethod
+    def open(cls, store: type[InterventionStore], cache_dir, key: dict[str, Any], layout_field: str = "int4_keys"):
+        """``store.open(cache_dir, key)`` when ``key`` names no layout (row keys), else the pair of ``key`` without
+        ``layout_field`` (releases) and ``key`` (lowerings)."""
+        if layout_field not in key:
+            return store.open(cache_dir, key)
+        shared = {name: value for name, value in key.items() if name != layout_field}
+        return cls(store.open(cache_dir, shared), store.open(cache_dir, key))
+
+    def _of(self, action: Action) -> InterventionStore:
+        return self.release if action == Action.R else self.lower
+
+    def get(self, reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> Any:
+        """The stored measurement of ``(bucket, action)`` on ``reference``'s case, ``None`` when absent."""
+        return self._of(action).get(reference, bucket, action)
+
+    def put(self, reference: ReferenceTrajectory, bucket: Bucket, action: Action, value: Any) -> None:
+        """Store ``value`` of ``(bucket, action)`` on ``reference``'s case, in the store of its action."""
+        self._of(action).put(reference, bucket, action, value)
+
+    def __len__(self) -> int:
+        return len(self.release) + len(self.lower)

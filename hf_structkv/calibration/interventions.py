@@ -25,6 +25,7 @@ import torch
 from ..attention.attention_mass import TokenStatistics
 from ..policy.costs import Action, GroupCosts
 from ..policy.retention import RetentionController, RetentionPolicy
+from ..quant.int4_centred import check_int4_keys
 from ..structure.tags import StructuralTag
 from ..validation import check_int
 from .buckets import Bucket
@@ -49,6 +50,7 @@ class BucketIntervention(RetentionPolicy):
         action: ``a`` (``R`` or ``L``).
         sink_tokens, window, tag_view, position_bins: as the all-high reference policy's (the bucket key is a tag
             of that view).
+        int4_keys: the key layout of an ``L`` intervention's INT4 tokens (the calibration's).
     """
 
     costs: GroupCosts
@@ -58,8 +60,10 @@ class BucketIntervention(RetentionPolicy):
     window: int
     tag_view: str = "full"
     position_bins: tuple[int, ...] = ()
+    int4_keys: str = "row"
 
     def __post_init__(self) -> None:
+        check_int4_keys(self.int4_keys)
         groups = len(self.costs.groups)
         if not isinstance(self.bucket, Bucket) or self.bucket.groups != groups or not 0 <= self.bucket.group < groups:
             raise ValueError(

@@ -187,7 +187,7 @@ def likelihood_measure(model, costs: GroupCosts, stage: str, all_high: PolicyTab
     Args:
         costs: the model's layer-group costs (of the calibrated table).
         stage: ``"decode"`` or ``"prefill"``.
-        all_high: the calibration's all-high policy (window, sinks, tag view and bins).
+        all_high: the calibration's all-high policy (window, sinks, tag view and bins, INT4 key layout).
     """
     if stage not in ("decode", "prefill"):
         raise ValueError(f"stage must be 'decode' or 'prefill', got {stage!r}")
@@ -201,7 +201,7 @@ def likelihood_measure(model, costs: GroupCosts, stage: str, all_high: PolicyTab
         if stage == "prefill":
             return replay.loss(all_high, 1, prefill_intervention_plan(reference, bucket, action, sinks, window))
         view = {"tag_view": all_high.tag_view, "position_bins": tuple(all_high.position_bins)}
-        policy = BucketIntervention(costs, bucket, action, sinks, window, **view)
+        policy = BucketIntervention(costs, bucket, action, sinks, window, **view, int4_keys=all_high.int4_keys)
         return replay.loss(policy, first_changed_forward(reference, bucket.key, window))
 
     return measure

@@ -164,8 +164,8 @@ def key_digest(key: Any) -> str:
 
 def generation_key(model, tokenizer, task: CalibrationTask, policy: PolicyTable, max_new_tokens: int) -> dict[str, Any]:
     """What a calibration's generations depend on besides the case and the intervention: package version, model
-    fingerprint, dtype, generation cap, ``policy``'s window, sinks and tag view, and the task's `cache_key` (the key
-    of the on-disk caches)."""
+    fingerprint, dtype, generation cap, ``policy``'s window, sinks, tag view and INT4 key layout, and the task's
+    `cache_key` (the key of the on-disk caches)."""
     return {
         **task.cache_key,  # BFCL: nothing, its keys stay as before
         "hf_structkv_version": __version__,
@@ -175,6 +175,7 @@ def generation_key(model, tokenizer, task: CalibrationTask, policy: PolicyTable,
         "window": policy.window,
         "sink_tokens": policy.sink_tokens,
         **({} if policy.tag_view == "full" else {"tag_view": policy.tag_view}),  # full-view keys stay as before
+        **({} if policy.int4_keys == "row" else {"int4_keys": policy.int4_keys}),  # row-key keys stay as before
     }
 
 

@@ -31,6 +31,7 @@ from .bfcl_task import BfclTask
 from .candidates import all_high_candidate
 from .development_store import DevelopmentStore
 from .distortion import DistortionStore
+from .intervention_store import LayoutStores
 from .likelihood import DevelopmentReplay, DevelopmentReplayStore, LikelihoodStore
 from .references import generation_key, reference_trajectories, with_position_tags
 from .settings import CalibrationSettings, settings_json
@@ -140,7 +141,7 @@ def calibrate(
     dev_refs = reference_trajectories(
         model, tokenizer, task, development, **common, cache_dir=cache_dir, progress=progress, desc="reference (dev)"
     )
-    view = {"tag_view": settings.tag_view, "position_bins": ()}
+    view = {"tag_view": settings.tag_view, "position_bins": (), "int4_keys": settings.int4_keys}
     if by_position:  # C.5: bins from the Full-KV calibration completion lengths, per category
         lengths: dict[str, list[int]] = {}
         for r in refs:
@@ -181,12 +182,14 @@ def calibrate(
         stage.name: (None, None, None, None)
         if cache_dir is None
         else (
-            (LikelihoodStore if stage.by_likelihood else VerdictStore).open(
-                cache_dir, {**store_key, "stage": stage.name}
+            LayoutStores.open(
+                LikelihoodStore if stage.by_likelihood else VerdictStore, cache_dir, {**store_key, "stage": stage.name}
             ),
             DevelopmentStore.open(cache_dir, {**store_key, "stage": stage.name}),
             DistortionStore.open(cache_dir, {**store_key, "stage": stage.name}),
-            VerdictStore.open(cache_dir, {**store_key, "stage": stage.name}) if stage.by_likelihood else None,
+            LayoutStores.open(VerdictStore, cache_dir, {**store_key, "stage": stage.name})
+            if stage.by_likelihood
+            else None,
         )
         for stage in stages
     }
@@ -260,6 +263,7 @@ def _final_prefill(selected, report, settings, costs, fingerprint) -> PrefillPol
             thresholds={"alpha_P": settings.alpha_prefill},
             calibration={**card, "prefill_budget": 1.0},
             fingerprint=fingerprint,
+            int4_keys=settings.int4_keys,
             description="PASK prefill calibration found no candidate within alpha_P: all prompt tokens H (B_P = 1).",
         )
     return dataclasses.replace(

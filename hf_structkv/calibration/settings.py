@@ -7,6 +7,7 @@ from typing import Any
 
 from ..policy.costs import check_group_count
 from ..policy.table import DEFAULT_SINK_TOKENS, DEFAULT_WINDOW
+from ..quant.int4_centred import check_int4_keys
 from ..structure.tags import TAG_VIEWS
 from ..validation import check_int
 from .floors import DEFAULT_THRESHOLDS, check_thresholds
@@ -50,6 +51,10 @@ class CalibrationSettings:
         curve_pairs: with ``"likelihood"``, how many of each stage's Runtime-V interventions are also generated and
             scored, to fit the `LossCurve` that reads development likelihood losses as an expected change of the
             error rate (`calibration.loss_curve`); verdicts already in the cache folder join them.
+        int4_keys: the INT4 key layout of the ``L`` action (`hf_structkv.quant.int4_centred`), ``"row"`` (PASK B.5)
+            or ``"centred"``: every intervention, Runtime-D round trip, development run and replay stores its ``L``
+            keys so, the calibrated policies record it (their ``quantizer``), and the on-disk stores of a centred run
+            are keyed apart from a row run's (the all-high references, which lower nothing, are shared).
     """
 
     max_new_tokens: int = 128
@@ -68,6 +73,7 @@ class CalibrationSettings:
     sensitivity: str = "verdict"
     max_confirmations: int = 3
     curve_pairs: int = 96
+    int4_keys: str = "row"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "thresholds", check_thresholds(self.thresholds))
@@ -88,6 +94,7 @@ class CalibrationSettings:
             raise ValueError(f"sensitivity must be one of {SENSITIVITIES}, got {self.sensitivity!r}")
         check_int("max_confirmations", self.max_confirmations, 1)
         check_int("curve_pairs", self.curve_pairs, 1)
+        check_int4_keys(self.int4_keys)
         if self.layer_groups != 3 and "prefill" in self.stages:
             raise ValueError(
                 "layer_groups=1 (the no-layer-groups ablation) calibrates the decode table only: pass "

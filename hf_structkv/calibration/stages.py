@@ -100,8 +100,9 @@ class StageInputs:
 
 def decode_stage(inputs: StageInputs, view: dict[str, Any]) -> Stage:
     """The decode stage: one bucket per (tag key on the references, layer group); candidates are ``task``'s family
-    tables of ``view`` (tag view and position bins), evaluated with decode under the candidate (generated, or
-    replayed by ``dev_replay`` with likelihood sensitivity). ``inputs.reference``: the all-high table of ``view``."""
+    tables of ``view`` (tag view, position bins and INT4 key layout), evaluated with decode under the candidate
+    (generated, or replayed by ``dev_replay`` with likelihood sensitivity). ``inputs.reference``: the all-high table
+    of ``view``."""
     keys = sorted({key for r in inputs.refs for tags in r.tags if tags for key in tags})
     groups = len(inputs.costs.groups)
     buckets = [Bucket(key, c, groups) for key in keys for c in range(groups)]
@@ -192,6 +193,7 @@ def prefill_stage(inputs: StageInputs) -> Stage:
             inputs.settings.window,
             fingerprint=inputs.fingerprint,
             thresholds={"tau_low": tau[0], "tau_high": tau[1]},
+            int4_keys=inputs.settings.int4_keys,
         )
 
     def generate_and_score(policy, progress, store):
@@ -293,6 +295,7 @@ def run_stage(
         settings.window,
         lambda r: capture_reference_states(model, r),
         distortion_store,
+        settings.int4_keys,
     )
     priorities = upgrade_priorities(distortion, stage.mean_counts, costs)
     started = time.perf_counter()

@@ -153,9 +153,11 @@ def decode_generator(
     tag_view: str = "full",
     position_bins: tuple[int, ...] = (),
     resume: bool = True,
+    int4_keys: str = "row",
 ):
     """``generate`` for `intervention_runs` of decode buckets: the case under `BucketIntervention` (its processor
-    emitting ``tag_view`` with ``position_bins``, the view the bucket keys are tags of).
+    emitting ``tag_view`` with ``position_bins``, the view the bucket keys are tags of; ``L`` keys stored in the
+    ``int4_keys`` layout).
 
     With ``resume`` each intervention runs only the forwards where it can differ from the reference
     (`resumed_case_run`, the same generation): the case's reference is generated once more under the all-high policy
@@ -165,7 +167,7 @@ def decode_generator(
     recorded = RecordedReferences(model, tokenizer, task, all_high, max_new_tokens)
 
     def generate(case, reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> CaseRun:
-        policy = BucketIntervention(costs, bucket, action, sink_tokens, window, tag_view, position_bins)
+        policy = BucketIntervention(costs, bucket, action, sink_tokens, window, tag_view, position_bins, int4_keys)
         kv = recorded.get(case, reference) if resume else None
         if kv is None:
             return run_case(model, tokenizer, task, case, policy, max_new_tokens)[0]

@@ -330,6 +330,7 @@ class PolicyTable(PolicyFile, RetentionPolicy):
         window: int = DEFAULT_WINDOW,
         tag_view: str = "full",
         position_bins: tuple[int, ...] = (),
+        int4_keys: str = "row",
     ) -> PolicyTable:
         """The all-high reference policy (A.4): ``B_D = 1``, ``H`` actions and floors everywhere, ``Γ = 0``.
 
@@ -337,6 +338,8 @@ class PolicyTable(PolicyFile, RetentionPolicy):
             config_or_costs: a `GroupCosts`, a transformers config, or a model (whose fingerprint is then recorded).
             tag_view, position_bins: the tag view its generations record (the reference of a structural-ablation
                 calibration).
+            int4_keys: the INT4 key layout it records (it lowers nothing: the layout of a calibration's policies and
+                of a prefill plan served beside it).
         """
         model = config_or_costs if hasattr(config_or_costs, "config") else None
         if isinstance(config_or_costs, GroupCosts):
@@ -359,6 +362,7 @@ class PolicyTable(PolicyFile, RetentionPolicy):
             window=window,
             tag_view=tag_view,
             position_bins=tuple(position_bins),
+            int4_keys=int4_keys,
             provenance="reference",
             description="The all-high reference policy: every generated token kept in high precision in every layer.",
             fingerprint=None if model is None else model_fingerprint(model),

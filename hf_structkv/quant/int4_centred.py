@@ -16,7 +16,7 @@ Attention reads the codes without forming ``k̂``: ``q · k̂ = (q ⊙ s) · (co
 layout's dot product for the query ``q ⊙ s`` and one logit shift ``q · μ`` shared by every entry of the partition.
 A row costs what the row layout costs (``ceil(D / 2)`` code bytes and one FP16 scale); ``μ`` and ``s`` are two FP16
 vectors per batch row and KV head. On 32 BFCL prompts of the embedded model this cut the attention error of the
-INT4 tokens from 0.129 to 0.058 (median) and 0.568 to 0.162 (p90) (``benchmarks/int4_key_layouts.py``, RESULTS).
+INT4 tokens from 0.129 to 0.064 (median) and 0.568 to 0.169 (p90) (``benchmarks/int4_key_layouts.py``, RESULTS).
 """
 
 from __future__ import annotations

@@ -340,6 +340,10 @@ class KeyStore(NamedTuple):
         mask_kind: `MASK_CAUSAL`, `MASK_BOOL` or `MASK_ADDITIVE`.
         mask: ``[B, q, n]`` (any strides; uint8 for `MASK_BOOL`, float for `MASK_ADDITIVE`), None when causal.
         key_scales / value_scales: fp16 ``[B, H_kv, n, 1]`` scales of INT4 codes; None for keys / values as such.
+        query: the ``[B, H_q, q, D]`` query this launch reads in place of the call's (e.g. scaled per channel for
+            centred INT4 keys), or None.
+        logit_shift: FP32 ``[B, H_q, q]`` added to every logit of this store (folded into its softmax statistics
+            after the launch: no soft-capping), or None.
     """
 
     keys: torch.Tensor
@@ -348,6 +352,8 @@ class KeyStore(NamedTuple):
     mask: torch.Tensor | None = None
     key_scales: torch.Tensor | None = None
     value_scales: torch.Tensor | None = None
+    query: torch.Tensor | None = None
+    logit_shift: torch.Tensor | None = None
 
 
 def _prefix_arguments(prefix: CompactedPrefix | None, query: torch.Tensor) -> tuple[list, tuple[int, ...]]:
@@ -386,7 +392,8 @@ def run_attention(
 
     Args:
         query: ``[B, H_q, q, D]``; out: ``[B, q, H_q, D_v]`` of the query dtype, not empty.
-        stores: one launch each; every one with at least one key, except a single store read with a prefix.
+        stores: one launch each; every one with at least one key, except a single store read with a prefix (which
+            reads the call's query, no logit shift).
         scaling / softcap: as in `scores` (softcap None or 0: none).
         num_splits: about how many key splits in all (merged afterwards); ``None`` chooses from the device.
         prefix: the compacted prefix (offsets checked), or None.
@@ -415,13 +422,18 @@ def run_attention(
     prefix_arguments, prefix_strides = _prefix_arguments(prefix, query)
     options = launch_options(query, softcap, stats, head_dim, block_m, block_dv)
 
+    if prefix is not None and (stores[0].query is not None or stores[0].logit_shift is not None):
+        raise ValueError("the store read with a prefix reads the call's query without a logit shift")
+    if softcap and any(store.logit_shift is not None for store in stores):
+        raise ValueError("a logit shift cannot be folded into soft-capped logits: dequantise the store instead")
     split_base = 0
     for index, (store, n_splits) in enumerate(zip(stores, splits)):
         int4 = store.key_scales is not None
         key_scales, value_scales = (store.key_scales, store.value_scales) if int4 else (query, query)  # query: unread
         mask, mask_strides = (query, (0, 0, 0)) if store.mask is None else (store.mask, store.mask.stride())
+        launch_query = query if store.query is None else store.query
         attention_kernel[(row_blocks, n_splits, batch * n_kv_heads)](
-            query,
+            launch_query,
             *prefix_arguments,
             store.keys,
             store.values,
@@ -442,7 +454,7 @@ def run_attention(
             sum(splits),
             head_dim,
             value_dim,
-            *query.stride(),
+            *launch_query.stride(),
             *prefix_strides,
             *store.keys.stride(),
             *store.values.stride(),
@@ -456,6 +468,8 @@ def run_attention(
             STORE_CODES=(INT4_ROWS if int4 else PLAIN).value,
             **options,
         )
+        if store.logit_shift is not None and stats is not None:  # one split alone: its softmax ignores the shift
+            stats.shift_maximum(split_base, n_splits, store.logit_shift, group)
         split_base += n_splits
     if stats is not None:
         stats.merge_into(out, n_kv_heads, group, block_m)

@@ -3,10 +3,11 @@
 It computes what ``hf_structkv.attention.mixed_reference.mixed_precision_attention`` computes. Each partition (a
 dense store in the query dtype, a packed-INT4 store with one FP16 scale per token x KV-head row, the recent region)
 is read in place by its own launch of `attention_kernel` (no prefix; the partition's visibility as a boolean mask;
-an INT4 store with centred keys, `hf_structkv.quant.int4_centred`, is dequantised to the query dtype first: the
-kernel has no per-store query scale and logit shift yet, which reading its codes would need),
-split along its keys (split-KV for long histories); every (partition, split) writes FP32 softmax statistics into one
-shared buffer, and `merge_splits_kernel` merges them all (eq. 15).
+an INT4 store with centred keys, `hf_structkv.quant.int4_centred`, is read as codes too: its launch reads the query
+``q ⊙ s`` and the logit shift ``q · μ`` shared by all its entries is added to its softmax statistics afterwards,
+``q · k̂ = (q ⊙ s) · (code · scale) + q · μ``; with soft-capping, which no shift commutes with, it is dequantised to
+the query dtype first), split along its keys (split-KV for long histories); every (partition, split) writes FP32
+softmax statistics into one shared buffer, and `merge_splits_kernel` merges them all (eq. 15).
 """
 
 from __future__ import annotations
@@ -49,6 +50,18 @@ def _check_partition(index: int, part: object, query: torch.Tensor, value_dim: i
             "key_scales": (part.key_scales, 1),
             "value_scales": (part.value_scales, 1),
         }
+        if (part.key_centre is None) != (part.key_spread is None):
+            raise ValueError(f"{name}: key_centre and key_spread come together (centred keys) or not at all")
+        for field in ("key_centre", "key_spread") if part.centred else ():
+            t = check_tensor(f"{name}.{field}", getattr(part, field), 4, dtypes=(torch.float16,))
+            if tuple(t.shape) != (batch, n_kv, 1, head_dim):
+                raise ValueError(
+                    f"{name}.{field} must be [B={batch}, H_kv={n_kv}, 1, D={head_dim}], got {tuple(t.shape)}"
+                )
+            if t.device != query.device:
+                raise ValueError(
+                    f"{name}.{field} is on {t.device} but query is on {query.device}: move them to one device"
+                )
     for field, (t, width) in shapes.items():
         if tuple(t.shape) != (batch, n_kv, n, width):
             raise ValueError(f"{name}.{field} must be [B={batch}, H_kv={n_kv}, n={n}, {width}], got {tuple(t.shape)}")
@@ -60,16 +73,25 @@ def _check_partition(index: int, part: object, query: torch.Tensor, value_dim: i
             raise ValueError(f"{name}.{field} is on {t.device} but query is on {query.device}: move them to one device")
 
 
-def _key_store(part: DensePartition | Int4Partition) -> KeyStore:
-    """The partition as the kernel reads it: its tensors, its visibility as a boolean mask."""
+def _key_store(part: DensePartition | Int4Partition, query: torch.Tensor, scaling: float) -> KeyStore:
+    """The partition as the kernel reads it: its tensors, its visibility as a boolean mask; for centred INT4 keys
+    the query ``q ⊙ s`` ``[B, H_q, q, D]`` (query dtype) and the FP32 logit shift ``q · μ · scaling``
+    ``[B, H_q, q]``, ``s`` / ``μ`` of each query head's KV head."""
     visible = part.visible.view(torch.uint8)
-    if isinstance(part, Int4Partition):
-        return KeyStore(part.key_codes, part.value_codes, MASK_BOOL, visible, part.key_scales, part.value_scales)
-    return KeyStore(part.keys, part.values, MASK_BOOL, visible)
+    if not isinstance(part, Int4Partition):
+        return KeyStore(part.keys, part.values, MASK_BOOL, visible)
+    store = KeyStore(part.key_codes, part.value_codes, MASK_BOOL, visible, part.key_scales, part.value_scales)
+    if not part.centred:
+        return store
+    group = query.shape[1] // part.num_kv_heads
+    spread = part.key_spread.float().repeat_interleave(group, dim=1)  # [B, H_q, 1, D]
+    centre = part.key_centre.float().repeat_interleave(group, dim=1)
+    scaled = (query.float() * spread).to(query.dtype)
+    return store._replace(query=scaled, logit_shift=(query.float() * centre).sum(-1) * scaling)
 
 
-def _served(part: DensePartition | Int4Partition, dtype: torch.dtype) -> DensePartition | Int4Partition:
-    """``part`` as a launch reads it: an INT4 store with centred keys dequantised to ``dtype``, others as they are."""
+def _dequantised(part: DensePartition | Int4Partition, dtype: torch.dtype) -> DensePartition | Int4Partition:
+    """``part`` with centred INT4 keys dequantised to ``dtype`` (a dense store), others as they are."""
     if not isinstance(part, Int4Partition) or not part.centred:
         return part
     keys, values = part.float_keys_values()
@@ -113,7 +135,8 @@ def triton_mixed_precision_attention(
             raise TypeError(
                 f"partitions[{index}] must be a DensePartition or an Int4Partition, got {type(part).__name__}"
             )
-    partitions = [_served(part, query.dtype) for part in partitions]
+    if softcap:  # a logit shift does not commute with soft-capping: centred keys are dequantised
+        partitions = [_dequantised(part, query.dtype) for part in partitions]
     first = partitions[0]
     value_dim = (
         first.value_dim
@@ -130,7 +153,7 @@ def triton_mixed_precision_attention(
         )
 
     out = torch.zeros(batch, q_len, n_q_heads, value_dim, dtype=query.dtype, device=query.device)
-    active = [_key_store(part) for part in partitions if _num_keys(part) > 0]
+    active = [_key_store(part, query, scaling) for part in partitions if _num_keys(part) > 0]
     if out.numel() == 0 or not active:
         return out
     return run_attention(query, out, active, scaling, softcap, num_splits)

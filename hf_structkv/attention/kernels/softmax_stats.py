@@ -151,6 +151,14 @@ class SplitStats:
         self.exp_sum = torch.empty_like(self.m)
         self.acc = torch.empty((*shape, block_dv), dtype=torch.float32, device=device)
 
+    def shift_maximum(self, first_split: int, n_splits: int, logit_shift: torch.Tensor, group: int) -> None:
+        """Add ``logit_shift`` (FP32 ``[B, H_q, q]``, one value per query row) to the row maxima of splits
+        ``first_split .. first_split + n_splits - 1``: their statistics become those of logits shifted by it (the
+        exp-sums and accumulators are relative to the maximum and do not change; ``-inf`` stays ``-inf``)."""
+        batch, n_q_heads, q_len = logit_shift.shape
+        rows = logit_shift.float().reshape(batch * (n_q_heads // group), group * q_len)  # row g * q + i of head h
+        self.m[:, first_split : first_split + n_splits, : rows.shape[1]] += rows[:, None, :]
+
     def merge_into(self, out: torch.Tensor, n_kv_heads: int, group: int, block_m: int) -> None:
         """Write the merged output ``out`` ``[B, q, H_q, D_v]``."""
         n_pairs, n_splits, rows_padded = self.m.shape
