@@ -70,12 +70,12 @@ class LayoutStores:
         self.release, self.lower = release, lower
 
     @classmethod
-    def open(cls, store: type[InterventionStore], cache_dir, key: dict[str, Any], layout_field: str = "int4_keys"):
-        """``store.open(cache_dir, key)`` when ``key`` names no layout (row keys), else the pair of ``key`` without
-        ``layout_field`` (releases) and ``key`` (lowerings)."""
-        if layout_field not in key:
+    def open(cls, store: type[InterventionStore], cache_dir, key: dict[str, Any]):
+        """``store.open(cache_dir, key)`` when ``key`` names no ``int4_keys`` (row keys), else the pair of ``key``
+        without it (releases) and ``key`` (lowerings)."""
+        if "int4_keys" not in key:
             return store.open(cache_dir, key)
-        shared = {name: value for name, value in key.items() if name != layout_field}
+        shared = {name: value for name, value in key.items() if name != "int4_keys"}
         return cls(store.open(cache_dir, shared), store.open(cache_dir, key))
 
     def _of(self, action: Action) -> InterventionStore:
@@ -88,6 +88,3 @@ class LayoutStores:
     def put(self, reference: ReferenceTrajectory, bucket: Bucket, action: Action, value: Any) -> None:
         """Store ``value`` of ``(bucket, action)`` on ``reference``'s case, in the store of its action."""
         self._of(action).put(reference, bucket, action, value)
-
-    def __len__(self) -> int:
-        return len(self.release) + len(self.lower)
