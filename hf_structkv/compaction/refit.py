@@ -128,13 +128,12 @@ def fit_values(
     Returns:
         ``V̂ [t, D_v]``.
     """
-    gram = attention.T @ attention
-    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
     if shrinkage > 0:
         if prior is None:
             raise ValueError("shrinkage > 0 needs the prior values to shrink toward")
+        gram = attention.T @ attention
         weight = shrinkage * gram.diagonal().mean()
-        factor = torch.linalg.cholesky(gram + weight * eye)
+        factor = torch.linalg.cholesky(gram + weight * _eye_like(gram))
         return torch.cholesky_solve(attention.T @ outputs + weight * prior.to(gram.dtype), factor)
     try:
         anchor = None if prior is None else prior.to(attention.dtype)
@@ -143,5 +142,10 @@ def fit_values(
             return solution
     except torch.linalg.LinAlgError:
         pass
-    factor = torch.linalg.cholesky(gram + relative_ridge * gram.diagonal().mean() * eye)
+    gram = attention.T @ attention  # [t, t]: only for the two solves that need it (t² N, the largest product here)
+    factor = torch.linalg.cholesky(gram + relative_ridge * gram.diagonal().mean() * _eye_like(gram))
     return torch.cholesky_solve(attention.T @ outputs, factor)
+
+
+def _eye_like(gram: torch.Tensor) -> torch.Tensor:
+    return torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
