@@ -53,6 +53,9 @@ The runs of issue 33 (embedded model, float32 on CPU, 1 thread; hours). The 4K r
     python benchmarks/tool_catalogue.py --cases 64 --catalogue-tokens 16384 --threads 1 --task-questions 8 \\
         --out benchmarks/results/tool_catalogue_16k.json --plot docs/img/tool_catalogue_16k.png
 
+``--rows`` runs and reports some rows only (``full_kv`` always), from the same log: a table of the rows done so far
+(``... --rows kv_surgeon@4x``), or two processes on different rows of one run.
+
 Smoke run (minutes; numbers meaningless): ``--cases 2 --ratios 4 --catalogue-tokens 1024 --baselines streaming_llm
 --task-questions 2 --max-new-tokens 48 --out /tmp/tool_catalogue_smoke.json``.
 """
@@ -135,6 +138,13 @@ def method_rows(ratios: Sequence[float], baselines: Sequence[str], tasks: bool =
         rows += [Row(f"{method}@{name}", method, r) for method in baselines]
         rows.append(Row(f"kv_surgeon_int4@{name}+pask@{PASK_BUDGET:g}", "kv_surgeon", r, "int4", pask=True))
     return rows
+
+
+def selected_rows(args: argparse.Namespace) -> list[Row]:
+    """The rows a run answers: `method_rows` of its ratios, baselines and task questions, only ``full_kv`` and
+    ``--rows`` when given."""
+    rows = method_rows(args.ratios, args.baselines, tasks=args.task_questions > 0)
+    return [row for row in rows if not args.rows or row.label == FULL or row.label in args.rows]
 
 
 def cases_in_turn(
@@ -504,6 +514,14 @@ def arguments() -> argparse.ArgumentParser:
         help="add KV-Surgeon rows calibrated by self-study with up to this many questions of BFCL's calibration "
         "partition per catalogue, each using only that catalogue's functions (0: no such rows)",
     )
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        metavar="LABEL",
+        help="run and report only these rows of the ratios, baselines and task questions given (labels as the table "
+        "prints them, e.g. kv_surgeon_int4@4x; full_kv, the reference, always): processes given different rows "
+        "share one log (its lines are whole appends); default: every row",
+    )
     parser.add_argument("--seed", type=int, default=0, help="split, catalogue and compaction seed")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/tool_catalogue.json")
@@ -523,6 +541,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
         parser.error(f"--own-share must lie in (0, 1], got {args.own_share}")
     if any(not r >= 1 for r in args.ratios):
         parser.error(f"--ratios must be >= 1, got {args.ratios}")
+    known = [row.label for row in method_rows(args.ratios, args.baselines, tasks=args.task_questions > 0)]
+    unknown = sorted(set(args.rows or ()) - set(known))
+    if unknown:
+        parser.error(f"--rows {unknown} are not rows of these --ratios / --baselines / --task-questions: {known}")
     return args
 
 
@@ -584,7 +606,7 @@ def main(argv: list[str] | None = None) -> dict:
     table, prefill, provenance = load_pask("calibrated", model)
     pask = pask_at(table, prefill, PASK_BUDGET)
     all_high = PolicyTable.all_high(model)
-    rows = method_rows(args.ratios, args.baselines, tasks=args.task_questions > 0)
+    rows = selected_rows(args)
     results: dict[str, list[dict]] = {}
     for row in rows:
         policy, prefill_policy = pask if row.pask else (all_high, None)

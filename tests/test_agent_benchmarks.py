@@ -292,3 +292,14 @@ def test_crossover_is_the_shortest_length_no_slower_than_dynamic():
     ]
     assert lt.crossovers(records, [512, 2048], [1]) == {"pask@batch1": 2048, "pask+catalogue@batch1": 512}
     assert lt.crossovers(records[:2], [512], [1, 4])["pask@batch4"] is None
+
+
+def test_rows_can_be_chosen_and_full_kv_stays(capsys):
+    argv = ["--ratios", "4", "--baselines", "key_norm"]
+    every = [row.label for row in tc.selected_rows(tc.parse_args(tc.arguments(), argv))]
+    assert every == ["full_kv", "kv_surgeon@4x", "kv_surgeon_int4@4x", "key_norm@4x", "kv_surgeon_int4@4x+pask@0.33"]
+    chosen = tc.parse_args(tc.arguments(), [*argv, "--rows", "key_norm@4x", "kv_surgeon_int4@4x"])
+    assert [row.label for row in tc.selected_rows(chosen)] == ["full_kv", "kv_surgeon_int4@4x", "key_norm@4x"]
+    with pytest.raises(SystemExit):
+        tc.parse_args(tc.arguments(), [*argv, "--rows", "streaming_llm@4x"])
+    assert "--rows ['streaming_llm@4x'] are not rows" in capsys.readouterr().err
