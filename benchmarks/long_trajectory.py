@@ -9,7 +9,7 @@ at B = 0.33, and against PASK after a compacted tool catalogue, side by side in 
   four trajectories of the same target length (seeds ``seed .. seed + 3``), left-padded.
 - Variants, each answering the same prompts greedily under the tools' JSON grammar (`StructuralLogitsProcessor`, the
   same masking and tagging for all): ``dynamic`` (a transformers ``DynamicCache`` of the whole prompt, model dtype),
-  ``pask`` (`generate_calls` with the shipped calibrated decode table and prefill policy at B_D = B_P = 0.33, whole
+  ``pask`` (`generate_calls` with the ``--pask-policy`` decode table and prefill policy at B_D = B_P = 0.33, whole
   prompt) and ``pask+catalogue`` (the same after the catalogue compacted by ``--catalogue-method`` at
   ``--catalogue-ratio`` with ``--catalogue-storage``, served as ``context=``; serving cost does not depend on which
   entries are kept, so the cheap query-free StreamingLLM selection is the default).
@@ -66,13 +66,15 @@ from hf_structkv.structure import StructuralLogitsProcessor
 from hf_structkv.structured_generation import call_prompt, generate_calls, left_padded_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bfcl_budget import load_pask, pask_at  # noqa: E402
+from bfcl_budget import is_prefill_source, load_pask, pask_at  # noqa: E402
 from results_json import write_json  # noqa: E402
 from tool_catalogue import CaseLog, pick_cases  # noqa: E402
 
 LENGTHS = (2048, 8192, 32768)
 BATCHES = (1, 4)
 VARIANTS = ("dynamic", "pask", "pask+catalogue")
+COMMITTED_PAIR = "calibrated-verdict-24"
+"""The PASK pair of the committed runs (the default pair when they ran)."""
 PASK_BUDGET = 0.33
 CATEGORIES = ("simple_python", "multiple")
 
@@ -213,6 +215,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--catalogue-method", default="streaming_llm")
     parser.add_argument("--catalogue-ratio", type=float, default=4.0)
     parser.add_argument("--catalogue-storage", default="int4", choices=("bf16", "int4"))
+    parser.add_argument(
+        "--pask-policy",
+        default=COMMITTED_PAIR,
+        help="the PASK pair: a shipped pair's name ('calibrated': the default pair) or a folder, as bfcl_budget.py "
+        f"takes it; default {COMMITTED_PAIR!r}, the pair of the committed runs (another pair needs its own --out)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/long_trajectory.json")
@@ -222,6 +230,8 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if min(args.lengths) < 1 or min(args.batches) < 1:
         parser.error("--lengths and --batches must be >= 1")
+    if not is_prefill_source(args.pask_policy):
+        parser.error(f"--pask-policy {args.pask_policy!r} is neither a shipped pair nor a folder with a prefill policy")
     started = time.perf_counter()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_default_model()
@@ -234,13 +244,15 @@ def main(argv: list[str] | None = None) -> dict:
             key: getattr(args, key)
             for key in ("max_new_tokens", "catalogue_method", "catalogue_ratio", "catalogue_storage", "seed")
         },
+        # the committed logs, made before the option, hold the committed pair's runs: only another pair is recorded
+        **({} if args.pask_policy == COMMITTED_PAIR else {"pask_policy": args.pask_policy}),
     }
     out = Path(args.out)
     try:
         log = CaseLog(out.with_suffix(".cases.jsonl"), settings)
     except ValueError as error:
         parser.error(str(error))
-    table, prefill, provenance = load_pask("calibrated", model)
+    table, prefill, provenance = load_pask(args.pask_policy, model)
     pask = pask_at(table, prefill, PASK_BUDGET)
     catalogue = None
     if any(("pask+catalogue", f"{n}/{b}") not in log.cases for n in args.lengths for b in args.batches):

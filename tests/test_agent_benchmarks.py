@@ -303,3 +303,9 @@ def test_rows_can_be_chosen_and_full_kv_stays(capsys):
     with pytest.raises(SystemExit):
         tc.parse_args(tc.arguments(), [*argv, "--rows", "streaming_llm@4x"])
     assert "--rows ['streaming_llm@4x'] are not rows" in capsys.readouterr().err
+
+
+def test_long_trajectory_refuses_an_unknown_pask_pair_before_loading_the_model(capsys):
+    with pytest.raises(SystemExit):
+        lt.main(["--pask-policy", "no-such-pair", "--lengths", "64"])
+    assert "--pask-policy 'no-such-pair' is neither a shipped pair" in capsys.readouterr().err
