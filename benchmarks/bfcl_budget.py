@@ -204,6 +204,11 @@ ANSWERED_SPLITS = ("test", "development")
 """``--split``: the partitions a run may answer (a result file without ``split`` answered the test split)."""
 
 
+def _with_key_layout(knobs: dict) -> dict:
+    """``knobs`` with the INT4 key layout: a row written before ``--int4-keys`` recorded none and served row keys."""
+    return {"int4_keys": "row", **knobs}
+
+
 def _setting(payload: dict, key: str):
     """A run's setting ``key`` (`SHARED_SETTINGS`); a file written before ``--split`` answered the test split."""
     return payload.get(key, "test" if key == "split" else None)
@@ -237,7 +242,7 @@ def merge_runs(payloads: list[dict]) -> dict:
         for record in payload["records"]:
             key = (record["label"], record["target_B"])
             row = joined.setdefault(key, {**record, "records": [], "seconds": 0.0})
-            if row["knobs"] != record["knobs"]:
+            if _with_key_layout(row["knobs"]) != _with_key_layout(record["knobs"]):
                 raise ValueError(
                     f"{record['label']} at B={record['target_B']} has different knobs in two runs ({row['knobs']} vs "
                     f"{record['knobs']}): run it over the same categories in every run"
