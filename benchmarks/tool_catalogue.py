@@ -520,7 +520,8 @@ def arguments() -> argparse.ArgumentParser:
         metavar="LABEL",
         help="run and report only these rows of the ratios, baselines and task questions given (labels as the table "
         "prints them, e.g. kv_surgeon_int4@4x; full_kv, the reference, always): processes given different rows "
-        "share one log (its lines are whole appends); default: every row",
+        "share one log (its lines are whole appends), but rows serving one catalogue (X and X+pask@0.33) belong in "
+        "one process, which makes it once; default: every row",
     )
     parser.add_argument("--seed", type=int, default=0, help="split, catalogue and compaction seed")
     parser.add_argument("--threads", type=int, default=1)
