@@ -62,6 +62,7 @@ from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 from hf_structkv.compaction.catalogue import compact_catalogue
 from hf_structkv.eval.bfcl import BfclEntry
 from hf_structkv.models import load_default_model
+from hf_structkv.policy.shipped import pair_name
 from hf_structkv.structure import StructuralLogitsProcessor
 from hf_structkv.structured_generation import call_prompt, generate_calls, left_padded_batch
 
@@ -237,6 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
     model, tokenizer = load_default_model()
     pool = pick_cases(CATEGORIES, args.pool_cases, args.seed)
     tools = list({tool["name"]: tool for case in pool for tool in case.tools}.values())
+    pask_policy = pair_name(args.pask_policy)
     settings = {
         "model": model.config.name_or_path,
         "pool": [case.id for case in pool],
@@ -245,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
             for key in ("max_new_tokens", "catalogue_method", "catalogue_ratio", "catalogue_storage", "seed")
         },
         # the committed logs, made before the option, hold the committed pair's runs: only another pair is recorded
-        **({} if args.pask_policy == COMMITTED_PAIR else {"pask_policy": args.pask_policy}),
+        **({} if pask_policy == COMMITTED_PAIR else {"pask_policy": pask_policy}),
     }
     out = Path(args.out)
     try:

@@ -140,11 +140,14 @@ def method_rows(ratios: Sequence[float], baselines: Sequence[str], tasks: bool =
     return rows
 
 
+def run_rows(args: argparse.Namespace) -> list[Row]:
+    """`method_rows` of a run's ratios, baselines and task questions."""
+    return method_rows(args.ratios, args.baselines, tasks=args.task_questions > 0)
+
+
 def selected_rows(args: argparse.Namespace) -> list[Row]:
-    """The rows a run answers: `method_rows` of its ratios, baselines and task questions, only ``full_kv`` and
-    ``--rows`` when given."""
-    rows = method_rows(args.ratios, args.baselines, tasks=args.task_questions > 0)
-    return [row for row in rows if not args.rows or row.label == FULL or row.label in args.rows]
+    """The rows a run answers: `run_rows`, only ``full_kv`` and ``--rows`` when given."""
+    return [row for row in run_rows(args) if not args.rows or row.label == FULL or row.label in args.rows]
 
 
 def cases_in_turn(
@@ -542,7 +545,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
         parser.error(f"--own-share must lie in (0, 1], got {args.own_share}")
     if any(not r >= 1 for r in args.ratios):
         parser.error(f"--ratios must be >= 1, got {args.ratios}")
-    known = [row.label for row in method_rows(args.ratios, args.baselines, tasks=args.task_questions > 0)]
+    known = [row.label for row in run_rows(args)]
     unknown = sorted(set(args.rows or ()) - set(known))
     if unknown:
         parser.error(f"--rows {unknown} are not rows of these --ratios / --baselines / --task-questions: {known}")

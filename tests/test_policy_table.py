@@ -560,10 +560,12 @@ def test_calibrated_policy_fits_the_embedded_model(default_model, name):
 
 def test_shipped_pairs_by_name():
     from hf_structkv.policy import SHIPPED_PAIRS, calibrated_policy, calibrated_prefill_policy
-    from hf_structkv.policy.shipped import DEFAULT_CALIBRATED
+    from hf_structkv.policy.shipped import DEFAULT_CALIBRATED, pair_name
 
     # "calibrated" is the default pair; every shipped pair loads by its name; an unknown name lists the names
     assert DEFAULT_CALIBRATED in SHIPPED_PAIRS
+    assert pair_name("calibrated") == DEFAULT_CALIBRATED
+    assert all(pair_name(name) == name for name in [*SHIPPED_PAIRS, "some/folder"])
     assert calibrated_policy() == calibrated_policy(name=DEFAULT_CALIBRATED)
     assert calibrated_prefill_policy() == calibrated_prefill_policy(name=DEFAULT_CALIBRATED)
     for name in SHIPPED_PAIRS:

@@ -9,7 +9,7 @@ from typing import Any
 from ..policy.costs import Action
 from .buckets import Bucket
 from .jsonl_store import JsonLinesStore
-from .references import ReferenceTrajectory, key_digest
+from .references import KEY_LAYOUT_FIELD, ReferenceTrajectory, key_digest
 
 __all__ = ["InterventionStore", "LayoutStores"]
 
@@ -71,11 +71,11 @@ class LayoutStores:
 
     @classmethod
     def open(cls, store: type[InterventionStore], cache_dir, key: dict[str, Any]):
-        """``store.open(cache_dir, key)`` when ``key`` names no ``int4_keys`` (row keys), else the pair of ``key``
-        without it (releases) and ``key`` (lowerings)."""
-        if "int4_keys" not in key:
+        """``store.open(cache_dir, key)`` when ``key`` (a `generation_key` and more) names no key layout (row keys),
+        else the pair of ``key`` without it (releases) and ``key`` (lowerings)."""
+        if KEY_LAYOUT_FIELD not in key:
             return store.open(cache_dir, key)
-        shared = {name: value for name, value in key.items() if name != "int4_keys"}
+        shared = {name: value for name, value in key.items() if name != KEY_LAYOUT_FIELD}
         return cls(store.open(cache_dir, shared), store.open(cache_dir, key))
 
     def _of(self, action: Action) -> InterventionStore:

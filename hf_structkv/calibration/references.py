@@ -35,6 +35,7 @@ __all__ = [
     "CaseRun",
     "case_run",
     "ReferenceTrajectory",
+    "KEY_LAYOUT_FIELD",
     "generation_key",
     "key_digest",
     "reference_trajectories",
@@ -162,6 +163,10 @@ def key_digest(key: Any) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 
+KEY_LAYOUT_FIELD = "int4_keys"
+"""The field of `generation_key` naming a non-row INT4 key layout (absent for row keys)."""
+
+
 def generation_key(model, tokenizer, task: CalibrationTask, policy: PolicyTable, max_new_tokens: int) -> dict[str, Any]:
     """What a calibration's generations depend on besides the case and the intervention: package version, model
     fingerprint, dtype, generation cap, ``policy``'s window, sinks, tag view and INT4 key layout, and the task's
@@ -175,7 +180,7 @@ def generation_key(model, tokenizer, task: CalibrationTask, policy: PolicyTable,
         "window": policy.window,
         "sink_tokens": policy.sink_tokens,
         **({} if policy.tag_view == "full" else {"tag_view": policy.tag_view}),  # full-view keys stay as before
-        **({} if policy.int4_keys == "row" else {"int4_keys": policy.int4_keys}),  # row-key keys stay as before
+        **({} if policy.int4_keys == "row" else {KEY_LAYOUT_FIELD: policy.int4_keys}),  # row-key keys stay as before
     }
 
 

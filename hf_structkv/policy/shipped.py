@@ -7,7 +7,7 @@ with it can be reproduced and compared.
 
 from __future__ import annotations
 
-__all__ = ["CALIBRATED", "DEFAULT_CALIBRATED", "SHIPPED_PAIRS", "shipped_pair_folders"]
+__all__ = ["CALIBRATED", "DEFAULT_CALIBRATED", "SHIPPED_PAIRS", "pair_name", "shipped_pair_folders"]
 
 CALIBRATED = "calibrated"
 """The name of whichever pair is the default."""
@@ -52,13 +52,19 @@ DEFAULT_CALIBRATED = "calibrated-likelihood-int4-centred"
 the development split"), which stays loadable by that name."""
 
 
+def pair_name(name: str) -> str:
+    """``name`` with ``"calibrated"`` resolved to the pair it loads now (`DEFAULT_CALIBRATED`); any other name as
+    given. A result records this name, which keeps naming the same pair when the default moves."""
+    return DEFAULT_CALIBRATED if name == CALIBRATED else name
+
+
 def shipped_pair_folders(name: str = CALIBRATED) -> tuple[str, str]:
     """The ``(decode table, prefill policy)`` folders of the shipped pair ``name`` (``"calibrated"``: the default).
 
     Raises:
         ValueError: ``name`` names no shipped pair.
     """
-    key = DEFAULT_CALIBRATED if name == CALIBRATED else name
+    key = pair_name(name)
     if key not in SHIPPED_PAIRS:
         raise ValueError(f"no shipped calibrated pair {name!r}: choose one of {[CALIBRATED, *SHIPPED_PAIRS]}")
     return SHIPPED_PAIRS[key]
