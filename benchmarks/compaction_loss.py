@@ -532,8 +532,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--key-groups",
         nargs="+",
-        default=["32"],
-        help="with --storage int4: kept entries per row of key scales, one variant each ('none': one row per head)",
+        default=["none"],
+        help="with --storage int4: kept entries per row of key scales, one variant each ('none': one row per head, "
+        "the library's default)",
     )
     parser.add_argument(
         "--nf4-keys",
