@@ -14,7 +14,6 @@ from hf_structkv.compaction.head_storage import OFFSET_BYTES, StorageLayout
 from hf_structkv.compaction.quantized_refit import (
     compact_int4,
     quantize_head,
-    quantize_values,
     quantize_values_compensated,
     refit_with_served_keys,
 )
@@ -165,22 +164,6 @@ def test_compensation_beats_rounding_on_a_correlated_head():
     compensated = dequantize_int4(*quantize_values_compensated(attention, values), 8, FLOAT)
     target = attention @ values
     assert (attention @ compensated - target).square().sum() < (attention @ rounded - target).square().sum()
-
-
-def test_values_of_more_entries_than_queries_are_rounded_without_compensation():
-    # t > N: compensation could hide every rounding error from the N calibration queries (P̂ᵀP̂ has rank N); the
-    # values are rounded. t <= N: the compensated codes are kept where they fit the queries better, as on this head.
-    generator = torch.Generator().manual_seed(3)
-    base = torch.randn(200, 12, generator=generator, dtype=FLOAT)
-    attention = torch.softmax(torch.cat([base, base[:, :4] + 0.01 * torch.randn(200, 4, generator=generator)], 1), 1)
-    values = torch.randn(16, 8, generator=generator, dtype=FLOAT)
-    compensated = quantize_values_compensated(attention, values)
-    kept = quantize_values(attention, values, attention @ values)
-    assert all(torch.equal(a, b) for a, b in zip(kept, compensated))
-    few = attention[:10]
-    assert not torch.equal(quantize_values_compensated(few, values)[0], quantize_int4(values)[0])
-    rounded = quantize_values(few, values, few @ values)
-    assert all(torch.equal(a, b) for a, b in zip(rounded, quantize_int4(values)))
 
 
 # --------------------------------------------------------------------------------------------------- fallback

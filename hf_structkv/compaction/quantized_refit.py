@@ -7,8 +7,7 @@ full cache: multipliers (22) on the exact kept keys against the full row sums ``
 (23) with the served (dequantized) keys in the attention against the full outputs ``O``. The refit values are quantized
 per row, row by row, each row's rounding error compensated on the rows not yet quantized through the normal equations of
 (23) (the optimal-brain-quantization update; `quantize_values_compensated`), and kept only where that beats plain
-rounding on the calibration queries; with more kept entries than calibration queries they are rounded
-(`quantize_values`). A head whose INT4 fit serves its calibration queries worse than the same method
+rounding on the calibration queries. A head whose INT4 fit serves its calibration queries worse than the same method
 fitted in the cache's dtype at the same bytes (`StorageLayout`), or serves a held-back share of them worse when refit
 without it, is stored in that dtype instead, marked ``storage_fallback``.
 """
@@ -101,14 +100,8 @@ def quantize_values(
     attention: torch.Tensor, values: torch.Tensor, outputs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row INT4 ``(codes, scales)`` of the refit ``values [t, D_v]``: compensated (`quantize_values_compensated`)
-    where that serves ``attention [N, t]`` closer to ``outputs [N, D_v]`` than plain rounding does, else rounded.
-
-    With more kept entries than calibration queries (``t > N``) the values are rounded: ``P̂ᵀP̂`` then has rank ``N``,
-    so the compensation can move the rounding error into directions no calibration query sees, which lowers the
-    calibration error whatever it does to other queries, at a cost cubic in ``t``."""
+    where that serves ``attention [N, t]`` closer to ``outputs [N, D_v]`` than plain rounding does, else rounded."""
     rounded = quantize_int4(values.clamp(-CODE_LIMIT, CODE_LIMIT))
-    if attention.shape[1] > attention.shape[0]:
-        return rounded
     try:
         compensated = quantize_values_compensated(attention, values)
     except torch.linalg.LinAlgError:
