@@ -38,8 +38,9 @@ bytes, whichever serves the calibration queries better (and passes the split gua
 our INT4 is but without its per-head fallback to BF16; variants ``<method>+nf4/<layout>``, beside our INT4 heads
 without that fallback, ``<method>+int4/g<n>/unguarded`` (one per ``--key-groups``), the like-for-like comparison:
 
-    python benchmarks/compaction_loss.py --storage bf16 int4 nf4 --nf4-keys tokens channels --methods kv_surgeon \
-        --ratios 10 20 50 --self-study-ratios --threads 1 --out benchmarks/results/compaction_loss_nf4.json
+    python benchmarks/compaction_loss.py --storage bf16 int4 nf4 --nf4-keys tokens channels --key-groups 32 \
+        --methods kv_surgeon --ratios 10 20 50 --self-study-ratios --threads 1 \
+        --out benchmarks/results/compaction_loss_nf4.json
 
 ``--tiny`` runs the same code on a random tiny model with random text (a smoke test, numbers meaningless).
 """
