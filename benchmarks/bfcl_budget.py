@@ -241,8 +241,9 @@ def merge_runs(payloads: list[dict]) -> dict:
     for payload in payloads:
         for record in payload["records"]:
             key = (record["label"], record["target_B"])
-            row = joined.setdefault(key, {**record, "records": [], "seconds": 0.0})
-            if _with_key_layout(row["knobs"]) != _with_key_layout(record["knobs"]):
+            knobs = _with_key_layout(record["knobs"])
+            row = joined.setdefault(key, {**record, "knobs": knobs, "records": [], "seconds": 0.0})
+            if row["knobs"] != knobs:
                 raise ValueError(
                     f"{record['label']} at B={record['target_B']} has different knobs in two runs ({row['knobs']} vs "
                     f"{record['knobs']}): run it over the same categories in every run"

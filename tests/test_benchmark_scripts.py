@@ -1272,13 +1272,14 @@ def test_bfcl_budget_merge_refuses_what_would_not_compare():
     changed["records"][0]["knobs"] = {"k": 2}
     with pytest.raises(ValueError, match="different knobs"):
         script.merge_runs([first, changed])
-    # a row written before --int4-keys served row keys: it joins a row that says so, not a centred one
+    # a row written before --int4-keys served row keys: it joins a row that says so, not a centred one, and the
+    # merged row states the layout
     first["records"][0]["knobs"] = {"k": 1}
     for layout, joins in (("row", True), ("centred", False)):
         later = _budget_run(script, 2, {"a": 30.0, "b": 50.0})
         later["records"][0]["knobs"] = {"k": 1, "int4_keys": layout}
         if joins:
-            assert script.merge_runs([first, later])["records"][0]["knobs"] == {"k": 1}
+            assert script.merge_runs([first, later])["records"][0]["knobs"] == {"k": 1, "int4_keys": "row"}
         else:
             with pytest.raises(ValueError, match="different knobs"):
                 script.merge_runs([first, later])
