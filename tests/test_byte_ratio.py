@@ -10,6 +10,7 @@ on top of ``1/r`` of the keys and values).
 """
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -83,7 +84,8 @@ def test_bf16_storage_counts_entries_and_its_bytes_are_the_closed_form(tiny):
 
 
 def test_int4_below_its_whole_cache_ratio_keeps_every_int4_head_whole(tiny):
-    cache = compacted(tiny, 2, "int4")
+    with pytest.warns(UserWarning, match="storage='auto' spends the bytes"):
+        cache = compacted(tiny, 2, "int4")
     whole = StorageLayout("int4", DIM, DIM, key_group=KEY_GROUP).nbytes(LENGTH)
     in_dtype = StorageLayout("bf16", DIM, DIM, tiny[2])
     for storages, lengths in zip(cache.head_storage(), cache.head_lengths(), strict=True):
@@ -118,7 +120,11 @@ def test_head_byte_budgets_share_the_bytes_as_brute_force(storage, ratio, elemen
     total = sum(weights) * 2 * dim * element_bytes
     whole_int4 = StorageLayout("int4", dim, dim, key_group=KEY_GROUP).nbytes(length)
     whole_dtype = StorageLayout("bf16", dim, dim, element_bytes).nbytes(length)
-    got = head_byte_budgets(counts, length, dim, dim, element_bytes, storage, KEY_GROUP)
+    capped = total > len(weights) * whole_int4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = head_byte_budgets(counts, length, dim, dim, element_bytes, storage, KEY_GROUP)
+    assert len(caught) == (capped and storage == "int4")  # "int4" warns when it cannot spend the bytes
     assert list(got) == [0, 3] and [len(v) for v in got.values()] == [3, 3]
     flat = [b for bs in got.values() for b in bs]
     if total <= len(weights) * whole_int4:

@@ -22,6 +22,8 @@ under ``"auto"``'s last step, or ``"int4"`` below its ratio).
 
 from __future__ import annotations
 
+import warnings
+
 from .budgets import largest_remainder, water_fill
 from .head_storage import StorageLayout, check_storage
 
@@ -49,6 +51,11 @@ def head_byte_budgets(
     Returns:
         ``{global layer: [bytes per KV head]}`` (ints ``>= 1``), summing to at most the bytes of the entry budgets
         (exactly them when no head is capped; the water-filled shares rounded by largest remainder).
+
+    Warns:
+        UserWarning: ``"int4"`` when the bytes exceed those of every head whole in INT4: the heads then store fewer
+            bytes than asked (a higher byte ratio, fitted to their own bytes), and the warning names ``"auto"``,
+            which spends them.
     """
     check_storage(storage, ("int4", "auto"))
     layers = list(entry_budgets)
@@ -60,6 +67,14 @@ def head_byte_budgets(
         shares = largest_remainder(water_fill(weights, total, 1.0, float(whole_int4)), total, whole_int4)
     else:
         shares = [whole_int4] * len(weights)
+        if storage == "int4":
+            warnings.warn(
+                f"storage='int4' keeps every KV head whole in INT4, {length * entry_bytes / whole_int4:.2f}x fewer "
+                f"bytes than in the model's dtype: that is all INT4 can store, more compression than the ratio asked "
+                f"for (the heads are fitted to their own bytes); storage='auto' spends the bytes asked for",
+                UserWarning,
+                stacklevel=2,
+            )
         if storage == "auto":
             whole_dtype = StorageLayout("bf16", key_dim, value_dim, element_bytes).nbytes(length)
             left = total - len(weights) * whole_int4
