@@ -1498,3 +1498,46 @@ def test_serving_cost_defaults_per_mode(serving):
     random_kv = serving.parse_args(["--random-kv"])
     assert (random_kv.contexts, random_kv.batches, random_kv.tiny) == ([4096, 16384], [1, 4], False)
     assert random_kv.out == "benchmarks/results/serving_cost_random_kv.json"
+
+
+# ------------------------------------------------------------------------------ benchmarks/pask_flip_points.py
+def test_pask_flip_points_summary_counts_flips_and_checks_them_against_the_replies(tmp_path):
+    script = load_script(BENCHMARKS / "pask_flip_points.py")
+
+    def flip(reference, chosen):
+        return {"index": 3, "reference_piece": reference, "chosen_piece": chosen}
+
+    def record(case, valid, text, pair_flip, decode_flip=None):
+        entries = {name: {"loss": 0.0, "flip": None} for name in script.SCHEDULES}
+        entries["pair"] = {"loss": 0.5, "flip": pair_flip}
+        entries["decode_only"]["flip"] = decode_flip
+        return {"id": case, "reference_valid": valid, "reference_text": text, **entries}
+
+    records = [
+        record("a", True, "[1]", None),
+        record("b", True, "[2]", flip("]", ","), flip("]", ",")),
+        record("c", False, "[3]", flip("x", "y")),
+        record("d", True, "[4]", flip("]", ",")),
+    ]
+    replies = {"a": {"text": "[1]\n", "valid": True}, "b": {"text": "[2, 2]", "valid": False}}
+    replies |= {"c": {"text": "[3 ]", "valid": True}, "d": {"text": "[4]", "valid": True}}  # d: a flip, same text
+    summary = script.summarise(records, replies)
+    assert summary["pair"]["flipped"] == 3 and summary["pair"]["flipped_valid_references"] == 2
+    assert summary["pair"]["mean_loss"] == 0.5 and summary["all_high"]["flipped"] == 0
+    assert summary["pair"]["commonest_flips"][0] == ("']' -> ','", 2)
+    assert summary["decode_only"]["flipped"] == 1
+    assert summary["pair_vs_generated"] == {
+        "flip, other reply": 2,
+        "flip, same reply": 1,
+        "flip, verdict gained": 1,
+        "flip, verdict kept": 1,
+        "flip, verdict lost": 1,
+        "no flip, same reply": 1,
+    }
+    settings = {"budget": 0.33}
+    log = tmp_path / "run.json.cases.jsonl"
+    assert script.read_log(log, settings) == {}
+    log.write_text(json.dumps({"settings": settings}) + "\n" + json.dumps(records[0]) + "\n")
+    assert script.read_log(log, settings) == {"a": records[0]}
+    with pytest.raises(SystemExit):
+        script.read_log(log, {"budget": 0.25})

@@ -145,14 +145,21 @@ class CaseReplay:
         """``[T]`` log-probabilities of the generated tokens replayed in ``cache`` (a `with_schedule` of the prompt)."""
         return torch.cat([self.first_log_prob, self._forward(cache, len(self.reference.prompt_ids))])
 
+    def reply_logits(self, cache: TeacherForcedCache, start: int | None = None) -> torch.Tensor:
+        """``[n − start − 1, V]`` FP32 logits predicting tokens ``start + 1 ..`` of the ``n`` prompt and reply tokens,
+        forwarding tokens ``start .. n − 2`` in ``cache``, which holds the first ``start`` (default: the prompt, as
+        a `TeacherForcedCache.with_schedule` of `prompt_cache` does; the rows then predict reply tokens ``1 ..``)."""
+        start = len(self.reference.prompt_ids) if start is None else start
+        if self.tokens.shape[1] <= start + 1:
+            return torch.empty(0, self.model.config.vocab_size, device=self.tokens.device)
+        with torch.no_grad():
+            return self.model(input_ids=self.tokens[:, start:-1], cache=cache, use_cache=True).logits[0].float()
+
     def _forward(self, cache: TeacherForcedCache, start: int) -> torch.Tensor:
-        """``[n − start − 1]`` log-probabilities of tokens ``start + 1 ..`` of the ``n`` prompt and reply tokens,
-        forwarding tokens ``start .. n − 2`` in ``cache`` (which holds the first ``start``)."""
+        """``[n − start − 1]`` log-probabilities of tokens ``start + 1 ..`` (`reply_logits`)."""
         if self.tokens.shape[1] <= start + 1:
             return self.first_log_prob[:0]
-        with torch.no_grad():
-            logits = self.model(input_ids=self.tokens[:, start:-1], cache=cache, use_cache=True).logits
-        rows = torch.log_softmax(logits[0].float(), -1)  # [n - start - 1, V]
+        rows = torch.log_softmax(self.reply_logits(cache, start), -1)  # [n - start - 1, V]
         return rows.gather(-1, self.tokens[0, start + 1 :].unsqueeze(-1)).squeeze(-1)
 
     def _reference_replay(self) -> TeacherForcedCache:

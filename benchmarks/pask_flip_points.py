@@ -1,0 +1,237 @@
+"""Where PASK's greedy replies leave the all-high reference, and which stage makes them (issue 32): first flips of
+the teacher-forced replays on the development split.
+
+Each development case's all-high reference trajectory (the calibration's cached references, `--cache-dir`; made
+there when missing) is replayed under four schedules of one PASK pair served at ``--budget`` (``B_D = B_P``, as
+``bfcl_budget.py --pask-stage-split equal``): ``all_high`` (the control: its flips are the replay's float noise),
+``pair`` (the decode table and the prefill plan), ``decode_only`` (the table, the prompt all-high) and
+``prefill_only`` (the prefill plan, decode all-high). Per schedule and case: the first flip
+(`hf_structkv.calibration.greedy_flips.first_flip`: the first step whose grammar-masked argmax is not the
+reference's token, where greedy constrained decoding under the schedule leaves the reference), the tokens there and
+the reply text before it, and the likelihood loss (`likelihood_loss` from step 1, the calibration's sensitivity).
+
+``--generated FILE:LABEL`` names the row of a ``bfcl_budget.py --split development`` result that served the same pair
+at the same budget: its replies are then compared with the prediction (no flip under ``pair`` ⇔ the reply is the
+reference's text), and its verdicts with the reference's where the reply flipped.
+
+Resumable: each case's record is appended to ``<out>.cases.jsonl`` (settings on its first line) as soon as it is
+measured; a rerun skips them. ``--out`` JSON and a printed table.
+
+    OMP_NUM_THREADS=1 python benchmarks/pask_flip_points.py --pask-policy calibrated --budget 0.33 --threads 1 \\
+        --generated benchmarks/results/bfcl_budget_dev/likelihood_int4_centred_128cases.json:"pask [centred keys]" \\
+        --out benchmarks/results/pask_flip_points_dev.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import transformers
+
+from hf_structkv.attention.registry import enable
+from hf_structkv.calibration.bfcl_task import BfclTask
+from hf_structkv.calibration.greedy_flips import first_flip
+from hf_structkv.calibration.likelihood import CaseReplay, likelihood_loss
+from hf_structkv.calibration.references import reference_trajectories
+from hf_structkv.eval.bfcl import bfcl_split
+from hf_structkv.models import load_default_model
+from hf_structkv.policy.prefill import plan_prefill
+from hf_structkv.policy.shipped import pair_name
+from hf_structkv.policy.table import PolicyTable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bfcl_budget import find_row, load_pask, pask_at  # noqa: E402
+from results_json import write_json  # noqa: E402
+
+SCHEDULES = ("all_high", "pair", "decode_only", "prefill_only")
+CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple")
+
+
+def schedules(table: PolicyTable, plan: torch.Tensor, all_high: PolicyTable) -> dict[str, tuple]:
+    """``{name: (decode policy, prefill plan or None)}`` of `SCHEDULES`."""
+    return {
+        "all_high": (all_high, None),
+        "pair": (table, plan),
+        "decode_only": (table, None),
+        "prefill_only": (all_high, plan),
+    }
+
+
+def case_record(model, tokenizer, case, reference, table, prefill, all_high) -> dict:
+    """One case's flips and likelihood losses under the four schedules."""
+    task = BfclTask()
+    replay = CaseReplay(model, reference, all_high)
+    plan = plan_prefill(reference.prompt_labels, table.costs, prefill, table.sink_tokens, table.window).actions[None]
+    prompt = len(reference.prompt_ids)
+    tokens, targets = replay.tokens[0, prompt:].tolist(), replay.tokens[0, prompt + 1 :, None]  # [T], [T - 1, 1]
+    reference_log_probs = None
+    record = {"id": reference.case_id, "category": reference.category, "reference_valid": reference.valid}
+    record |= {"reference_text": reference.text, "reply_tokens": len(tokens)}
+    for name, (policy, prefill_plan) in schedules(table, plan, all_high).items():
+        rows = replay.reply_logits(replay.prompt_cache.with_schedule(policy, prefill_plan))
+        log_probs = torch.cat([replay.first_log_prob, torch.log_softmax(rows, -1).gather(-1, targets)[:, 0]])  # [T]
+        reference_log_probs = log_probs if name == "all_high" else reference_log_probs
+        flip = first_flip(replay, rows, task.processor(tokenizer, case, policy))
+        entry = {"loss": likelihood_loss(reference_log_probs, log_probs, 1), "flip": None}
+        if flip is not None:
+            entry["flip"] = {
+                **dataclasses.asdict(flip),
+                "reference_piece": tokenizer.decode([flip.reference_token]),
+                "chosen_piece": tokenizer.decode([flip.chosen_token]),
+                "before": tokenizer.decode(tokens[: flip.index])[-48:],
+            }
+        record[name] = entry
+    return record
+
+
+def read_log(path: Path, settings: dict) -> dict[str, dict]:
+    """The case records of an earlier run with the same ``settings`` (``{}`` when there is none)."""
+    if not path.exists():
+        return {}
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not lines or lines[0] != {"settings": settings}:
+        raise SystemExit(f"{path} holds a run with other settings: move it away or rerun with them")
+    return {record["id"]: record for record in lines[1:]}
+
+
+def summarise(records: list[dict], generated: dict[str, dict] | None) -> dict:
+    """Per schedule: cases flipped, the mean likelihood loss, the commonest (reference -> chosen) pieces; with
+    ``generated`` (case id -> reply record), the prediction against the replies and verdicts."""
+    out = {}
+    for name in SCHEDULES:
+        flips = [r[name]["flip"] for r in records if r[name]["flip"] is not None]
+        pieces = Counter(f"{f['reference_piece']!r} -> {f['chosen_piece']!r}" for f in flips)
+        out[name] = {
+            "cases": len(records),
+            "flipped": len(flips),
+            "mean_loss": sum(r[name]["loss"] for r in records) / max(1, len(records)),
+            "flipped_valid_references": sum(r[name]["flip"] is not None and r["reference_valid"] for r in records),
+            "commonest_flips": pieces.most_common(8),
+        }
+    if generated is not None:
+        table = Counter()
+        for record in records:
+            reply = generated.get(record["id"])
+            if reply is None:
+                continue
+            same = reply["text"].strip() == record["reference_text"].strip()
+            flipped = record["pair"]["flip"] is not None
+            table[f"{'flip' if flipped else 'no flip'}, {'same' if same else 'other'} reply"] += 1
+            if flipped:
+                verdict = (
+                    "kept"
+                    if reply["valid"] == record["reference_valid"]
+                    else "lost"
+                    if record["reference_valid"]
+                    else "gained"
+                )
+                table[f"flip, verdict {verdict}"] += 1
+        out["pair_vs_generated"] = dict(sorted(table.items()))
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pask-policy", default="calibrated", help="a shipped pair by name, or a policy folder")
+    parser.add_argument("--budget", type=float, default=0.33, help="B_D = B_P served")
+    parser.add_argument("--categories", nargs="+", default=list(CATEGORIES), choices=CATEGORIES)
+    parser.add_argument("--dev-cases", type=int, default=32, help="development cases per category")
+    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--cache-dir", default="benchmarks/results/calibration_cache", help="the references' cache")
+    parser.add_argument("--generated", metavar="FILE:LABEL", help="a bfcl_budget.py --split development row")
+    parser.add_argument("--seed", type=int, default=0, help="split seed")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default="benchmarks/results/pask_flip_points_dev.json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not 0 < args.budget <= 1:
+        parser.error(f"--budget must lie in (0, 1], got {args.budget}")
+    generated = None
+    if args.generated:
+        path, sep, label = args.generated.partition(":")
+        if not sep or not Path(path).is_file():
+            parser.error(f"--generated takes FILE:LABEL with a result file, got {args.generated!r}")
+        generated = {r["id"]: r for r in find_row(path, json.loads(Path(path).read_text()), label)["records"]}
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_default_model()
+    enable(model)
+    table, prefill, provenance = load_pask(args.pask_policy, model)
+    table, prefill = pask_at(table, prefill, args.budget)
+    all_high = PolicyTable.all_high(
+        model, window=table.window, sink_tokens=table.sink_tokens, int4_keys=table.int4_keys
+    )
+    cases = bfcl_split(args.categories, "development", seed=args.seed, limit=args.dev_cases)
+    references = reference_trajectories(
+        model,
+        tokenizer,
+        BfclTask(),
+        cases,
+        args.max_new_tokens,
+        table.window,
+        table.sink_tokens,
+        cache_dir=args.cache_dir,
+        progress=True,
+    )
+    policy_name = args.pask_policy if Path(args.pask_policy).is_dir() else pair_name(args.pask_policy)
+    settings = {
+        "pask_policy": policy_name,
+        "budget": args.budget,
+        "categories": args.categories,
+        "dev_cases": args.dev_cases,
+        "max_new_tokens": args.max_new_tokens,
+        "seed": args.seed,
+    }
+    log = Path(f"{args.out}.cases.jsonl")
+    done = read_log(log, settings)
+    if not log.exists():
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(json.dumps({"settings": settings}) + "\n")
+    start = time.perf_counter()
+    for case, reference in zip(cases, references, strict=True):
+        if reference.case_id in done or not reference.tokens:
+            continue
+        done[reference.case_id] = case_record(model, tokenizer, case, reference, table, prefill, all_high)
+        with log.open("a") as handle:
+            handle.write(json.dumps(done[reference.case_id]) + "\n")
+        flips = {name: done[reference.case_id][name]["flip"] for name in SCHEDULES}
+        print(f"{reference.case_id}: " + ", ".join(f"{n} {'-' if f is None else f['index']}" for n, f in flips.items()))
+    records = [done[r.case_id] for r in references if r.case_id in done]
+    summary = summarise(records, generated)
+    print(f"{policy_name} ({provenance}) at B_D = B_P = {args.budget}, {len(records)} development cases")
+    print(f"{'schedule':<14} {'flipped':>8} {'of valid refs':>14} {'mean loss':>10}  commonest flips")
+    for name in SCHEDULES:
+        row = summary[name]
+        flips = "; ".join(f"{p} x{n}" for p, n in row["commonest_flips"][:4])
+        print(
+            f"{name:<14} {row['flipped']:>8} {row['flipped_valid_references']:>14} {row['mean_loss']:>10.4f}  {flips}"
+        )
+    if generated is not None:
+        print("pair against its generated replies:", summary["pair_vs_generated"])
+    payload = {
+        **settings,
+        "policy_provenance": provenance,
+        "generated": args.generated,
+        "seconds_this_run": time.perf_counter() - start,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "summary": summary,
+        "records": records,
+    }
+    payload = write_json(args.out, payload, started=start)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Where a retention schedule makes greedy constrained decoding leave a reference reply: the first **flip**.
+
+Greedy decoding under a schedule writes the all-high reference reply ``y_0 .. y_{T-1}`` token for token up to the
+first step ``k`` at which the grammar-masked argmax of its logits is not ``y_k``, and leaves it there. Before that
+step it saw exactly the reference's tokens, so the logits of every step up to ``k`` are those of the teacher-forced
+replay of the reference under the schedule (`CaseReplay`, `hf_structkv.cache.teacher_forced`). `first_flip` walks the
+case's grammar processor along the reference, masks each replayed row as ``generate`` masks it and returns the first
+step whose masked argmax differs: no generation, one forward per schedule. No flip means the schedule's greedy reply
+is the reference's (its verdict too); a flip at ``k`` means it is another reply, which agrees with the reference
+before ``k``. Step 0 cannot flip: its logits come from the prompt forward, which no schedule changes (a prefill plan
+takes effect at the first commit). "Exactly" is up to floating-point summation order: the replay forwards the reply
+in one batch where ``generate`` forwards one token at a time (the float64 tests are exact; in float32 a near tie can
+go either way, which the flip's ``margin`` shows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .likelihood import CaseReplay
+
+__all__ = ["Flip", "first_flip"]
+
+
+@dataclass(frozen=True)
+class Flip:
+    """The first step at which a schedule's greedy choice is not the reference's token.
+
+    Attributes:
+        index: the reply step ``k >= 1`` (``y_k`` is the reference token not chosen).
+        reference_token, chosen_token: ``y_k`` and the masked argmax.
+        margin: masked log-probability of ``chosen_token`` minus that of ``reference_token`` (``> 0``; ``inf`` when
+            the grammar no longer allows ``y_k``, which cannot happen along the reference's own tokens).
+    """
+
+    index: int
+    reference_token: int
+    chosen_token: int
+    margin: float
+
+
+def first_flip(replay: CaseReplay, rows: torch.Tensor, processor) -> Flip | None:
+    """The first flip of the greedy constrained reply under a schedule, or None (module docstring).
+
+    Args:
+        replay: the case's `CaseReplay` (its reference's prompt and reply tokens).
+        rows: ``[T - 1, V]`` the schedule's replayed logits of steps ``1 .. T - 1``,
+            ``replay.reply_logits(replay.prompt_cache.with_schedule(policy, prefill_plan))``.
+        processor: a fresh grammar processor of the case, as ``generate`` would use it (a logits processor called
+            with ``(input_ids [1, n], scores [1, V])``, stateful along ``input_ids``; `CalibrationTask.processor`).
+
+    Returns:
+        a `Flip`, or None when every step's masked argmax is the reference's token.
+    """
+    tokens = replay.tokens  # [1, P + T]
+    prompt = len(replay.reference.prompt_ids)
+    processor(tokens[:, :prompt], torch.zeros(1, rows.shape[-1], device=tokens.device))  # step 0: the state only
+    for step in range(1, tokens.shape[1] - prompt):
+        masked = torch.log_softmax(processor(tokens[:, : prompt + step], rows[step - 1 : step].clone())[0], -1)
+        chosen, wanted = int(masked.argmax()), int(tokens[0, prompt + step])
+        if chosen != wanted:
+            return Flip(step, wanted, chosen, float(masked[chosen] - masked[wanted]))
+    return None
