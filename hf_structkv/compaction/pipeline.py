@@ -268,11 +268,12 @@ def compact(
             (`head_byte_budgets`), and each head keeps the most INT4 entries whose bytes (`StorageLayout`) fit in its
             share; the achieved ratio exceeds ``ratio`` by the rounding to whole entries and key-scale rows, or, when
             ``ratio`` is below the ratio of the whole cache in INT4 (6.6 in FP32, 3.3 in BF16 for ``D = 64``, g = 32),
-            every head is kept whole in INT4 and that ratio is reached (a ``UserWarning`` says so); ``"auto"``: the same byte shares, and each
-            head keeps the better, on its calibration queries, of the head in the model's dtype on the most entries
-            its bytes buy and the INT4 head on the most INT4 entries they buy (the INT4 head also passing the
-            held-back-queries guard; `compact_head_to_bytes`); below the whole-INT4 ratio the bytes left keep whole
-            heads in the dtype, largest budget first; needs a calibrated method. ``"int4"`` and ``"auto"`` need one
+            every head is kept whole in INT4 and that ratio is reached (a ``UserWarning`` says so); ``"auto"``: the same
+            byte shares, and each head keeps the better, on its calibration queries, of the head in the model's dtype on
+            the most entries its bytes buy and the INT4 head on the most INT4 entries they buy (the INT4 head also
+            passing the held-back-queries guard; `compact_head_to_bytes`); below the whole-INT4 ratio the bytes left
+            keep whole heads in the dtype, largest budget first; needs a calibrated method. ``"int4"`` and ``"auto"``
+            need one
             chunk and no ``prefix``. The metadata's ``storage`` counts the heads stored in INT4 and the others
             (``fallback_heads``: kept in the model's dtype) and records the achieved ``byte_ratio``.
         key_group: ``storage="int4"`` / ``"auto"`` only: kept entries per row of key scales and offsets (None, the
