@@ -273,8 +273,7 @@ def compact(
             the most entries its bytes buy and the INT4 head on the most INT4 entries they buy (the INT4 head also
             passing the held-back-queries guard; `compact_head_to_bytes`); below the whole-INT4 ratio the bytes left
             keep whole heads in the dtype, largest budget first; needs a calibrated method. ``"int4"`` and ``"auto"``
-            need one
-            chunk and no ``prefix``. The metadata's ``storage`` counts the heads stored in INT4 and the others
+            need one chunk and no ``prefix``. The metadata's ``storage`` counts the heads stored in INT4 and the others
             (``fallback_heads``: kept in the model's dtype) and records the achieved ``byte_ratio``.
         key_group: ``storage="int4"`` / ``"auto"`` only: kept entries per row of key scales and offsets (None, the
             default: one row per head, which served every byte ratio better than rows of 32 entries on the embedded
