@@ -12,6 +12,7 @@ from ..policy.costs import GROUP_COUNTS
 from ..quant.int4_centred import INT4_KEY_LAYOUTS
 from ..structure.tags import TAG_VIEWS
 from ..validation import int_option
+from .settings import SENSITIVITIES
 
 __all__ = ["CPU_SIZES", "PAPER_SIZES", "add_calibrate_options", "run_calibrate"]
 
@@ -95,10 +96,11 @@ def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sensitivity",
         default="verdict",
-        choices=["verdict", "likelihood"],
-        help="Runtime-V by generated verdicts (the paper's protocol) or by the teacher-forced likelihood loss of the "
+        choices=SENSITIVITIES,
+        help="Runtime-V by generated verdicts (the paper's protocol), by the teacher-forced likelihood loss of the "
         "reference replies (one forward per intervention; development selection by likelihood, confirmed by "
-        "verdicts)",
+        "verdicts), or by replayed verdicts (the verdicts, each intervention generated only where its teacher-forced "
+        "greedy reply leaves the reference)",
     )
     parser.add_argument(
         "--max-confirmations",

@@ -41,24 +41,35 @@ class Flip:
     margin: float
 
 
-def first_flip(replay: CaseReplay, rows: torch.Tensor, processor) -> Flip | None:
-    """The first flip of the greedy constrained reply under a schedule, or None (module docstring).
+def first_flip(replay: CaseReplay, rows: torch.Tensor, processor, start: int = 1) -> Flip | None:
+    """The first flip at a reply step ``>= start`` of the greedy constrained reply under a schedule, or None
+    (module docstring).
 
     Args:
         replay: the case's `CaseReplay` (its reference's prompt and reply tokens).
-        rows: ``[T - 1, V]`` the schedule's replayed logits of steps ``1 .. T - 1``,
-            ``replay.reply_logits(replay.prompt_cache.with_schedule(policy, prefill_plan))``.
+        rows: ``[T - start, V]`` the schedule's replayed logits of steps ``start .. T - 1``
+            (`CaseReplay.schedule_logits` with ``first=start``).
         processor: a fresh grammar processor of the case, as ``generate`` would use it (a logits processor called
             with ``(input_ids [1, n], scores [1, V])``, stateful along ``input_ids``; `CalibrationTask.processor`).
+        start: the first step checked, ``>= 1`` (a schedule that changes no forward before ``start`` cannot flip
+            before it but through the replay's float noise); the processor is walked along the earlier steps.
 
     Returns:
-        a `Flip`, or None when every step's masked argmax is the reference's token.
+        a `Flip`, or None when every checked step's masked argmax is the reference's token.
     """
     tokens = replay.tokens  # [1, P + T]
-    prompt = len(replay.reference.prompt_ids)
-    processor(tokens[:, :prompt], torch.zeros(1, rows.shape[-1], device=tokens.device))  # step 0: the state only
-    for step in range(1, tokens.shape[1] - prompt):
-        masked = torch.log_softmax(processor(tokens[:, : prompt + step], rows[step - 1 : step].clone())[0], -1)
+    prompt, length = len(replay.reference.prompt_ids), tokens.shape[1] - len(replay.reference.prompt_ids)
+    if start < 1 or rows.shape[0] != max(0, length - start):
+        raise ValueError(
+            f"rows must hold the {max(0, length - start)} steps {start} .. {length - 1}, got {rows.shape[0]}"
+        )
+    blank = torch.zeros(1, rows.shape[-1], device=tokens.device)
+    for step in range(min(start, length)):  # the state only: steps the schedule does not change
+        processor(tokens[:, : prompt + step], blank)
+    for step in range(start, length):
+        masked = torch.log_softmax(
+            processor(tokens[:, : prompt + step], rows[step - start : step - start + 1].clone())[0], -1
+        )
         chosen, wanted = int(masked.argmax()), int(tokens[0, prompt + step])
         if chosen != wanted:
             return Flip(step, wanted, chosen, float(masked[chosen] - masked[wanted]))

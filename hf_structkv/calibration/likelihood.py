@@ -52,6 +52,8 @@ __all__ = [
     "DevelopmentReplayStore",
     "LikelihoodStore",
     "ReferenceTags",
+    "check_stage",
+    "intervention_schedule",
     "likelihood_loss",
     "likelihood_measure",
 ]
@@ -141,6 +143,22 @@ class CaseReplay:
         cache = reference_cache.with_schedule(policy, prefill_plan, keep=keep)
         return torch.cat([self.reference_log_probs[:first], self._forward(cache, keep)])
 
+    def schedule_logits(
+        self, policy: RetentionPolicy, prefill_plan: torch.Tensor | None = None, first: int = 1
+    ) -> torch.Tensor:
+        """``[T − first, V]`` FP32 logits of reply steps ``first .. T − 1`` under ``policy`` and ``prefill_plan``,
+        replayed as `log_probs` replays them: from ``first >= 2`` on, from the all-high reference replay's first
+        ``P + first − 1`` tokens (the steps before ``first`` are the reference replay's, which the caller states
+        the schedule does not change)."""
+        if first < 1:
+            raise ValueError(f"first must be >= 1 (forward 0 is the shared prompt forward), got {first}")
+        if first >= len(self.reference.tokens):
+            return torch.empty(0, self.model.config.vocab_size, device=self.tokens.device)
+        if first == 1 or not self.prompt_cache.resumes_past_prompt:
+            return self.reply_logits(self.prompt_cache.with_schedule(policy, prefill_plan))[first - 1 :]
+        keep = len(self.reference.prompt_ids) + first - 1
+        return self.reply_logits(self._reference_replay().with_schedule(policy, prefill_plan, keep=keep), keep)
+
     def log_probs_in(self, cache: TeacherForcedCache) -> torch.Tensor:
         """``[T]`` log-probabilities of the generated tokens replayed in ``cache`` (a `with_schedule` of the prompt)."""
         return torch.cat([self.first_log_prob, self._forward(cache, len(self.reference.prompt_ids))])
@@ -196,22 +214,38 @@ def likelihood_measure(model, costs: GroupCosts, stage: str, all_high: PolicyTab
         stage: ``"decode"`` or ``"prefill"``.
         all_high: the calibration's all-high policy (window, sinks, tag view and bins, INT4 key layout).
     """
-    if stage not in ("decode", "prefill"):
-        raise ValueError(f"stage must be 'decode' or 'prefill', got {stage!r}")
+    check_stage(stage)
     current: list[CaseReplay] = []
-    window, sinks = all_high.window, all_high.sink_tokens
 
     def measure(case, reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> float:
         if not current or current[0].reference is not reference:
             current[:] = [CaseReplay(model, reference, all_high)]
-        replay = current[0]
-        if stage == "prefill":
-            return replay.loss(all_high, 1, prefill_intervention_plan(reference, bucket, action, sinks, window))
-        view = {"tag_view": all_high.tag_view, "position_bins": tuple(all_high.position_bins)}
-        policy = BucketIntervention(costs, bucket, action, sinks, window, **view, int4_keys=all_high.int4_keys)
-        return replay.loss(policy, first_changed_forward(reference, bucket.key, window))
+        policy, plan, first = intervention_schedule(reference, bucket, action, stage, costs, all_high)
+        return current[0].loss(policy, first, plan)
 
     return measure
+
+
+def check_stage(stage: str) -> str:
+    """``stage`` if it is ``"decode"`` or ``"prefill"`` (ValueError otherwise)."""
+    if stage not in ("decode", "prefill"):
+        raise ValueError(f"stage must be 'decode' or 'prefill', got {stage!r}")
+    return stage
+
+
+def intervention_schedule(
+    reference: ReferenceTrajectory, bucket: Bucket, action: Action, stage: str, costs: GroupCosts, all_high: PolicyTable
+) -> tuple[RetentionPolicy, torch.Tensor | None, int]:
+    """``(policy, prefill plan, first changed forward)`` of the Runtime-V intervention ``(bucket, action)`` of
+    ``stage`` on ``reference``: a decode intervention is `BucketIntervention` (``all_high``'s window, sinks, tag view
+    and bins, INT4 key layout) with no plan, from its `first_changed_forward`; a prefill intervention is
+    ``all_high`` with `prefill_intervention_plan` ``[1, P, G]``, from forward 1."""
+    window, sinks = all_high.window, all_high.sink_tokens
+    if check_stage(stage) == "prefill":
+        return all_high, prefill_intervention_plan(reference, bucket, action, sinks, window), 1
+    view = {"tag_view": all_high.tag_view, "position_bins": tuple(all_high.position_bins)}
+    policy = BucketIntervention(costs, bucket, action, sinks, window, **view, int4_keys=all_high.int4_keys)
+    return policy, None, first_changed_forward(reference, bucket.key, window)
 
 
 class DevelopmentReplayStore(JsonLinesStore):

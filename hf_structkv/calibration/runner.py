@@ -34,11 +34,15 @@ from .distortion import DistortionStore
 from .intervention_store import LayoutStores
 from .likelihood import DevelopmentReplay, DevelopmentReplayStore, LikelihoodStore
 from .references import generation_key, reference_trajectories, with_position_tags
+from .replayed_verdicts import ReplayedVerdictStore
 from .settings import CalibrationSettings, settings_json
 from .stages import StageInputs, decode_stage, prefill_stage, run_stage, stage_runtime_v
 from .task import CalibrationTask
 from .task_sensitivity import ACTIONS, needs_generation
 from .verdicts import VerdictStore
+
+RUNTIME_V_STORES = {"verdict": VerdictStore, "likelihood": LikelihoodStore, "replayed_verdict": ReplayedVerdictStore}
+"""The Runtime-V store of each sensitivity (`SENSITIVITIES`)."""
 
 __all__ = ["REPORT_NAME", "CalibrationResult", "calibrate"]
 
@@ -182,9 +186,7 @@ def calibrate(
         stage.name: (None, None, None, None)
         if cache_dir is None
         else (
-            LayoutStores.open(
-                LikelihoodStore if stage.by_likelihood else VerdictStore, cache_dir, {**store_key, "stage": stage.name}
-            ),
+            LayoutStores.open(RUNTIME_V_STORES[settings.sensitivity], cache_dir, {**store_key, "stage": stage.name}),
             DevelopmentStore.open(cache_dir, {**store_key, "stage": stage.name}),
             DistortionStore.open(cache_dir, {**store_key, "stage": stage.name}),
             LayoutStores.open(VerdictStore, cache_dir, {**store_key, "stage": stage.name})
@@ -315,6 +317,12 @@ def _log_estimate(log, settings, refs, dev_refs, stages, stores) -> None:
             head + f"ahead: {runtime_v} Runtime-V replays ({cached} more read from the cache), at most {evaluations} "
             f"development replays and at most {confirmations} development generations (about "
             f"{confirmations * per_case / 60:.0f} min) to confirm the selection"
+        )
+        return
+    if settings.sensitivity == "replayed_verdict":
+        log(
+            head + f"ahead: {runtime_v} Runtime-V replays, each generated only where its greedy reply leaves the "
+            f"reference ({cached} more read from the cache), and at most {evaluations} development generations"
         )
         return
     generations = runtime_v + evaluations

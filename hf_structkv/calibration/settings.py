@@ -15,7 +15,7 @@ from .reserve import DEFAULT_RESERVE_HORIZON, DEFAULT_RESERVE_QUANTILE
 
 __all__ = ["SENSITIVITIES", "STAGES", "STAGE_CHOICES", "CalibrationSettings", "settings_json"]
 
-SENSITIVITIES = ("verdict", "likelihood")
+SENSITIVITIES = ("verdict", "likelihood", "replayed_verdict")
 
 STAGES = ("decode", "prefill")
 STAGE_CHOICES = (("decode", "prefill"), ("decode",), ("prefill",))
@@ -46,6 +46,8 @@ class CalibrationSettings:
             by verdicts) or ``"likelihood"`` (teacher-forced likelihood loss of the reference replies,
             `calibration.likelihood`; development selection by likelihood, confirmed by verdicts). The thresholds and
             tolerances are read on the same scale in both (a likelihood loss of 1 is one lost case).
+            ``"replayed_verdict"``: the verdicts of ``"verdict"``, each intervention replayed first and generated
+            only where its greedy reply changes (`calibration.replayed_verdicts`); selection as ``"verdict"``.
         max_confirmations: with ``"likelihood"``, how many candidates passing by likelihood (cheapest first) are
             confirmed by development verdicts before the all-high fallback.
         curve_pairs: with ``"likelihood"``, how many of each stage's Runtime-V interventions are also generated and

@@ -22,6 +22,7 @@ from .interventions import occurrences, prefill_positions
 from .likelihood import DevelopmentReplay, likelihood_measure
 from .loss_curve import LossCurve, sample_interventions
 from .path import greedy_path, upgrade_priorities
+from .replayed_verdicts import FlipGate, gated_verdict_measure
 from .selection import DevResult, evaluate_controller, search_path, select_cheapest
 from .task import CalibrationTask
 from .task_sensitivity import (
@@ -46,7 +47,8 @@ class Stage:
         name: ``"decode"`` or ``"prefill"``.
         buckets, mean_counts: the stage's buckets and their mean occurrence counts ``N̄`` per reference.
         measure: ``(case, reference, bucket, action) -> value`` of one intervention (`intervention_runs`): its
-            verdict, or its likelihood loss (``settings.sensitivity``).
+            verdict (generated, or replayed and generated where the reply changes), or its likelihood loss
+            (``settings.sensitivity``).
         build: ``(actions, floors, priorities, tau) -> candidate`` (a `PolicyTable` or a `PrefillPolicy`).
         evaluate: ``(candidate, progress bar, store) -> DevResult`` on the development cases: generated and scored
             (verdicts), or replayed (likelihood: ``error_rate`` is the mean likelihood loss).
@@ -143,6 +145,7 @@ def decode_stage(inputs: StageInputs, view: dict[str, Any]) -> Stage:
     measure, evaluate, confirm, verdict = _by_sensitivity(
         inputs.settings,
         lambda: likelihood_measure(inputs.model, inputs.costs, "decode", inputs.reference),
+        lambda: FlipGate(inputs.model, inputs.tokenizer, inputs.task, inputs.costs, "decode", inputs.reference),
         replay,
         lambda: decode_generator(
             inputs.model,
@@ -215,6 +218,7 @@ def prefill_stage(inputs: StageInputs) -> Stage:
     measure, evaluate, confirm, verdict = _by_sensitivity(
         inputs.settings,
         lambda: likelihood_measure(inputs.model, inputs.costs, "prefill", inputs.reference),
+        lambda: FlipGate(inputs.model, inputs.tokenizer, inputs.task, inputs.costs, "prefill", inputs.reference),
         replay,
         lambda: prefill_generator(
             inputs.model, inputs.tokenizer, inputs.task, inputs.reference, inputs.settings.max_new_tokens
@@ -387,12 +391,15 @@ def run_stage(
     return candidate, report
 
 
-def _by_sensitivity(settings, likelihood, replay, generator, generate_and_score):
+def _by_sensitivity(settings, likelihood, gate, replay, generator, generate_and_score):
     """A stage's ``(measure, evaluate, confirm, verdict)`` for ``settings.sensitivity``: likelihood (``likelihood()``'s
     measure, candidates replayed, confirmed by generation, ``generator()``'s verdicts for the loss curve made on first
-    use) or verdicts (``generator()``'s runs scored, candidates generated)."""
+    use), verdicts (``generator()``'s runs scored, candidates generated) or replayed verdicts (the same, generated
+    only where ``gate()``, a `FlipGate`, says the reply may change)."""
     if settings.sensitivity == "likelihood":
         return likelihood(), replay, generate_and_score, lambda: _verdict_measure(generator())
+    if settings.sensitivity == "replayed_verdict":
+        return gated_verdict_measure(gate(), generator()), generate_and_score, None, None
     return _verdict_measure(generator()), generate_and_score, None, None
 
 

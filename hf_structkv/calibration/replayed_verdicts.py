@@ -1,0 +1,99 @@
+"""Runtime-V verdicts generated only where an intervention changes the reply (``sensitivity="replayed_verdict"``).
+
+The paper's task sensitivity (PASK §3.4) scores the greedy reply of every case under every intervention with the
+task's verdict: one generation per ``(bucket, action, case)``, which is what makes a paper-sized calibration
+unaffordable on a CPU. Most interventions do not change the greedy reply at all, and whether one does is known from
+one teacher-forced forward: greedy constrained decoding under the intervention writes the reference reply unless the
+masked replay flips (`greedy_flips.first_flip`, checked from the intervention's first changed forward). So
+`FlipGate` replays each intervention; the verdict of a case that does not flip is the reference's, and only a case
+that flips is generated (the verdict protocol's own generator, resumed from the first changed forward). The
+verdicts are the generated protocol's, up to floating-point summation order at a near tie: the replay forwards the
+reply in one batch where generation forwards one token at a time. A case whose all-high replay already flips (such
+a tie on the reference itself) is always generated. Tests (float64): every intervention's verdict equals the
+generated one.
+
+The verdicts are stored apart from generated ones (`ReplayedVerdictStore`), in the same line format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..policy.costs import Action, GroupCosts
+from ..policy.table import PolicyTable
+from .buckets import Bucket
+from .greedy_flips import first_flip
+from .likelihood import CaseReplay, check_stage, intervention_schedule
+from .references import CaseRun, ReferenceTrajectory
+from .task import CalibrationTask
+from .verdicts import VerdictStore
+
+__all__ = ["FlipGate", "ReplayedVerdictStore", "gated_verdict_measure"]
+
+
+class FlipGate:
+    """Whether a Runtime-V intervention can change a case's greedy reply: its masked teacher-forced replay flips, or
+    the case's all-high replay does (module docstring). One `CaseReplay` is kept, for the case in progress
+    (`intervention_runs` goes case by case).
+
+    Args:
+        model: the model (switched to hf_structkv's attention); tokenizer: its tokenizer.
+        task: the calibration task (its grammar processor masks the replayed rows).
+        costs: the layer-group costs of the calibrated table.
+        stage: ``"decode"`` or ``"prefill"``.
+        all_high: the calibration's all-high policy (window, sinks, tag view and bins, INT4 key layout).
+
+    Attributes:
+        checked: interventions replayed; flipped: those whose replay flipped; noisy: those on a case whose all-high
+            replay flips (counted as flipped).
+    """
+
+    def __init__(self, model, tokenizer, task: CalibrationTask, costs: GroupCosts, stage: str, all_high: PolicyTable):
+        self.model, self.tokenizer, self.task = model, tokenizer, task
+        self.costs, self.stage, self.all_high = costs, check_stage(stage), all_high
+        self.checked = self.flipped = self.noisy = 0
+        self._case: tuple[ReferenceTrajectory, CaseReplay, bool] | None = None
+
+    def __call__(self, case, reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> bool:
+        """Whether ``(bucket, action)`` may change ``case``'s greedy reply (False: it writes ``reference``'s)."""
+        replay, noisy = self._replay(case, reference)
+        self.checked += 1
+        if noisy:
+            self.noisy += 1
+            self.flipped += 1
+            return True
+        policy, plan, first = intervention_schedule(reference, bucket, action, self.stage, self.costs, self.all_high)
+        rows = replay.schedule_logits(policy, plan, first)
+        flipped = first_flip(replay, rows, self.task.processor(self.tokenizer, case, policy), start=first) is not None
+        self.flipped += flipped
+        return flipped
+
+    def _replay(self, case, reference: ReferenceTrajectory) -> tuple[CaseReplay, bool]:
+        """The case's `CaseReplay` and whether its all-high replay flips (computed once per case)."""
+        if self._case is None or self._case[0] is not reference:
+            replay = CaseReplay(self.model, reference, self.all_high)
+            processor = self.task.processor(self.tokenizer, case, self.all_high)
+            noisy = first_flip(replay, replay.schedule_logits(self.all_high), processor) is not None
+            self._case = reference, replay, noisy
+        return self._case[1], self._case[2]
+
+
+def gated_verdict_measure(
+    gate: Callable[[object, ReferenceTrajectory, Bucket, Action], bool],
+    generate: Callable[[object, ReferenceTrajectory, Bucket, Action], CaseRun],
+) -> Callable[[object, ReferenceTrajectory, Bucket, Action], bool]:
+    """``measure`` for `intervention_runs`: the verdict of ``generate``'s run where ``gate`` says the reply may
+    change, else the reference's verdict."""
+
+    def measure(case, reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> bool:
+        if gate(case, reference, bucket, action):
+            return generate(case, reference, bucket, action).valid
+        return reference.valid
+
+    return measure
+
+
+class ReplayedVerdictStore(VerdictStore):
+    """`VerdictStore` lines of verdicts measured through a `FlipGate`, kept apart from the generated ones."""
+
+    PREFIX = "replayed-verdicts"
