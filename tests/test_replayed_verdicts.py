@@ -16,7 +16,7 @@ from hf_structkv.calibration.bfcl_task import BfclTask
 from hf_structkv.calibration.buckets import Bucket
 from hf_structkv.calibration.interventions import prefill_positions
 from hf_structkv.calibration.references import reference_trajectories
-from hf_structkv.calibration.replayed_verdicts import FlipGate, gated_verdict_measure
+from hf_structkv.calibration.replayed_verdicts import FlipGate, GatedVerdicts
 from hf_structkv.calibration.runner import calibrate
 from hf_structkv.calibration.settings import CalibrationSettings
 from hf_structkv.calibration.task_sensitivity import ACTIONS, decode_generator, needs_generation, prefill_generator
@@ -72,7 +72,7 @@ def test_gated_verdicts_are_the_generated_ones_and_unflipped_replies_are_the_ref
         generate = prefill_generator(model64, tokenizer, TASK, all_high, MAX_NEW)
     buckets = [Bucket(key, 1) for key in keys]  # the middle layer group
     gate = FlipGate(model64, tokenizer, TASK, costs, stage, all_high)
-    measure = gated_verdict_measure(gate, generate)
+    measure = GatedVerdicts(gate, generate)
     verdicts = set()
     for case, reference in zip(calibration, refs, strict=True):
         for bucket in buckets:
@@ -101,6 +101,8 @@ def test_a_calibration_by_replayed_verdicts_gives_the_verdict_calibrations_table
     assert by_replay.prefill_policy.entries == by_generation.prefill_policy.entries
     assert by_replay.prefill_policy.budget == by_generation.prefill_policy.budget
     assert by_replay.report["prefill"]["sensitivity"] == "replayed_verdict"
+    counts = by_replay.report["prefill"]["runtime_v_replayed"]  # every needed intervention replayed, few generated
+    assert counts["replayed"] == by_replay.report["prefill"]["runtime_v_generations"] > counts["generated"] > 0
     buckets = by_replay.report["prefill"]["buckets"]
     assert buckets == by_generation.report["prefill"]["buckets"]
     assert any(row["V"]["L"] or row["V"]["R"] for row in buckets.values())  # some intervention changes a verdict

@@ -28,7 +28,7 @@ from .references import CaseRun, ReferenceTrajectory
 from .task import CalibrationTask
 from .verdicts import VerdictStore
 
-__all__ = ["FlipGate", "ReplayedVerdictStore", "gated_verdict_measure"]
+__all__ = ["FlipGate", "GatedVerdicts", "ReplayedVerdictStore"]
 
 
 class FlipGate:
@@ -78,19 +78,27 @@ class FlipGate:
         return self._case[1], self._case[2]
 
 
-def gated_verdict_measure(
-    gate: Callable[[object, ReferenceTrajectory, Bucket, Action], bool],
-    generate: Callable[[object, ReferenceTrajectory, Bucket, Action], CaseRun],
-) -> Callable[[object, ReferenceTrajectory, Bucket, Action], bool]:
+class GatedVerdicts:
     """``measure`` for `intervention_runs`: the verdict of ``generate``'s run where ``gate`` says the reply may
-    change, else the reference's verdict."""
+    change, else the reference's verdict.
 
-    def measure(case, reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> bool:
-        if gate(case, reference, bucket, action):
-            return generate(case, reference, bucket, action).valid
+    Args:
+        gate: a `FlipGate` (its counters say how many interventions were replayed and generated).
+        generate: ``(case, reference, bucket, action) -> CaseRun`` of the verdict protocol (`decode_generator`,
+            `prefill_generator`).
+    """
+
+    def __init__(self, gate: FlipGate, generate: Callable[[object, ReferenceTrajectory, Bucket, Action], CaseRun]):
+        self.gate, self.generate = gate, generate
+
+    def __call__(self, case, reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> bool:
+        if self.gate(case, reference, bucket, action):
+            return self.generate(case, reference, bucket, action).valid
         return reference.valid
 
-    return measure
+    def counts(self) -> dict[str, int]:
+        """What this run measured: interventions replayed, of which generated (flipped, or on a noisy case)."""
+        return {"replayed": self.gate.checked, "generated": self.gate.flipped, "generated_noisy": self.gate.noisy}
 
 
 class ReplayedVerdictStore(VerdictStore):

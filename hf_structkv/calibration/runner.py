@@ -36,7 +36,7 @@ from .likelihood import DevelopmentReplay, DevelopmentReplayStore, LikelihoodSto
 from .references import generation_key, reference_trajectories, with_position_tags
 from .replayed_verdicts import ReplayedVerdictStore
 from .settings import CalibrationSettings, settings_json
-from .stages import StageInputs, decode_stage, prefill_stage, run_stage, stage_runtime_v
+from .stages import StageInputs, decode_stage, prefill_stage, replayed_counts, run_stage, stage_runtime_v
 from .task import CalibrationTask
 from .task_sensitivity import ACTIONS, needs_generation
 from .verdicts import VerdictStore
@@ -221,7 +221,7 @@ def _runtime_v_shard(shard, stages, stores, task, calibration, refs, settings, p
         runs = stage_runtime_v(
             stage, task, calibration[index::count], refs[index::count], settings, progress, stores[stage.name][0]
         )
-        report[stage.name] = {"measured": sum(runs.generated.values()), "reused": runs.reused}
+        report[stage.name] = {"measured": sum(runs.generated.values()), "reused": runs.reused, **replayed_counts(stage)}
     report["seconds"] = round(time.perf_counter() - start, 1)
     return CalibrationResult(table=None, prefill_policy=None, report=report)
 

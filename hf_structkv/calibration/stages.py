@@ -22,7 +22,7 @@ from .interventions import occurrences, prefill_positions
 from .likelihood import DevelopmentReplay, likelihood_measure
 from .loss_curve import LossCurve, sample_interventions
 from .path import greedy_path, upgrade_priorities
-from .replayed_verdicts import FlipGate, gated_verdict_measure
+from .replayed_verdicts import FlipGate, GatedVerdicts
 from .selection import DevResult, evaluate_controller, search_path, select_cheapest
 from .task import CalibrationTask
 from .task_sensitivity import (
@@ -36,7 +36,7 @@ from .task_sensitivity import (
 )
 from .verdicts import VerdictStore
 
-__all__ = ["Stage", "StageInputs", "decode_stage", "prefill_stage", "run_stage", "stage_runtime_v"]
+__all__ = ["Stage", "StageInputs", "decode_stage", "prefill_stage", "replayed_counts", "run_stage", "stage_runtime_v"]
 
 
 @dataclass
@@ -356,6 +356,7 @@ def run_stage(
         "runtime_v_seconds": round(runs.seconds, 1),
         "runtime_v_generations": sum(runs.generated.values()),
         "runtime_v_reused": runs.reused,
+        **replayed_counts(stage),
         "paths": paths,
         "development": [
             {
@@ -399,8 +400,13 @@ def _by_sensitivity(settings, likelihood, gate, replay, generator, generate_and_
     if settings.sensitivity == "likelihood":
         return likelihood(), replay, generate_and_score, lambda: _verdict_measure(generator())
     if settings.sensitivity == "replayed_verdict":
-        return gated_verdict_measure(gate(), generator()), generate_and_score, None, None
+        return GatedVerdicts(gate(), generator()), generate_and_score, None, None
     return _verdict_measure(generator()), generate_and_score, None, None
+
+
+def replayed_counts(stage: Stage) -> dict[str, dict[str, int]]:
+    """``{"runtime_v_replayed": GatedVerdicts.counts()}`` for a stage measured by replayed verdicts, else ``{}``."""
+    return {"runtime_v_replayed": stage.measure.counts()} if isinstance(stage.measure, GatedVerdicts) else {}
 
 
 def _verdict_measure(generate):
