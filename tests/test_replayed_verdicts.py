@@ -16,13 +16,15 @@ from hf_structkv.calibration.bfcl_task import BfclTask
 from hf_structkv.calibration.buckets import Bucket
 from hf_structkv.calibration.interventions import prefill_positions
 from hf_structkv.calibration.references import reference_trajectories
-from hf_structkv.calibration.replayed_verdicts import FlipGate, GatedVerdicts
+from hf_structkv.calibration.replayed_verdicts import FlipGate, GatedVerdicts, ReplayedDevelopment
 from hf_structkv.calibration.runner import calibrate
+from hf_structkv.calibration.selection import evaluate_controller
 from hf_structkv.calibration.settings import CalibrationSettings
 from hf_structkv.calibration.task_sensitivity import ACTIONS, decode_generator, needs_generation, prefill_generator
 from hf_structkv.eval.bfcl import bfcl_split
-from hf_structkv.policy.costs import GroupCosts
-from hf_structkv.policy.table import PolicyTable
+from hf_structkv.policy.costs import Action, GroupCosts
+from hf_structkv.policy.prefill import PrefillPolicy
+from hf_structkv.policy.table import PolicyEntry, PolicyTable
 from hf_structkv.structure.prompt_spans import PROMPT_LABELS
 
 WINDOW, SINKS, MAX_NEW = 3, 4, 24
@@ -108,3 +110,25 @@ def test_a_calibration_by_replayed_verdicts_gives_the_verdict_calibrations_table
     assert any(row["V"]["L"] or row["V"]["R"] for row in buckets.values())  # some intervention changes a verdict
     assert list((tmp_path / "r").glob("replayed-verdicts-*.jsonl"))
     assert not list((tmp_path / "r").glob("verdicts-*.jsonl"))
+
+
+def test_replayed_development_gives_the_generated_development_result(model64, tokenizer, cases):
+    development = cases[1]
+    refs = reference_trajectories(model64, tokenizer, TASK, development, MAX_NEW, WINDOW, SINKS)
+    costs = GroupCosts.from_config(model64.config)
+    all_high = PolicyTable.all_high(model64.config, window=WINDOW, sink_tokens=SINKS)
+    replayed = ReplayedDevelopment(model64, tokenizer, TASK, refs, all_high)
+    prefills = [None]  # all-high: every reply is the reference's, answered by replay
+    for action in (Action.L, Action.R):  # the upper layer group lowered: these replies change, and are generated
+        actions = (Action.H, Action.H, action)
+        entry = PolicyEntry(actions, actions, ((0.0, 0.0),) * 3)
+        prefills.append(PrefillPolicy(costs, dict.fromkeys(PROMPT_LABELS, entry), 0.5, provenance="illustrative"))
+    run = (model64, tokenizer, TASK, development, all_high, MAX_NEW)
+    for prefill in prefills:
+        generated = evaluate_controller(*run, prefill_policy=prefill)
+        gated = evaluate_controller(*run, prefill_policy=prefill, replayed=replayed)
+        assert gated.valid == generated.valid and gated.error_rate == generated.error_rate
+        assert gated.prefill_ratio == pytest.approx(generated.prefill_ratio, rel=1e-9)
+        assert gated.decode_ratio == pytest.approx(generated.decode_ratio, rel=1e-9)
+    assert replayed.replayed > 0 and replayed.passed > 0
+    assert replayed.replayed + replayed.passed == len(development) * len(prefills)

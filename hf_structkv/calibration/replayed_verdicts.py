@@ -12,7 +12,11 @@ reply in one batch where generation forwards one token at a time. A case whose a
 a tie on the reference itself) is always generated. Tests (float64): every intervention's verdict equals the
 generated one.
 
-The verdicts are stored apart from generated ones (`ReplayedVerdictStore`), in the same line format.
+The verdicts are stored apart from generated ones (`ReplayedVerdictStore`), in the same line format. The
+development selection is gated the same way (`ReplayedDevelopment`): a candidate's development case whose replay does
+not flip takes the reference's verdict and the schedule's ledger along the reference, and only the others are
+generated (stored in the `DevelopmentStore` as generated cases are: the same verdict, and the ledger the generation
+would measure).
 """
 
 from __future__ import annotations
@@ -20,15 +24,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..policy.costs import Action, GroupCosts
+from ..policy.prefill import plan_prefill
 from ..policy.table import PolicyTable
 from .buckets import Bucket
+from .development_store import DevCase
 from .greedy_flips import first_flip
 from .likelihood import CaseReplay, check_stage, intervention_schedule
 from .references import CaseRun, ReferenceTrajectory
 from .task import CalibrationTask
 from .verdicts import VerdictStore
 
-__all__ = ["FlipGate", "GatedVerdicts", "ReplayedVerdictStore"]
+__all__ = ["FlipGate", "GatedVerdicts", "ReplayedDevelopment", "ReplayedVerdictStore"]
 
 
 class FlipGate:
@@ -99,6 +105,60 @@ class GatedVerdicts:
     def counts(self) -> dict[str, int]:
         """What this run measured: interventions replayed, of which generated (flipped, or on a noisy case)."""
         return {"replayed": self.gate.checked, "generated": self.gate.flipped, "generated_noisy": self.gate.noisy}
+
+
+class ReplayedDevelopment:
+    """Development cases of a candidate answered by replay where its greedy reply is the reference's: for
+    `evaluate_controller`'s ``replayed``. A case whose masked replay under the candidate does not flip (nor its all-high
+    replay: `FlipGate`'s noise rule) gets the reference's verdict and the ledger of the schedule along the reference
+    (as `DevelopmentReplay` measures it); any other case is left to generation (None).
+
+    Args:
+        model, tokenizer, task: as `FlipGate`; references: the development `ReferenceTrajectory` objects;
+        all_high: the calibration's all-high policy.
+
+    Attributes:
+        replayed: cases answered by replay; passed: cases left to generation.
+    """
+
+    def __init__(self, model, tokenizer, task: CalibrationTask, references, all_high: PolicyTable):
+        self.model, self.tokenizer, self.task, self.all_high = model, tokenizer, task, all_high
+        self.references = {reference.case_id: reference for reference in references}
+        self.replayed = self.passed = 0
+        self._noisy: dict[str, bool] = {}
+
+    def __call__(self, case, policy, prefill_policy) -> DevCase | None:
+        """The case's `DevCase` under ``policy`` / ``prefill_policy`` if its reply is the reference's, else None."""
+        reference = self.references.get(self.task.case_id(case))
+        if reference is None or not reference.tokens:
+            raise ValueError(f"no development reference with generated tokens for case {self.task.case_id(case)}")
+        replay = CaseReplay(self.model, reference, self.all_high)
+        if reference.case_id not in self._noisy:
+            processor = self.task.processor(self.tokenizer, case, self.all_high)
+            self._noisy[reference.case_id] = (
+                first_flip(replay, replay.schedule_logits(self.all_high), processor) is not None
+            )
+        plan = None
+        if prefill_policy is not None:
+            sinks, window = policy.sink_tokens, policy.window
+            plan = plan_prefill(reference.prompt_labels, policy.costs, prefill_policy, sinks, window).actions[None]
+        cache = replay.prompt_cache.with_schedule(policy, plan)
+        processor = self.task.processor(self.tokenizer, case, policy)
+        if self._noisy[reference.case_id] or first_flip(replay, replay.reply_logits(cache), processor) is not None:
+            self.passed += 1
+            return None
+        self.replayed += 1
+        prompt, decode, length = cache.schedule.scheduled_bits_by_stage(
+            len(reference.prompt_ids) + len(reference.tokens)
+        )
+        return DevCase(
+            valid=reference.valid,
+            prompt_bits=float(prompt),
+            prompt_tokens=int(length),
+            decode_bits=float(decode),
+            decode_tokens=int(reference.num_decoded),
+            full_bits=float(policy.costs.full),
+        )
 
 
 class ReplayedVerdictStore(VerdictStore):

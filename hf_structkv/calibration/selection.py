@@ -84,17 +84,22 @@ def evaluate_controller(
     prefill_policy=None,
     progress: bool = False,
     store: DevelopmentStore | None = None,
+    replayed: Callable[[object, object, object], DevCase | None] | None = None,
 ) -> DevResult:
     """Generate each case (batch 1) under ``policy`` (and ``prefill_policy``), score it, pool the measured costs
     (``progress``: a bar over the cases). With ``store``, a case already stored under this candidate
-    (`candidate_digest`) is read instead of generated, and each generated case is appended to it."""
+    (`candidate_digest`) is read instead of generated, and each generated case is appended to it. With ``replayed``
+    (``(case, policy, prefill_policy) -> DevCase | None``, `ReplayedDevelopment`), a case it answers (its greedy reply
+    is the reference's) is not generated."""
     task.check_cases(cases, "cases (the development cases)")
     candidate = None if store is None else candidate_digest(policy, prefill_policy)
     results, reused = [], 0
     for case in tqdm(cases, desc="development", unit="case", disable=not progress, leave=False):
         result = None if store is None else store.get(task.case_id(case), candidate)
         if result is None:
-            result = _generate_case(model, tokenizer, task, case, policy, max_new_tokens, prefill_policy)
+            result = None if replayed is None else replayed(case, policy, prefill_policy)
+            if result is None:
+                result = _generate_case(model, tokenizer, task, case, policy, max_new_tokens, prefill_policy)
             if store is not None:
                 store.put(task.case_id(case), candidate, result)
         else:

@@ -22,7 +22,7 @@ from .interventions import occurrences, prefill_positions
 from .likelihood import DevelopmentReplay, likelihood_measure
 from .loss_curve import LossCurve, sample_interventions
 from .path import greedy_path, upgrade_priorities
-from .replayed_verdicts import FlipGate, GatedVerdicts
+from .replayed_verdicts import FlipGate, GatedVerdicts, ReplayedDevelopment
 from .selection import DevResult, evaluate_controller, search_path, select_cheapest
 from .task import CalibrationTask
 from .task_sensitivity import (
@@ -127,7 +127,7 @@ def decode_stage(inputs: StageInputs, view: dict[str, Any]) -> Stage:
             **view,
         )
 
-    def generate_and_score(table, progress, store):
+    def generate_and_score(table, progress, store, replayed=None):
         return evaluate_controller(
             inputs.model,
             inputs.tokenizer,
@@ -137,6 +137,7 @@ def decode_stage(inputs: StageInputs, view: dict[str, Any]) -> Stage:
             inputs.settings.max_new_tokens,
             progress=progress,
             store=store,
+            replayed=replayed,
         )
 
     def replay(table, progress, store):
@@ -146,6 +147,7 @@ def decode_stage(inputs: StageInputs, view: dict[str, Any]) -> Stage:
         inputs.settings,
         lambda: likelihood_measure(inputs.model, inputs.costs, "decode", inputs.reference),
         lambda: FlipGate(inputs.model, inputs.tokenizer, inputs.task, inputs.costs, "decode", inputs.reference),
+        lambda: _replayed_development(inputs),
         replay,
         lambda: decode_generator(
             inputs.model,
@@ -199,7 +201,7 @@ def prefill_stage(inputs: StageInputs) -> Stage:
             int4_keys=inputs.settings.int4_keys,
         )
 
-    def generate_and_score(policy, progress, store):
+    def generate_and_score(policy, progress, store, replayed=None):
         return evaluate_controller(
             inputs.model,
             inputs.tokenizer,
@@ -210,6 +212,7 @@ def prefill_stage(inputs: StageInputs) -> Stage:
             prefill_policy=policy,
             progress=progress,
             store=store,
+            replayed=replayed,
         )
 
     def replay(policy, progress, store):
@@ -219,6 +222,7 @@ def prefill_stage(inputs: StageInputs) -> Stage:
         inputs.settings,
         lambda: likelihood_measure(inputs.model, inputs.costs, "prefill", inputs.reference),
         lambda: FlipGate(inputs.model, inputs.tokenizer, inputs.task, inputs.costs, "prefill", inputs.reference),
+        lambda: _replayed_development(inputs),
         replay,
         lambda: prefill_generator(
             inputs.model, inputs.tokenizer, inputs.task, inputs.reference, inputs.settings.max_new_tokens
@@ -392,16 +396,28 @@ def run_stage(
     return candidate, report
 
 
-def _by_sensitivity(settings, likelihood, gate, replay, generator, generate_and_score):
+def _by_sensitivity(settings, likelihood, gate, development_gate, replay, generator, generate_and_score):
     """A stage's ``(measure, evaluate, confirm, verdict)`` for ``settings.sensitivity``: likelihood (``likelihood()``'s
     measure, candidates replayed, confirmed by generation, ``generator()``'s verdicts for the loss curve made on first
     use), verdicts (``generator()``'s runs scored, candidates generated) or replayed verdicts (the same, generated
-    only where ``gate()``, a `FlipGate`, says the reply may change)."""
+    only where ``gate()``, a `FlipGate`, or ``development_gate()``, a `ReplayedDevelopment`, says the reply may
+    change)."""
     if settings.sensitivity == "likelihood":
         return likelihood(), replay, generate_and_score, lambda: _verdict_measure(generator())
     if settings.sensitivity == "replayed_verdict":
-        return GatedVerdicts(gate(), generator()), generate_and_score, None, None
+        development = development_gate()
+
+        def evaluate(candidate, progress, store):
+            return generate_and_score(candidate, progress, store, replayed=development)
+
+        return GatedVerdicts(gate(), generator()), evaluate, None, None
     return _verdict_measure(generator()), generate_and_score, None, None
+
+
+def _replayed_development(inputs: StageInputs) -> ReplayedDevelopment:
+    """The development cases' replay gate of a stage (its references are the development replay's)."""
+    references = inputs.dev_replay.references
+    return ReplayedDevelopment(inputs.model, inputs.tokenizer, inputs.task, references, inputs.reference)
 
 
 def replayed_counts(stage: Stage) -> dict[str, dict[str, int]]:
