@@ -51,7 +51,8 @@ class Stage:
             (``settings.sensitivity``).
         build: ``(actions, floors, priorities, tau) -> candidate`` (a `PolicyTable` or a `PrefillPolicy`).
         evaluate: ``(candidate, progress bar, store) -> DevResult`` on the development cases: generated and scored
-            (verdicts), or replayed (likelihood: ``error_rate`` is the mean likelihood loss).
+            (verdicts; replayed verdicts: generated where the candidate's replay flips), or replayed (likelihood:
+            ``error_rate`` is the mean likelihood loss).
         confirm: with likelihood sensitivity, the verdict evaluation that confirms a candidate the likelihood
             selected; ``None`` with verdicts.
         verdict: with likelihood sensitivity, ``() -> measure`` of one intervention's verdict (the loss curve's
