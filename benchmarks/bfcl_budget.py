@@ -103,8 +103,12 @@ def load_pask(path: str | None, model, tiny: bool = False) -> tuple[PolicyTable,
     else:
         table = PolicyTable.from_pretrained(path, model=model)
         prefill = load_prefill(path, model) if is_prefill_source(path) else illustrative_prefill_policy(model)
-    label = table.provenance if table.provenance == prefill.provenance else f"{table.provenance}+{prefill.provenance}"
-    return table, prefill, label
+    return table, prefill, pair_provenance(table, prefill)
+
+
+def pair_provenance(table, prefill) -> str:
+    """The provenance of a decode table and prefill policy served together: theirs, or both joined by ``+``."""
+    return table.provenance if table.provenance == prefill.provenance else f"{table.provenance}+{prefill.provenance}"
 
 
 def is_prefill_source(path: str) -> bool:
@@ -488,7 +492,7 @@ def run_methods(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
             table, prefill, provenance = load_pask(path, model, args.tiny)
             if name == "pask" and args.pask_prefill is not None:
                 prefill = load_prefill(args.pask_prefill, model)
-                provenance = provenance if provenance == prefill.provenance else f"{provenance}+{prefill.provenance}"
+                provenance = pair_provenance(table, prefill)  # the swapped-out policy's provenance is not served
                 name = f"pask +prefill {args.pask_prefill}"
             label = name if provenance == "calibrated" else f"{name} ({provenance})"
             if args.pask_stage_split != "equal":

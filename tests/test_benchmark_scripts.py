@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -1030,6 +1031,11 @@ def test_bfcl_budget_pask_prefill_swaps_the_prefill_policy_of_the_pask_row(tmp_p
     assert swapped_row["measured_B_P"] == 1.0 and swapped_row["knobs"]["B_D"] == own_row["knobs"]["B_D"] == 0.33
     with pytest.raises(ValueError, match="neither a shipped pair nor a folder with prefill_policy.json"):
         script.load_prefill(str(tmp_path), None)
+    # the provenance of what is served: a calibrated table swapped beside a calibrated prefill is "calibrated", not
+    # joined with the illustrative prefill its folder lacked
+    calibrated, illustrative = SimpleNamespace(provenance="calibrated"), SimpleNamespace(provenance="illustrative")
+    assert script.pair_provenance(calibrated, calibrated) == "calibrated"
+    assert script.pair_provenance(calibrated, illustrative) == "calibrated+illustrative"
     with pytest.raises(SystemExit):
         script.main(["--tiny", "--methods", "full_kv", "--pask-prefill", folder, "--out", str(tmp_path / "x.json")])
     with pytest.raises(SystemExit):  # refused before the model is loaded
