@@ -38,11 +38,10 @@ import transformers
 from hf_structkv.attention.registry import enable
 from hf_structkv.calibration.bfcl_task import BfclTask
 from hf_structkv.calibration.greedy_flips import first_flip
-from hf_structkv.calibration.likelihood import CaseReplay, likelihood_loss
+from hf_structkv.calibration.likelihood import CaseReplay, candidate_plan, likelihood_loss
 from hf_structkv.calibration.references import reference_trajectories
 from hf_structkv.eval.bfcl import bfcl_split
 from hf_structkv.models import load_default_model
-from hf_structkv.policy.prefill import plan_prefill
 from hf_structkv.policy.shipped import pair_name
 from hf_structkv.policy.table import PolicyTable
 
@@ -68,7 +67,7 @@ def case_record(model, tokenizer, case, reference, table, prefill, all_high) -> 
     """One case's flips and likelihood losses under the four schedules."""
     task = BfclTask()
     replay = CaseReplay(model, reference, all_high)
-    plan = plan_prefill(reference.prompt_labels, table.costs, prefill, table.sink_tokens, table.window).actions[None]
+    plan = candidate_plan(reference, table, prefill)
     prompt = len(reference.prompt_ids)
     tokens, targets = replay.tokens[0, prompt:].tolist(), replay.tokens[0, prompt + 1 :, None]  # [T], [T - 1, 1]
     reference_log_probs = None

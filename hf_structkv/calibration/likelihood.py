@@ -52,10 +52,12 @@ __all__ = [
     "DevelopmentReplayStore",
     "LikelihoodStore",
     "ReferenceTags",
+    "candidate_plan",
     "check_stage",
     "intervention_schedule",
     "likelihood_loss",
     "likelihood_measure",
+    "replay_ledger",
 ]
 
 
@@ -335,22 +337,9 @@ class DevelopmentReplay:
         replay = self._prompt_replay(reference)
         if reference.case_id not in self._reference_log_probs:
             self._reference_log_probs[reference.case_id] = replay.log_probs(self.all_high)
-        plan = None
-        if prefill_policy is not None:
-            sinks, window = policy.sink_tokens, policy.window
-            plan = plan_prefill(reference.prompt_labels, policy.costs, prefill_policy, sinks, window).actions[None]
-        cache = replay.prompt_cache.with_schedule(policy, plan)
+        cache = replay.prompt_cache.with_schedule(policy, candidate_plan(reference, policy, prefill_policy))
         loss = likelihood_loss(self._reference_log_probs[reference.case_id], replay.log_probs_in(cache), 1)
-        prompt, decode, length = cache.schedule.scheduled_bits_by_stage(
-            len(reference.prompt_ids) + len(reference.tokens)
-        )
-        return {
-            "loss": float(loss),
-            "prompt_bits": float(prompt),
-            "prompt_tokens": int(length),
-            "decode_bits": float(decode),
-            "decode_tokens": int(reference.num_decoded),
-        }
+        return {"loss": float(loss), **replay_ledger(cache, reference)}
 
     def _prompt_replay(self, reference: ReferenceTrajectory) -> CaseReplay:
         """The case's `CaseReplay`: kept from an earlier candidate, else run now and kept within
@@ -363,6 +352,29 @@ class DevelopmentReplay:
         while self._prompts and self._held_bytes > self.max_prompt_bytes:
             self._held_bytes -= self._prompts.popitem(last=False)[1].prompt_cache.nbytes()
         return replay
+
+
+def candidate_plan(
+    reference: ReferenceTrajectory, policy: RetentionPolicy, prefill_policy: PrefillPolicy | None
+) -> torch.Tensor | None:
+    """The ``[1, P, G]`` prompt actions of ``prefill_policy`` on ``reference``'s prompt labels, with ``policy``'s
+    costs, sinks and window (None without a prefill policy: the prompt is kept)."""
+    if prefill_policy is None:
+        return None
+    sinks, window = policy.sink_tokens, policy.window
+    return plan_prefill(reference.prompt_labels, policy.costs, prefill_policy, sinks, window).actions[None]
+
+
+def replay_ledger(cache: TeacherForcedCache, reference: ReferenceTrajectory) -> dict[str, float | int]:
+    """The ledger of a replay's schedule along ``reference``: scheduled prompt and decode bits, prompt tokens and
+    non-stop generated tokens (the fields of a `DevCase` but the verdict and ``full_bits``)."""
+    prompt, decode, length = cache.schedule.scheduled_bits_by_stage(len(reference.prompt_ids) + len(reference.tokens))
+    return {
+        "prompt_bits": float(prompt),
+        "prompt_tokens": int(length),
+        "decode_bits": float(decode),
+        "decode_tokens": int(reference.num_decoded),
+    }
 
 
 class LikelihoodStore(InterventionStore):

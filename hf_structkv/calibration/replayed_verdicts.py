@@ -24,12 +24,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..policy.costs import Action, GroupCosts
-from ..policy.prefill import plan_prefill
 from ..policy.table import PolicyTable
 from .buckets import Bucket
 from .development_store import DevCase
 from .greedy_flips import first_flip
-from .likelihood import CaseReplay, check_stage, intervention_schedule
+from .likelihood import CaseReplay, candidate_plan, check_stage, intervention_schedule, replay_ledger
 from .references import CaseRun, ReferenceTrajectory
 from .task import CalibrationTask
 from .verdicts import VerdictStore
@@ -78,9 +77,7 @@ class FlipGate:
         """The case's `CaseReplay` and whether its all-high replay flips (computed once per case)."""
         if self._case is None or self._case[0] is not reference:
             replay = CaseReplay(self.model, reference, self.all_high)
-            processor = self.task.processor(self.tokenizer, case, self.all_high)
-            noisy = first_flip(replay, replay.schedule_logits(self.all_high), processor) is not None
-            self._case = reference, replay, noisy
+            self._case = reference, replay, _all_high_flips(replay, self.task, self.tokenizer, case)
         return self._case[1], self._case[2]
 
 
@@ -134,31 +131,20 @@ class ReplayedDevelopment:
             raise ValueError(f"no development reference with generated tokens for case {self.task.case_id(case)}")
         replay = CaseReplay(self.model, reference, self.all_high)
         if reference.case_id not in self._noisy:
-            processor = self.task.processor(self.tokenizer, case, self.all_high)
-            self._noisy[reference.case_id] = (
-                first_flip(replay, replay.schedule_logits(self.all_high), processor) is not None
-            )
-        plan = None
-        if prefill_policy is not None:
-            sinks, window = policy.sink_tokens, policy.window
-            plan = plan_prefill(reference.prompt_labels, policy.costs, prefill_policy, sinks, window).actions[None]
-        cache = replay.prompt_cache.with_schedule(policy, plan)
+            self._noisy[reference.case_id] = _all_high_flips(replay, self.task, self.tokenizer, case)
+        cache = replay.prompt_cache.with_schedule(policy, candidate_plan(reference, policy, prefill_policy))
         processor = self.task.processor(self.tokenizer, case, policy)
         if self._noisy[reference.case_id] or first_flip(replay, replay.reply_logits(cache), processor) is not None:
             self.passed += 1
             return None
         self.replayed += 1
-        prompt, decode, length = cache.schedule.scheduled_bits_by_stage(
-            len(reference.prompt_ids) + len(reference.tokens)
-        )
-        return DevCase(
-            valid=reference.valid,
-            prompt_bits=float(prompt),
-            prompt_tokens=int(length),
-            decode_bits=float(decode),
-            decode_tokens=int(reference.num_decoded),
-            full_bits=float(policy.costs.full),
-        )
+        return DevCase(valid=reference.valid, **replay_ledger(cache, reference), full_bits=float(policy.costs.full))
+
+
+def _all_high_flips(replay: CaseReplay, task: CalibrationTask, tokenizer, case) -> bool:
+    """Whether the case's all-high replay already leaves its reference (a float tie: the case is always generated)."""
+    processor = task.processor(tokenizer, case, replay.all_high)
+    return first_flip(replay, replay.schedule_logits(replay.all_high), processor) is not None
 
 
 class ReplayedVerdictStore(VerdictStore):
