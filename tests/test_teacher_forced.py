@@ -116,10 +116,12 @@ def test_replay_equals_forced_stepwise_decoding(arch, monkeypatch):
     baseline = _stepwise_logits(model, tokens, PolicyTable.all_high(model.config, window=window), tags, None)
     changed = 0
     for name, policy, plan in _policies(model, window):
-        monkeypatch.setenv(BACKEND_ENV, "torch")
-        stepwise = _stepwise_logits(model, tokens, policy, tags, plan)
         for backend, exact in (("reference", 0.0), ("torch", 1e-5)):
+            # Stepwise and replayed decoding run on the same backend: the fused path accumulates attention in FP32,
+            # so hidden states (and the keys of later layers) from the two backends differ by FP32 rounding, enough to
+            # move a committed key across an INT4 rounding boundary (seen: one code flip on qwen2 in group 2).
             monkeypatch.setenv(BACKEND_ENV, backend)
+            stepwise = _stepwise_logits(model, tokens, policy, tags, plan)
             replayed = _replayed_logits(model, tokens, policy, tags, plan)
             shared = _replayed_logits(model, tokens, policy, tags, plan, from_prompt=prompt_caches[backend])
             torch.testing.assert_close(replayed, stepwise, rtol=1e-4, atol=1e-4, msg=f"{name} ({backend})")
