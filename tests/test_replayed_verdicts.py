@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from hf_structkv.attention.registry import enable
+from hf_structkv.calibration import likelihood
 from hf_structkv.calibration.bfcl_task import BfclTask
 from hf_structkv.calibration.buckets import Bucket
 from hf_structkv.calibration.interventions import prefill_positions
+from hf_structkv.calibration.likelihood import PromptReplays
 from hf_structkv.calibration.references import reference_trajectories
 from hf_structkv.calibration.replayed_verdicts import FlipGate, GatedVerdicts, ReplayedDevelopment
 from hf_structkv.calibration.runner import calibrate
@@ -112,12 +114,17 @@ def test_a_calibration_by_replayed_verdicts_gives_the_verdict_calibrations_table
     assert not list((tmp_path / "r").glob("verdicts-*.jsonl"))
 
 
-def test_replayed_development_gives_the_generated_development_result(model64, tokenizer, cases):
+def test_replayed_development_gives_the_generated_development_result(model64, tokenizer, cases, monkeypatch):
     development = cases[1]
     refs = reference_trajectories(model64, tokenizer, TASK, development, MAX_NEW, WINDOW, SINKS)
     costs = GroupCosts.from_config(model64.config)
     all_high = PolicyTable.all_high(model64.config, window=WINDOW, sink_tokens=SINKS)
-    replayed = ReplayedDevelopment(model64, tokenizer, TASK, refs, all_high)
+    prompts = []
+    original = likelihood.CaseReplay.__init__
+    monkeypatch.setattr(
+        likelihood.CaseReplay, "__init__", lambda self, *a, **k: prompts.append(a[1].case_id) or original(self, *a, **k)
+    )
+    replayed = ReplayedDevelopment(tokenizer, TASK, refs, PromptReplays(model64, all_high))
     prefills = [None]  # all-high: every reply is the reference's, answered by replay
     for action in (Action.L, Action.R):  # the upper layer group lowered: these replies change, and are generated
         actions = (Action.H, Action.H, action)
@@ -132,3 +139,4 @@ def test_replayed_development_gives_the_generated_development_result(model64, to
         assert gated.decode_ratio == pytest.approx(generated.decode_ratio, rel=1e-9)
     assert replayed.replayed > 0 and replayed.passed > 0
     assert replayed.replayed + replayed.passed == len(development) * len(prefills)
+    assert sorted(prompts) == sorted(r.case_id for r in refs)  # each prompt forwarded once for every candidate

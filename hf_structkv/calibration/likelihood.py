@@ -271,12 +271,39 @@ class DevelopmentReplayStore(JsonLinesStore):
         )
 
 
+class PromptReplays:
+    """Each case's `CaseReplay` (its prompt forward, the same under every schedule), kept in memory for the next
+    candidate while the kept prompts hold at most ``max_bytes`` of K/V, the least recently used dropped first (the
+    prompt is most of a case's replay: a median development prompt of 376 tokens against a reply of 67).
+
+    Args:
+        model: the model; all_high: the calibration's all-high policy.
+        max_bytes: bound of the prompt forwards kept (0: none kept).
+    """
+
+    def __init__(self, model, all_high: PolicyTable, max_bytes: int = 2 * 2**30):
+        self.model, self.all_high = model, all_high
+        self.max_bytes = check_int("max_prompt_bytes", max_bytes, 0, counts="bytes")
+        self._prompts: OrderedDict[str, CaseReplay] = OrderedDict()
+        self._held_bytes = 0  # the kept prompts' K/V bytes
+
+    def __call__(self, reference: ReferenceTrajectory) -> CaseReplay:
+        """The case's `CaseReplay`: kept from an earlier call, else run now and kept within ``max_bytes``."""
+        replay = self._prompts.pop(reference.case_id, None)
+        if replay is None:
+            replay = CaseReplay(self.model, reference, self.all_high)
+            self._held_bytes += replay.prompt_cache.nbytes()
+        self._prompts[reference.case_id] = replay
+        while self._prompts and self._held_bytes > self.max_bytes:
+            self._held_bytes -= self._prompts.popitem(last=False)[1].prompt_cache.nbytes()
+        return replay
+
+
 class DevelopmentReplay:
     """Complete candidates (a decode table, or the all-high decode with a prefill policy) on the development references
     by likelihood; each reference's all-high log-probabilities are computed once and reused for every candidate, and
-    each case's prompt forward (`CaseReplay`, the same under every schedule) is kept in memory for the next candidate
-    while the kept prompts hold at most ``max_prompt_bytes`` of K/V (the least recently used dropped first; the
-    prompt is most of a case's replay: a median development prompt of 376 tokens against a reply of 67).
+    each case's prompt forward is kept for the next candidate (`prompts`, a `PromptReplays` within
+    ``max_prompt_bytes``).
 
     Args:
         model: the model; references: the development `ReferenceTrajectory` objects; all_high: the calibration's
@@ -294,10 +321,8 @@ class DevelopmentReplay:
         max_prompt_bytes: int = 2 * 2**30,
     ):
         self.model, self.references, self.all_high, self.store = model, references, all_high, store
-        self.max_prompt_bytes = check_int("max_prompt_bytes", max_prompt_bytes, 0, counts="bytes")
+        self.prompts = PromptReplays(model, all_high, max_prompt_bytes)
         self._reference_log_probs: dict[str, torch.Tensor] = {}
-        self._prompts: OrderedDict[str, CaseReplay] = OrderedDict()
-        self._held_bytes = 0  # the kept prompts' K/V bytes
 
     def __call__(
         self, policy: RetentionPolicy, prefill_policy: PrefillPolicy | None = None, progress: bool = False
@@ -334,24 +359,12 @@ class DevelopmentReplay:
         self, reference: ReferenceTrajectory, policy: RetentionPolicy, prefill_policy: PrefillPolicy | None
     ) -> dict[str, Any]:
         """One development case's likelihood loss and ledger under the candidate (a `DevelopmentReplayStore` line)."""
-        replay = self._prompt_replay(reference)
+        replay = self.prompts(reference)
         if reference.case_id not in self._reference_log_probs:
             self._reference_log_probs[reference.case_id] = replay.log_probs(self.all_high)
         cache = replay.prompt_cache.with_schedule(policy, candidate_plan(reference, policy, prefill_policy))
         loss = likelihood_loss(self._reference_log_probs[reference.case_id], replay.log_probs_in(cache), 1)
         return {"loss": float(loss), **replay_ledger(cache, reference)}
-
-    def _prompt_replay(self, reference: ReferenceTrajectory) -> CaseReplay:
-        """The case's `CaseReplay`: kept from an earlier candidate, else run now and kept within
-        ``max_prompt_bytes``."""
-        replay = self._prompts.pop(reference.case_id, None)
-        if replay is None:
-            replay = CaseReplay(self.model, reference, self.all_high)
-            self._held_bytes += replay.prompt_cache.nbytes()
-        self._prompts[reference.case_id] = replay
-        while self._prompts and self._held_bytes > self.max_prompt_bytes:
-            self._held_bytes -= self._prompts.popitem(last=False)[1].prompt_cache.nbytes()
-        return replay
 
 
 def candidate_plan(

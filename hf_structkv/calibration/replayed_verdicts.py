@@ -28,7 +28,7 @@ from ..policy.table import PolicyTable
 from .buckets import Bucket
 from .development_store import DevCase
 from .greedy_flips import first_flip
-from .likelihood import CaseReplay, candidate_plan, check_stage, intervention_schedule, replay_ledger
+from .likelihood import CaseReplay, PromptReplays, candidate_plan, check_stage, intervention_schedule, replay_ledger
 from .references import CaseRun, ReferenceTrajectory
 from .task import CalibrationTask
 from .verdicts import VerdictStore
@@ -111,15 +111,16 @@ class ReplayedDevelopment:
     (as `DevelopmentReplay` measures it); any other case is left to generation (None).
 
     Args:
-        model, tokenizer, task: as `FlipGate`; references: the development `ReferenceTrajectory` objects;
-        all_high: the calibration's all-high policy.
+        tokenizer, task: as `FlipGate`; references: the development `ReferenceTrajectory` objects.
+        prompts: the cases' prompt forwards (`PromptReplays` of the calibration's all-high policy; a stage shares its
+            `DevelopmentReplay`'s, so a case's prompt is forwarded once across candidates).
 
     Attributes:
         replayed: cases answered by replay; passed: cases left to generation.
     """
 
-    def __init__(self, model, tokenizer, task: CalibrationTask, references, all_high: PolicyTable):
-        self.model, self.tokenizer, self.task, self.all_high = model, tokenizer, task, all_high
+    def __init__(self, tokenizer, task: CalibrationTask, references, prompts: PromptReplays):
+        self.tokenizer, self.task, self.prompts = tokenizer, task, prompts
         self.references = {reference.case_id: reference for reference in references}
         self.replayed = self.passed = 0
         self._noisy: dict[str, bool] = {}
@@ -129,7 +130,7 @@ class ReplayedDevelopment:
         reference = self.references.get(self.task.case_id(case))
         if reference is None or not reference.tokens:
             raise ValueError(f"no development reference with generated tokens for case {self.task.case_id(case)}")
-        replay = CaseReplay(self.model, reference, self.all_high)
+        replay = self.prompts(reference)
         if reference.case_id not in self._noisy:
             self._noisy[reference.case_id] = _all_high_flips(replay, self.task, self.tokenizer, case)
         cache = replay.prompt_cache.with_schedule(policy, candidate_plan(reference, policy, prefill_policy))

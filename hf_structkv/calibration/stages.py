@@ -417,8 +417,8 @@ def _by_sensitivity(settings, likelihood, gate, development_gate, replay, genera
 
 def _replayed_development(inputs: StageInputs) -> ReplayedDevelopment:
     """The development cases' replay gate of a stage (its references are the development replay's)."""
-    references = inputs.dev_replay.references
-    return ReplayedDevelopment(inputs.model, inputs.tokenizer, inputs.task, references, inputs.reference)
+    dev_replay = inputs.dev_replay
+    return ReplayedDevelopment(inputs.tokenizer, inputs.task, dev_replay.references, dev_replay.prompts)
 
 
 def replayed_counts(stage: Stage) -> dict[str, dict[str, int]]:
