@@ -1,5 +1,6 @@
-"""Shared test setup: offline Hugging Face, at most two CPU threads, the default model, the embedded tokenizer and a
-tiny model over it, a mocked Hub, a spy on kernel entry points, a switch refusing torch dequantisation of INT4 heads."""
+"""Shared test setup: offline Hugging Face, at most two CPU threads (one per xdist worker), the default model, the
+embedded tokenizer and a tiny model over it, a mocked Hub, a spy on kernel entry points, a switch refusing torch
+dequantisation of INT4 heads."""
 
 import os
 from pathlib import Path
@@ -14,7 +15,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Two cores: one torch thread in each of the two pytest-xdist workers of the suite's command, two in a single process.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 
 @pytest.fixture(scope="session")
