@@ -84,8 +84,9 @@ def test_bf16_storage_counts_entries_and_its_bytes_are_the_closed_form(tiny):
 
 
 def test_int4_below_its_whole_cache_ratio_keeps_every_int4_head_whole(tiny):
-    with pytest.warns(UserWarning, match="storage='auto' spends the bytes"):
+    with pytest.warns(UserWarning, match="storage='auto' spends the bytes") as record:
         cache = compacted(tiny, 2, "int4")
+    assert [w.filename for w in record] == [__file__]  # the caller's line, not the package's
     whole = StorageLayout("int4", DIM, DIM, key_group=KEY_GROUP).nbytes(LENGTH)
     in_dtype = StorageLayout("bf16", DIM, DIM, tiny[2])
     for storages, lengths in zip(cache.head_storage(), cache.head_lengths(), strict=True):

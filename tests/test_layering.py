@@ -16,7 +16,13 @@ PACKAGES = ("hf_structkv",)
 # Bottom to top; a module belongs to the layer of the longest prefix that names it. Keep in step with
 # docs/ARCHITECTURE.md.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("hf_structkv.version", "hf_structkv.validation", "hf_structkv.prompts", "hf_structkv.models"),
+    (
+        "hf_structkv.version",
+        "hf_structkv.validation",
+        "hf_structkv.user_warnings",
+        "hf_structkv.prompts",
+        "hf_structkv.models",
+    ),
     ("hf_structkv.quant",),
     ("hf_structkv.structure",),
     ("hf_structkv.persistence",),

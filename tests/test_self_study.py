@@ -207,8 +207,9 @@ def test_conversations_that_end_at_once_are_named_in_a_warning(monkeypatch, fram
     model = tiny_model("qwen2")
     cache = prefill_context(model, token_ids(12))
     config = SelfStudy(answer_tokens=3, question_tokens=4, **framing)
-    with pytest.warns(RuntimeWarning, match=rf"2 of 4 conversations \(summary, json\) ended at once.*{hint}"):
+    with pytest.warns(RuntimeWarning, match=rf"2 of 4 conversations \(summary, json\) ended at once.*{hint}") as record:
         conversations = self_study_conversations(model, CharTokenizer(), cache, config)
+    assert [w.filename for w in record] == [__file__]  # the caller's line, not the package's
     assert [c.answer_ids.numel() == 0 for c in conversations] == [True, False, True, False]
 
 

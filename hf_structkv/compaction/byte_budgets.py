@@ -22,8 +22,7 @@ under ``"auto"``'s last step, or ``"int4"`` below its ratio).
 
 from __future__ import annotations
 
-import warnings
-
+from ..user_warnings import warn_user
 from .budgets import largest_remainder, water_fill
 from .head_storage import StorageLayout, check_storage
 
@@ -68,12 +67,10 @@ def head_byte_budgets(
     else:
         shares = [whole_int4] * len(weights)
         if storage == "int4":
-            warnings.warn(
+            warn_user(
                 f"storage='int4' keeps every KV head whole in INT4, {length * entry_bytes / whole_int4:.2f}x fewer "
                 f"bytes than in the model's dtype: that is all INT4 can store, more compression than the ratio asked "
-                f"for (the heads are fitted to their own bytes); storage='auto' spends the bytes asked for",
-                UserWarning,
-                stacklevel=2,
+                f"for (the heads are fitted to their own bytes); storage='auto' spends the bytes asked for"
             )
         if storage == "auto":
             whole_dtype = StorageLayout("bf16", key_dim, value_dim, element_bytes).nbytes(length)

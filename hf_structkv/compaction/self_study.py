@@ -22,7 +22,6 @@ questions will, are calibration queries too.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -36,6 +35,7 @@ from transformers.generation.logits_process import (
 )
 
 from ..generation import context_copy
+from ..user_warnings import warn_user
 from ..validation import check_bool, check_int
 from .context_prefill import prefill_context
 from .queries import (
@@ -273,11 +273,10 @@ def self_study_conversations(
             if not (config.turn_prefix or config.turn_suffix)
             else "check that turn_prefix / turn_suffix make each prompt a whole user turn followed by the assistant's"
         )
-        warnings.warn(
+        warn_user(
             f"self-study: {len(empty)} of {len(conversations)} conversations ({', '.join(empty)}) ended at once and "
             f"give no calibration queries; {framing}",
             RuntimeWarning,
-            stacklevel=2,
         )
     for task in config.prompt_tasks:
         question = ids(task.prompt)
