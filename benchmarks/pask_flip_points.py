@@ -37,7 +37,7 @@ import transformers
 
 from hf_structkv.attention.registry import enable
 from hf_structkv.calibration.bfcl_task import BfclTask
-from hf_structkv.calibration.greedy_flips import first_flip
+from hf_structkv.calibration.greedy_flips import first_flip, reference_masks
 from hf_structkv.calibration.likelihood import CaseReplay, candidate_plan, likelihood_loss
 from hf_structkv.calibration.references import reference_trajectories
 from hf_structkv.eval.bfcl import bfcl_split
@@ -73,11 +73,12 @@ def case_record(model, tokenizer, case, reference, table, prefill, all_high) -> 
     reference_log_probs = None
     record = {"id": reference.case_id, "category": reference.category, "reference_valid": reference.valid}
     record |= {"reference_text": reference.text, "reply_tokens": len(tokens)}
+    allowed = reference_masks(replay, task.processor(tokenizer, case, all_high))  # [T, V]
     for name, (policy, prefill_plan) in schedules(table, plan, all_high).items():
         rows = replay.reply_logits(replay.prompt_cache.with_schedule(policy, prefill_plan))
         log_probs = torch.cat([replay.first_log_prob, torch.log_softmax(rows, -1).gather(-1, targets)[:, 0]])  # [T]
         reference_log_probs = log_probs if name == "all_high" else reference_log_probs
-        flip = first_flip(replay, rows, task.processor(tokenizer, case, policy))
+        flip = first_flip(replay, rows, allowed)
         entry = {"loss": likelihood_loss(reference_log_probs, log_probs, 1), "flip": None}
         if flip is not None:
             entry["flip"] = {

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from ..policy.costs import Action, GroupCosts
 from ..policy.table import PolicyTable
 from .buckets import Bucket
 from .development_store import DevCase
-from .greedy_flips import first_flip
+from .greedy_flips import first_flip, reference_masks
 from .likelihood import CaseReplay, PromptReplays, candidate_plan, check_stage, intervention_schedule, replay_ledger
 from .references import CaseRun, ReferenceTrajectory
 from .task import CalibrationTask
@@ -38,8 +40,8 @@ __all__ = ["FlipGate", "GatedVerdicts", "ReplayedDevelopment", "ReplayedVerdictS
 
 class FlipGate:
     """Whether a Runtime-V intervention can change a case's greedy reply: its masked teacher-forced replay flips, or
-    the case's all-high replay does (module docstring). One `CaseReplay` is kept, for the case in progress
-    (`intervention_runs` goes case by case).
+    the case's all-high replay does (module docstring). One `CaseReplay` and its grammar masks are kept, for the case
+    in progress (`intervention_runs` goes case by case).
 
     Args:
         model: the model (switched to hf_structkv's attention); tokenizer: its tokenizer.
@@ -57,28 +59,29 @@ class FlipGate:
         self.model, self.tokenizer, self.task = model, tokenizer, task
         self.costs, self.stage, self.all_high = costs, check_stage(stage), all_high
         self.checked = self.flipped = self.noisy = 0
-        self._case: tuple[ReferenceTrajectory, CaseReplay, bool] | None = None
+        self._case: tuple[ReferenceTrajectory, CaseReplay, torch.Tensor, bool] | None = None
 
     def __call__(self, case, reference: ReferenceTrajectory, bucket: Bucket, action: Action) -> bool:
         """Whether ``(bucket, action)`` may change ``case``'s greedy reply (False: it writes ``reference``'s)."""
-        replay, noisy = self._replay(case, reference)
+        replay, allowed, noisy = self._replay(case, reference)
         self.checked += 1
         if noisy:
             self.noisy += 1
             self.flipped += 1
             return True
         policy, plan, first = intervention_schedule(reference, bucket, action, self.stage, self.costs, self.all_high)
-        rows = replay.schedule_logits(policy, plan, first)
-        flipped = first_flip(replay, rows, self.task.processor(self.tokenizer, case, policy), start=first) is not None
+        flipped = first_flip(replay, replay.schedule_logits(policy, plan, first), allowed, start=first) is not None
         self.flipped += flipped
         return flipped
 
-    def _replay(self, case, reference: ReferenceTrajectory) -> tuple[CaseReplay, bool]:
-        """The case's `CaseReplay` and whether its all-high replay flips (computed once per case)."""
+    def _replay(self, case, reference: ReferenceTrajectory) -> tuple[CaseReplay, torch.Tensor, bool]:
+        """The case's `CaseReplay`, its grammar masks along the reference and whether its all-high replay flips
+        (computed once per case)."""
         if self._case is None or self._case[0] is not reference:
             replay = CaseReplay(self.model, reference, self.all_high)
-            self._case = reference, replay, _all_high_flips(replay, self.task, self.tokenizer, case)
-        return self._case[1], self._case[2]
+            allowed = reference_masks(replay, self.task.processor(self.tokenizer, case, self.all_high))
+            self._case = reference, replay, allowed, _all_high_flips(replay, allowed)
+        return self._case[1:]
 
 
 class GatedVerdicts:
@@ -131,21 +134,21 @@ class ReplayedDevelopment:
         if reference is None or not reference.tokens:
             raise ValueError(f"no development reference with generated tokens for case {self.task.case_id(case)}")
         replay = self.prompts(reference)
+        allowed = reference_masks(replay, self.task.processor(self.tokenizer, case, policy))
         if reference.case_id not in self._noisy:
-            self._noisy[reference.case_id] = _all_high_flips(replay, self.task, self.tokenizer, case)
+            self._noisy[reference.case_id] = _all_high_flips(replay, allowed)
         cache = replay.prompt_cache.with_schedule(policy, candidate_plan(reference, policy, prefill_policy))
-        processor = self.task.processor(self.tokenizer, case, policy)
-        if self._noisy[reference.case_id] or first_flip(replay, replay.reply_logits(cache), processor) is not None:
+        if self._noisy[reference.case_id] or first_flip(replay, replay.reply_logits(cache), allowed) is not None:
             self.passed += 1
             return None
         self.replayed += 1
         return DevCase(valid=reference.valid, **replay_ledger(cache, reference), full_bits=float(policy.costs.full))
 
 
-def _all_high_flips(replay: CaseReplay, task: CalibrationTask, tokenizer, case) -> bool:
-    """Whether the case's all-high replay already leaves its reference (a float tie: the case is always generated)."""
-    processor = task.processor(tokenizer, case, replay.all_high)
-    return first_flip(replay, replay.schedule_logits(replay.all_high), processor) is not None
+def _all_high_flips(replay: CaseReplay, allowed: torch.Tensor) -> bool:
+    """Whether the case's all-high replay already leaves its reference (a float tie: the case is always generated);
+    ``allowed``: the case's `reference_masks`."""
+    return first_flip(replay, replay.schedule_logits(replay.all_high), allowed) is not None
 
 
 class ReplayedVerdictStore(VerdictStore):
