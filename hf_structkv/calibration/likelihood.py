@@ -320,7 +320,7 @@ class DevelopmentReplay:
         store: DevelopmentReplayStore | None = None,
         max_prompt_bytes: int = 2 * 2**30,
     ):
-        self.model, self.references, self.all_high, self.store = model, references, all_high, store
+        self.references, self.all_high, self.store = references, all_high, store
         self.prompts = PromptReplays(model, all_high, max_prompt_bytes)
         self._reference_log_probs: dict[str, torch.Tensor] = {}
 
