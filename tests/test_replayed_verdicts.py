@@ -140,3 +140,24 @@ def test_replayed_development_gives_the_generated_development_result(model64, to
     assert replayed.replayed > 0 and replayed.passed > 0
     assert replayed.replayed + replayed.passed == len(development) * len(prefills)
     assert sorted(prompts) == sorted(r.case_id for r in refs)  # each prompt forwarded once for every candidate
+
+
+def test_the_all_high_flip_check_is_the_replay_that_restarts_interventions(model64, tokenizer, monkeypatch):
+    calibration = bfcl_split(["simple_python"], "calibration", limit=6)[5:]  # a reply long enough to restart in
+    (reference,) = reference_trajectories(model64, tokenizer, TASK, calibration, MAX_NEW, WINDOW, SINKS)
+    assert len(reference.tokens) >= 4
+    all_high = PolicyTable.all_high(model64.config, window=WINDOW, sink_tokens=SINKS)
+    fresh = likelihood.CaseReplay(model64, reference, all_high)
+    expected_rows, expected = fresh.schedule_logits(all_high), fresh.log_probs(all_high, first=3)
+    replay = likelihood.CaseReplay(model64, reference, all_high)
+    forwards = []
+    original = likelihood.CaseReplay.reply_logits
+    monkeypatch.setattr(
+        likelihood.CaseReplay, "reply_logits", lambda self, *a: forwards.append(a[1:]) or original(self, *a)
+    )
+    assert torch.equal(replay.all_high_logits(), expected_rows)
+    assert torch.equal(replay.reference_log_probs, fresh.reference_log_probs)
+    assert torch.equal(replay.log_probs(all_high, first=3), expected)
+    assert len(forwards) == 2  # the flip check's forward, then the restart: no second all-high replay
+    assert forwards[1] == (len(reference.prompt_ids) + 2,)
+    assert torch.equal(replay.all_high_logits(), expected_rows)  # once kept, the all-high rows are forwarded again

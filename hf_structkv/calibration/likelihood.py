@@ -182,16 +182,32 @@ class CaseReplay:
         rows = torch.log_softmax(self.reply_logits(cache, start), -1)  # [n - start - 1, V]
         return rows.gather(-1, self.tokens[0, start + 1 :].unsqueeze(-1)).squeeze(-1)
 
+    def all_high_logits(self) -> torch.Tensor:
+        """``[T − 1, V]`` FP32 logits of reply steps ``1 .. T − 1`` under the all-high policy (`schedule_logits` of
+        ``all_high``). While the all-high replay has not run, this forward is that replay: its cache is kept for the
+        restarts of `log_probs` and its log-probabilities become `reference_log_probs` (one forward serves both)."""
+        if self._reference_cache is not None:
+            return self.reply_logits(self.prompt_cache.with_schedule(self.all_high))
+        cache = self.prompt_cache.with_schedule(self.all_high)
+        rows = self.reply_logits(cache)
+        self._keep_reference_replay(cache, rows)
+        return rows
+
     def _reference_replay(self) -> TeacherForcedCache:
         """The all-high replay's cache, holding every prompt and reply token (run once; its log-probabilities become
         `reference_log_probs`)."""
         if self._reference_cache is None:
             cache = self.prompt_cache.with_schedule(self.all_high)
-            log_probs = self.log_probs_in(cache)
-            if self._reference_log_probs is None:
-                self._reference_log_probs = log_probs
-            self._reference_cache = cache
+            self._keep_reference_replay(cache, self.reply_logits(cache))
         return self._reference_cache
+
+    def _keep_reference_replay(self, cache: TeacherForcedCache, rows: torch.Tensor) -> None:
+        """Keep the all-high replay's ``cache`` and, unless given, its log-probabilities from its ``rows``
+        ``[T − 1, V]`` (`reply_logits`)."""
+        if self._reference_log_probs is None:
+            chosen = torch.log_softmax(rows, -1).gather(-1, self.tokens[0, len(self.reference.prompt_ids) + 1 :, None])
+            self._reference_log_probs = torch.cat([self.first_log_prob, chosen.squeeze(-1)])
+        self._reference_cache = cache
 
     @property
     def reference_log_probs(self) -> torch.Tensor:

@@ -148,7 +148,7 @@ class ReplayedDevelopment:
 def _all_high_flips(replay: CaseReplay, allowed: torch.Tensor) -> bool:
     """Whether the case's all-high replay already leaves its reference (a float tie: the case is always generated);
     ``allowed``: the case's `reference_masks`."""
-    return first_flip(replay, replay.schedule_logits(replay.all_high), allowed) is not None
+    return first_flip(replay, replay.all_high_logits(), allowed) is not None
 
 
 class ReplayedVerdictStore(VerdictStore):
