@@ -38,14 +38,52 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bfcl_budget import load_model  # noqa: E402
 from results_json import write_json  # noqa: E402
 
-LAYOUTS = ("keys exact", "row", "row/smoothed", "row/centred", "channel/g32", "channel/g128", "channel/prompt")
+LAYOUTS = (
+    "keys exact",
+    "row",
+    "row/smoothed",
+    "row/centred",
+    "row/centred+rotated",
+    "row/centred/g128",
+    "row/centred/g64",
+    "channel/g32",
+    "channel/g128",
+    "channel/prompt",
+)
 """Key layouts: ``keys exact`` (only the values quantised), ``row`` (PASK's INT4 action: `quantize_int4` per token row),
 ``row/smoothed`` (each channel divided by its largest magnitude over the quantised tokens before the per-row
 quantisation, multiplied back after: one FP16 vector per head and prompt; attention can fold it into the query),
 ``row/centred`` (the cache's ``int4_keys="centred"``, `hf_structkv.quant.int4_centred`: each channel centred by
 its mean over the whole prompt and divided by its largest deviation there, as the cache fits them: a second vector;
-its dot product with the query is one logit shift for all of them), ``channel/gN`` (`quantize_int4_channels` over
-groups of N tokens), ``channel/prompt`` (one group of all the quantised tokens)."""
+its dot product with the query is one logit shift for all of them), ``row/centred+rotated`` (the same, then each
+centred row rotated by an orthonormal Hadamard matrix before the per-row quantisation, rotated back after: the query
+would be rotated instead; no stored bytes), ``row/centred/gN`` (centre and spread fitted to each group of N
+consecutive quantised tokens instead of the whole prompt: two FP16 vectors per group), ``channel/gN``
+(`quantize_int4_channels` over groups of N tokens), ``channel/prompt`` (one group of all the quantised tokens)."""
+
+
+def hadamard(d: int) -> torch.Tensor:
+    """``[d, d]`` the orthonormal Sylvester-Hadamard matrix (``d`` a power of two)."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"a Sylvester-Hadamard matrix needs a power-of-two size, got {d}")
+    matrix = torch.ones(1, 1)
+    while matrix.shape[0] < d:
+        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
+    return matrix / d**0.5
+
+
+def centred(keys: torch.Tensor, fitted_on: torch.Tensor, rotation: torch.Tensor | None = None) -> torch.Tensor:
+    """``keys [H_kv, n, d]`` served from the centred row layout with centre and spread fitted to ``fitted_on
+    [H_kv, m, d]`` (FP32), each centred row multiplied by ``rotation [d, d]`` (orthonormal) before the quantisation
+    and by its transpose after."""
+    real = torch.ones(1, fitted_on.shape[-2], dtype=torch.bool, device=keys.device)
+    centre, spread = key_centre(fitted_on[None], real)
+    if rotation is None:
+        codes, scales = quantize_int4_centred(keys[None], centre, spread)
+        return dequantize_int4_centred(codes, scales, centre, spread, keys.shape[-1])[0]
+    rows = (keys.float() - centre[0].float()) / spread[0].float() @ rotation
+    codes, scales = quantize_int4(rows)
+    return (dequantize_int4(codes, scales, keys.shape[-1]) @ rotation.T) * spread[0].float() + centre[0].float()
 
 
 def stored_keys(keys: torch.Tensor, layout: str, prompt_keys: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
@@ -58,12 +96,13 @@ def stored_keys(keys: torch.Tensor, layout: str, prompt_keys: torch.Tensor | Non
     if layout == "row":
         codes, scales = quantize_int4(keys)
         return dequantize_int4(codes, scales, d), d / 2 + 2
-    if layout == "row/centred":
-        prompt_keys = keys if prompt_keys is None else prompt_keys
-        real = torch.ones(1, prompt_keys.shape[-2], dtype=torch.bool, device=keys.device)
-        centre, spread = key_centre(prompt_keys[None], real)
-        codes, scales = quantize_int4_centred(keys[None], centre, spread)
-        return dequantize_int4_centred(codes, scales, centre, spread, d)[0], d / 2 + 2 + 4.0 * d / n
+    if layout in ("row/centred", "row/centred+rotated"):
+        rotation = hadamard(d).to(keys.device) if layout.endswith("rotated") else None
+        return centred(keys, keys if prompt_keys is None else prompt_keys, rotation), d / 2 + 2 + 4.0 * d / n
+    if layout.startswith("row/centred/g"):
+        group = int(layout.removeprefix("row/centred/g"))
+        served = [centred(keys[..., a : a + group, :], keys[..., a : a + group, :]) for a in range(0, n, group)]
+        return torch.cat(served, dim=-2), d / 2 + 2 + 4.0 * d * -(-n // group) / n
     if layout == "row/smoothed":
         keys = keys.float()
         spread = keys.abs().amax(dim=-2, keepdim=True).half().float().clamp_min(2**-14)
@@ -164,10 +203,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"{len(prompt_tokens)} prompts ({statistics.fmean(prompt_tokens):.0f} tokens on average), window {args.window}"
     )
-    print(f"{'layout':<16}{'bytes / row (K+V)':>18}{'median':>10}{'p90':>10}{'mean':>10}")
+    print(f"{'layout':<22}{'bytes / row (K+V)':>18}{'median':>10}{'p90':>10}{'mean':>10}")
     for row in rows:
         print(
-            f"{row['layout']:<16}{row['bytes_per_row']:>18.1f}{row['median']:>10.4f}{row['p90']:>10.4f}{row['mean']:>10.4f}"
+            f"{row['layout']:<22}{row['bytes_per_row']:>18.1f}{row['median']:>10.4f}{row['p90']:>10.4f}{row['mean']:>10.4f}"
         )
     payload = {
         "model": type(model).__name__ + (" (tiny, random)" if args.tiny else f" {model.config.name_or_path}"),
