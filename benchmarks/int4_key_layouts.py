@@ -46,6 +46,7 @@ LAYOUTS = (
     "row/centred+rotated",
     "row/centred/g128",
     "row/centred/g64",
+    "row/centre/g128",
     "channel/g32",
     "channel/g128",
     "channel/prompt",
@@ -58,7 +59,9 @@ its mean over the whole prompt and divided by its largest deviation there, as th
 its dot product with the query is one logit shift for all of them), ``row/centred+rotated`` (the same, then each
 centred row rotated by an orthonormal Hadamard matrix before the per-row quantisation, rotated back after: the query
 would be rotated instead; no stored bytes), ``row/centred/gN`` (centre and spread fitted to each group of N
-consecutive quantised tokens instead of the whole prompt: two FP16 vectors per group), ``channel/gN``
+consecutive quantised tokens instead of the whole prompt: two FP16 vectors per group), ``row/centre/gN`` (the centre
+per group of N, one spread for all the quantised tokens: their largest deviation from their group's centre; attention
+would scale the query once and add one logit shift per group), ``channel/gN``
 (`quantize_int4_channels` over groups of N tokens), ``channel/prompt`` (one group of all the quantised tokens)."""
 
 
@@ -99,6 +102,13 @@ def stored_keys(keys: torch.Tensor, layout: str, prompt_keys: torch.Tensor | Non
     if layout in ("row/centred", "row/centred+rotated"):
         rotation = hadamard(d).to(keys.device) if layout.endswith("rotated") else None
         return centred(keys, keys if prompt_keys is None else prompt_keys, rotation), d / 2 + 2 + 4.0 * d / n
+    if layout.startswith("row/centre/g"):
+        group = int(layout.removeprefix("row/centre/g"))
+        rows = [keys[..., a : a + group, :].float() for a in range(0, n, group)]
+        centre = torch.cat([r.mean(dim=-2, keepdim=True).half().float().expand_as(r) for r in rows], dim=-2)
+        spread = (keys.float() - centre).abs().amax(dim=-2, keepdim=True).half().float().clamp_min(2**-14)
+        codes, scales = quantize_int4((keys.float() - centre) / spread)
+        return dequantize_int4(codes, scales, d) * spread + centre, d / 2 + 2 + 2.0 * d * (-(-n // group) + 1) / n
     if layout.startswith("row/centred/g"):
         group = int(layout.removeprefix("row/centred/g"))
         served = [centred(keys[..., a : a + group, :], keys[..., a : a + group, :]) for a in range(0, n, group)]

@@ -1114,7 +1114,20 @@ def test_int4_key_layouts_attention_errors_match_a_per_query_loop_and_the_row_by
     assert script.stored_keys(rows, "row/centred")[1] == d / 2 + 2 + 4 * d / n
     assert script.stored_keys(rows, "channel/g32")[1] == d / 2 + 4 * d / 32
     assert script.stored_keys(rows, "channel/prompt")[1] == d / 2 + 4 * d / n
-    for layout in script.LAYOUTS:
+    assert script.stored_keys(rows, "row/centred+rotated")[1] == d / 2 + 2 + 4 * d / n
+    assert script.stored_keys(rows, "row/centred/g64")[1] == d / 2 + 2 + 4 * d / 64
+    assert script.stored_keys(rows, "row/centred/g48")[1] == d / 2 + 2 + 4 * d * 2 / n  # groups of 48 and 16 rows
+    assert script.stored_keys(rows, "row/centre/g32")[1] == d / 2 + 2 + 2 * d * 3 / n  # two centres and one spread
+    # one group holding every stored token is the prompt-wide centred layout fitted to them
+    assert torch.equal(script.stored_keys(rows, "row/centred/g64")[0], script.stored_keys(rows, "row/centred", rows)[0])
+    halves = [script.stored_keys(rows[:, a : a + 32], "row/centred")[0] for a in (0, 32)]
+    assert torch.equal(script.stored_keys(rows, "row/centred/g32")[0], torch.cat(halves, dim=1))
+    hadamard = script.hadamard(d)
+    assert torch.allclose(hadamard @ hadamard.T, torch.eye(d), atol=1e-6)
+    assert torch.allclose(hadamard.abs(), torch.full((d, d), d**-0.5))
+    # the rotated layout is the centred one turned by the rotation: by the identity, the same rows
+    assert torch.equal(script.centred(rows, rows, torch.eye(d)), script.centred(rows, rows))
+    for layout in set(script.LAYOUTS) - {"row/centred+rotated"}:  # a rotation spreads a row's error over its channels
         served, _ = script.stored_keys(rows, layout)
         assert served.shape == rows.shape and (served - rows).abs().max() < 0.6 * rows.abs().max() / 7
 
