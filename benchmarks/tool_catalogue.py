@@ -16,8 +16,11 @@ managing the rest at B = 0.33, scored by BFCL's AST checker.
   context=)`: the grammar and the chat template see the whole catalogue, the checker scores the calls against the
   case's own functions (a call to another catalogue function is wrong).
 - Rows: ``full_kv`` (the catalogue kept whole: every entry, bias 0, which answers token for token what the full
-  prompt answers, tests/test_tool_catalogue.py); per ``--ratios`` r, ``kv_surgeon@rx`` (`compact_catalogue`,
-  ``storage="bf16"``: kept entries in the model's dtype, calibrated by the repeat pass), ``kv_surgeon_int4@rx``
+  prompt answers, tests/test_tool_catalogue.py); ``full_kv_int4`` (every entry kept, bias 0, stored in INT4 with no
+  fit: `WHOLE_INT4_COMPACTION`; its byte ratio is INT4's against the model's dtype, about 7x for FP32 and half that
+  for BF16) and ``full_kv_int4+pask@0.33`` (that catalogue with PASK as below); per ``--ratios`` r,
+  ``kv_surgeon@rx`` (`compact_catalogue`, ``storage="bf16"``: kept entries in the model's dtype, calibrated by the
+  repeat pass), ``kv_surgeon_int4@rx``
   (``storage="int4"``: the ratio is a byte ratio), with ``--task-questions N`` also ``kv_surgeon_tasks@rx`` and
   ``kv_surgeon_int4_tasks@rx`` (the same two calibrated by the self-study tier with up to N task questions per
   catalogue, ``compact_catalogue(..., questions=)``: see below), each ``--baselines`` method ``@rx`` (query-free,
@@ -96,6 +99,11 @@ RATIOS = (2.0, 4.0, 10.0)
 QUERY_FREE = ("streaming_llm", "key_norm", "q_filters", "random")
 PASK_BUDGET = 0.33
 FULL = "full_kv"
+WHOLE_INT4 = "full_kv_int4"
+WHOLE_INT4_COMPACTION = {"ratio": 1.0, "method": "streaming_llm", "budgets": "uniform"}
+"""How `WHOLE_INT4`'s catalogue is made: ratio 1 owes every KV head the bytes of all its entries in the model's dtype,
+more than its whole head costs in INT4, so the query-free method keeps every entry (bias 0, no fit) and
+``storage="int4"`` rounds them (keys per channel, values per row, FP16 scales)."""
 ADDED_SETTINGS = ("task_questions",)
 """Settings keys added after logs were written (`same_settings`): ``task_questions`` (``{"per_catalogue": N, "rule":
 TASK_QUESTION_RULE}``, present only with ``--task-questions``)."""
@@ -107,7 +115,8 @@ TASK_QUESTION_RULE = (
 
 @dataclass(frozen=True)
 class Row:
-    """One method: ``method`` None = the catalogue kept whole; ``storage`` of `compact`; ``pask`` = served with the
+    """One method: ``method`` None = the catalogue kept whole (in INT4 with ``storage="int4"``:
+    `WHOLE_INT4_COMPACTION`); ``storage`` of `compact`; ``pask`` = served with the
     calibrated PASK pair at `PASK_BUDGET` (else all-high); ``tasks`` = calibrated with the task questions."""
 
     label: str
@@ -124,9 +133,13 @@ class Row:
 
 
 def method_rows(ratios: Sequence[float], baselines: Sequence[str], tasks: bool = False) -> list[Row]:
-    """Full KV, then per ratio KV-Surgeon (model dtype, INT4), with ``tasks`` the same two calibrated with the task
-    questions, the baselines and KV-Surgeon INT4 + PASK."""
-    rows = [Row(FULL)]
+    """Full KV, the catalogue whole in INT4 (without and with PASK), then per ratio KV-Surgeon (model dtype, INT4),
+    with ``tasks`` the same two calibrated with the task questions, the baselines and KV-Surgeon INT4 + PASK."""
+    rows = [
+        Row(FULL),
+        Row(WHOLE_INT4, storage="int4"),
+        Row(f"{WHOLE_INT4}+pask@{PASK_BUDGET:g}", storage="int4", pask=True),
+    ]
     for r in ratios:
         name = f"{r:g}x"
         rows += [Row(f"kv_surgeon@{name}", "kv_surgeon", r), Row(f"kv_surgeon_int4@{name}", "kv_surgeon", r, "int4")]
@@ -340,7 +353,7 @@ def catalogue_for(
     Raises:
         ValueError: a saved ``tasks`` catalogue was calibrated with other questions than ``questions``.
     """
-    if row.method is None:
+    if row.method is None and row.storage == "bf16":
         return keep_all_catalogue(model, tokenizer, tools)
     label = f"{row.catalogue_label}/g{group}"
     saved = folder / re.sub(r"[^\w.@-]", "_", label)
@@ -361,8 +374,7 @@ def catalogue_for(
         model,
         tokenizer,
         tools,
-        ratio=row.ratio,
-        method=row.method,
+        **({"ratio": row.ratio, "method": row.method} if row.method else WHOLE_INT4_COMPACTION),
         storage=row.storage,
         seed=args.seed,
         on_policy=args.on_policy,

@@ -1,6 +1,7 @@
 """The helpers of issue 33's agent benchmarks, `benchmarks/tool_catalogue.py` and `benchmarks/long_trajectory.py`:
 case choice, the catalogue's size and contents, resumable logs, the synthetic trajectory, the summaries."""
 
+import argparse
 import json
 import shutil
 
@@ -220,6 +221,8 @@ def test_rows_and_the_best_query_free_baseline():
     rows = tc.method_rows([4.0], ["streaming_llm", "key_norm"])
     assert [r.label for r in rows] == [
         "full_kv",
+        "full_kv_int4",
+        "full_kv_int4+pask@0.33",
         "kv_surgeon@4x",
         "kv_surgeon_int4@4x",
         "streaming_llm@4x",
@@ -230,14 +233,19 @@ def test_rows_and_the_best_query_free_baseline():
     tasks = tc.method_rows([4.0], [], tasks=True)
     assert [r.label for r in tasks] == [
         "full_kv",
+        "full_kv_int4",
+        "full_kv_int4+pask@0.33",
         "kv_surgeon@4x",
         "kv_surgeon_int4@4x",
         "kv_surgeon_tasks@4x",
         "kv_surgeon_int4_tasks@4x",
         "kv_surgeon_int4@4x+pask@0.33",
     ]
-    assert [(r.tasks, r.storage) for r in tasks[3:5]] == [(True, "bf16"), (True, "int4")]
-    assert not any(r.tasks for r in rows) and tasks[3].catalogue_label == "kv_surgeon_tasks@4x"
+    assert [(r.tasks, r.storage) for r in tasks[5:7]] == [(True, "bf16"), (True, "int4")]
+    assert not any(r.tasks for r in rows) and tasks[5].catalogue_label == "kv_surgeon_tasks@4x"
+    whole, whole_pask = rows[1:3]  # every entry in INT4, no method: not a baseline row, one catalogue for both
+    assert (whole.method, whole.storage, whole.pask, whole_pask.pask) == (None, "int4", False, True)
+    assert whole_pask.catalogue_label == whole.label
     summaries = [
         {"method": "streaming_llm", "ratio": 4.0, "accuracy": 0.5},
         {"method": "key_norm", "ratio": 4.0, "accuracy": 0.5},
@@ -297,7 +305,15 @@ def test_crossover_is_the_shortest_length_no_slower_than_dynamic():
 def test_rows_can_be_chosen_and_full_kv_stays(capsys):
     argv = ["--ratios", "4", "--baselines", "key_norm"]
     every = [row.label for row in tc.selected_rows(tc.parse_args(tc.arguments(), argv))]
-    assert every == ["full_kv", "kv_surgeon@4x", "kv_surgeon_int4@4x", "key_norm@4x", "kv_surgeon_int4@4x+pask@0.33"]
+    assert every == [
+        "full_kv",
+        "full_kv_int4",
+        "full_kv_int4+pask@0.33",
+        "kv_surgeon@4x",
+        "kv_surgeon_int4@4x",
+        "key_norm@4x",
+        "kv_surgeon_int4@4x+pask@0.33",
+    ]
     chosen = tc.parse_args(tc.arguments(), [*argv, "--rows", "key_norm@4x", "kv_surgeon_int4@4x"])
     assert [row.label for row in tc.selected_rows(chosen)] == ["full_kv", "kv_surgeon_int4@4x", "key_norm@4x"]
     with pytest.raises(SystemExit):
@@ -309,3 +325,21 @@ def test_long_trajectory_refuses_an_unknown_pask_pair_before_loading_the_model(c
     with pytest.raises(SystemExit):
         lt.main(["--pask-policy", "no-such-pair", "--lengths", "64"])
     assert "--pask-policy 'no-such-pair' is neither a shipped pair" in capsys.readouterr().err
+
+
+def test_the_whole_int4_catalogue_keeps_every_entry_rounded_to_int4(model, tokenizer, tmp_path):
+    tools = list(tc.pick_cases(tc.CATEGORIES, 1, seed=0)[0].tools)
+    args = argparse.Namespace(seed=0, on_policy=False, query_cap=64)
+    log = tc.CaseLog(tmp_path / "run.cases.jsonl", {"seed": 0})
+    with pytest.warns(UserWarning, match="keeps every KV head whole in INT4"):
+        whole = tc.catalogue_for(
+            model, tokenizer, tools, tc.Row(tc.WHOLE_INT4, storage="int4"), 0, tmp_path, log, args, []
+        )
+    full = tc.keep_all_catalogue(model, tokenizer, tools)
+    lengths = [h for layer in full.head_lengths() if layer for h in layer]
+    assert [h for layer in whole.head_lengths() if layer for h in layer] == lengths  # every entry kept
+    assert {s for layer in whole.head_storage() if layer for s in layer} == {"int4"}
+    assert full.nbytes() > 5 * whole.nbytes()  # a float32 model: INT4 codes and FP16 scales
+    assert "full_kv_int4/g0" in log.catalogues  # saved and logged: a rerun loads it
+    again = tc.catalogue_for(model, tokenizer, tools, tc.Row(tc.WHOLE_INT4, storage="int4"), 0, tmp_path, log, args, [])
+    assert again.nbytes() == whole.nbytes()
