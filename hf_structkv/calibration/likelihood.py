@@ -179,18 +179,22 @@ class CaseReplay:
         """``[n − start − 1]`` log-probabilities of tokens ``start + 1 ..`` (`reply_logits`)."""
         if self.tokens.shape[1] <= start + 1:
             return self.first_log_prob[:0]
-        rows = torch.log_softmax(self.reply_logits(cache, start), -1)  # [n - start - 1, V]
+        return self._token_log_probs(self.reply_logits(cache, start), start)
+
+    def _token_log_probs(self, logits: torch.Tensor, start: int) -> torch.Tensor:
+        """``[n − start − 1]`` log-probabilities of tokens ``start + 1 ..`` from their ``logits`` rows
+        ``[n − start − 1, V]``."""
+        rows = torch.log_softmax(logits, -1)
         return rows.gather(-1, self.tokens[0, start + 1 :].unsqueeze(-1)).squeeze(-1)
 
     def all_high_logits(self) -> torch.Tensor:
         """``[T − 1, V]`` FP32 logits of reply steps ``1 .. T − 1`` under the all-high policy (`schedule_logits` of
         ``all_high``). While the all-high replay has not run, this forward is that replay: its cache is kept for the
         restarts of `log_probs` and its log-probabilities become `reference_log_probs` (one forward serves both)."""
-        if self._reference_cache is not None:
-            return self.reply_logits(self.prompt_cache.with_schedule(self.all_high))
         cache = self.prompt_cache.with_schedule(self.all_high)
         rows = self.reply_logits(cache)
-        self._keep_reference_replay(cache, rows)
+        if self._reference_cache is None:
+            self._keep_reference_replay(cache, rows)
         return rows
 
     def _reference_replay(self) -> TeacherForcedCache:
@@ -205,8 +209,8 @@ class CaseReplay:
         """Keep the all-high replay's ``cache`` and, unless given, its log-probabilities from its ``rows``
         ``[T − 1, V]`` (`reply_logits`)."""
         if self._reference_log_probs is None:
-            chosen = torch.log_softmax(rows, -1).gather(-1, self.tokens[0, len(self.reference.prompt_ids) + 1 :, None])
-            self._reference_log_probs = torch.cat([self.first_log_prob, chosen.squeeze(-1)])
+            chosen = self._token_log_probs(rows, len(self.reference.prompt_ids))
+            self._reference_log_probs = torch.cat([self.first_log_prob, chosen])
         self._reference_cache = cache
 
     @property
