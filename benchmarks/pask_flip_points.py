@@ -10,6 +10,9 @@ there when missing) is replayed under four schedules of one PASK pair served at 
 reference's token, where greedy constrained decoding under the schedule leaves the reference), the tokens there and
 the reply text before it, and the likelihood loss (`likelihood_loss` from step 1, the calibration's sensitivity).
 
+``--int4-keys`` serves the pair with another INT4 key layout than the one it was calibrated with (e.g.
+``centred-g128`` for a ``centred`` pair: what the layout alone changes).
+
 ``--generated FILE:LABEL`` names the row of a ``bfcl_budget.py --split development`` result that served the same pair
 at the same budget: its replies are then compared with the prediction (no flip under ``pair`` ⇔ the reply is the
 reference's text), and its verdicts with the reference's where the reply flipped.
@@ -44,6 +47,7 @@ from hf_structkv.eval.bfcl import bfcl_split
 from hf_structkv.models import load_default_model
 from hf_structkv.policy.shipped import pair_name
 from hf_structkv.policy.table import PolicyTable
+from hf_structkv.quant import INT4_KEY_LAYOUTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bfcl_budget import find_row, load_pask, pask_at  # noqa: E402
@@ -141,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pask-policy", default="calibrated", help="a shipped pair by name, or a policy folder")
     parser.add_argument("--budget", type=float, default=0.33, help="B_D = B_P served")
+    parser.add_argument(
+        "--int4-keys", choices=INT4_KEY_LAYOUTS, help="serve the pair with this INT4 key layout (default: its own)"
+    )
     parser.add_argument("--categories", nargs="+", default=list(CATEGORIES), choices=CATEGORIES)
     parser.add_argument("--dev-cases", type=int, default=32, help="development cases per category")
     parser.add_argument("--max-new-tokens", type=int, default=160)
@@ -168,6 +175,9 @@ def main(argv: list[str] | None = None) -> dict:
     enable(model)
     table, prefill, provenance = load_pask(args.pask_policy, model)
     table, prefill = pask_at(table, prefill, args.budget)
+    if args.int4_keys:
+        table = dataclasses.replace(table, int4_keys=args.int4_keys)
+        prefill = prefill if prefill is None else dataclasses.replace(prefill, int4_keys=args.int4_keys)
     all_high = PolicyTable.all_high(
         model, window=table.window, sink_tokens=table.sink_tokens, int4_keys=table.int4_keys
     )
@@ -191,6 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
         "dev_cases": args.dev_cases,
         "max_new_tokens": args.max_new_tokens,
         "seed": args.seed,
+        **({"int4_keys": args.int4_keys} if args.int4_keys else {}),  # a run in the pair's own layout records none
     }
     log = Path(f"{args.out}.cases.jsonl")
     done = read_log(log, settings)

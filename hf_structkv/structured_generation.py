@@ -26,7 +26,7 @@ from .generation import generation_inputs
 from .policy.costs import Action
 from .policy.prefill import PrefillPolicy, batch_prefill_plan
 from .policy.retention import RetentionPolicy, check_retention_policy
-from .quant.int4_centred import check_int4_keys
+from .quant.int4_centred import INT4_KEY_LAYOUTS, check_int4_keys
 from .structure.processor import StructuralLogitsProcessor, resolve_engine
 
 CALL_INSTRUCTION = (
@@ -272,9 +272,9 @@ def generate_calls(
             the catalogue (placeholders stand for it, `generation_inputs`) and the cache serves the compacted
             catalogue before them, shared; ``sequences`` start with those placeholders, and a prefill plan covers
             the conversation tokens only.
-        int4_keys: the cache's INT4 key layout (`StructuredMixedPrecisionCache`): ``"row"`` or ``"centred"``;
-            ``None``: ``policy``'s, which a ``prefill_policy`` must share (else ``ValueError``: pass it explicitly
-            to serve a pair calibrated under different layouts).
+        int4_keys: the cache's INT4 key layout (`StructuredMixedPrecisionCache`): ``"row"``, ``"centred"`` or
+            ``"centred-g128"``; ``None``: ``policy``'s, which a ``prefill_policy`` must share (else ``ValueError``:
+            pass it explicitly to serve a pair calibrated under different layouts).
         generate_kwargs: passed to ``model.generate`` (not ``logits_processor`` / ``past_key_values``: this call
             owns them).
     """
@@ -282,7 +282,7 @@ def generate_calls(
     if int4_keys is None and prefill_policy is not None and prefill_policy.int4_keys != policy.int4_keys:
         raise ValueError(
             f"the decode policy stores INT4 keys {policy.int4_keys!r}, the prefill policy "
-            f"{prefill_policy.int4_keys!r}: one cache has one layout; pass int4_keys='row' or 'centred' to choose"
+            f"{prefill_policy.int4_keys!r}: one cache has one layout; pass int4_keys (one of {INT4_KEY_LAYOUTS})"
         )
     int4_keys = check_int4_keys(policy.int4_keys if int4_keys is None else int4_keys)
     resolve_engine(engine)

@@ -44,28 +44,30 @@ def _tags() -> list:
     return [(HIT,) if i % 3 == 0 else (MISS,) for i in range(STEPS - 1)] + [None]
 
 
-def _stepwise_logits(model, tokens, policy, tags, plan, int4_keys=None) -> torch.Tensor:
+def _stepwise_logits(model, tokens, policy, tags, plan, int4_keys=None, prompt=PROMPT) -> torch.Tensor:
     """Logits ``[T - 1, V]`` of forced decoding, one token per forward (the prompt first)."""
     cache = StructuredMixedPrecisionCache(model, policy, processor=tags, prefill_plan=plan, int4_keys=int4_keys)
     rows = []
     with torch.no_grad():
-        model(input_ids=tokens[:, :PROMPT], cache=cache, use_cache=True)
-        for p in range(PROMPT, tokens.shape[1]):
+        model(input_ids=tokens[:, :prompt], cache=cache, use_cache=True)
+        for p in range(prompt, tokens.shape[1]):
             rows.append(model(input_ids=tokens[:, p : p + 1], cache=cache, use_cache=True).logits[:, -1])
     return torch.cat(rows).float()
 
 
-def _replayed_logits(model, tokens, policy, tags, plan, from_prompt=None, int4_keys=None) -> torch.Tensor:
+def _replayed_logits(
+    model, tokens, policy, tags, plan, from_prompt=None, int4_keys=None, prompt=PROMPT
+) -> torch.Tensor:
     """Logits ``[T - P, V]`` of one teacher-forced forward over the continuation (the prompt's own forward first,
     or ``from_prompt``'s prompt cache given the schedule)."""
     if from_prompt is None:
         cache = TeacherForcedCache(model, policy, tags, prefill_plan=plan, int4_keys=int4_keys)
         with torch.no_grad():
-            model(input_ids=tokens[:, :PROMPT], cache=cache, use_cache=True)
+            model(input_ids=tokens[:, :prompt], cache=cache, use_cache=True)
     else:
         cache = from_prompt.with_schedule(policy, plan)
     with torch.no_grad():
-        return model(input_ids=tokens[:, PROMPT:], cache=cache, use_cache=True).logits[0].float()
+        return model(input_ids=tokens[:, prompt:], cache=cache, use_cache=True).logits[0].float()
 
 
 def _table(model, window) -> PolicyTable:

@@ -62,7 +62,8 @@ class StructuredMixedPrecisionCache(Cache):
             attention-statistics policies.
         int4_keys: how the keys of the INT4 (``L``) tokens are stored: ``"row"`` (PASK B.5, per token row) or
             ``"centred"`` (per row after centring each channel by the prompt's mean and range,
-            `hf_structkv.quant.int4_centred`: the same bytes per token, two FP16 vectors per row and KV head);
+            `hf_structkv.quant.int4_centred`: the same bytes per token, two FP16 vectors per row and KV head) or
+            ``"centred-g128"`` (centred per group of 128 prompt tokens: two FP16 vectors per group);
             ``None`` (the default): the policy's ``int4_keys`` (what a calibrated table was calibrated or shipped
             with).
 

@@ -10,7 +10,10 @@ Layout, for a batch of ``B`` sequences with ``H_kv`` KV heads:
   ``int4_keys="centred"`` the keys are quantised after centring (`hf_structkv.quant.int4_centred`) by ``key_centre`` /
   ``key_spread`` fp16 ``[B, H_kv, 1, D]``, fitted to each row's real prompt tokens when the prompt is first committed
   (the real slots are those the prompt's last query row sees, recorded by `partitions` during the prompt forward)
-  and fixed from then on.
+  and fixed from then on. With ``int4_keys="centred-g128"`` there are ``G + 1`` centres ``[B, H_kv, G + 1, D]``
+  (`key_centres`: one per group of 128 prompt slots, the last the whole prompt's) and one low store per centre
+  (``group_stores`` for the prompt's groups, ``low`` for the tokens after the prompt): a token's store is chosen by
+  its position (`key_groups`), and attention reads each store as a centred INT4 partition of its own.
 
 Released tokens are stored nowhere. A token stays in the recent region until it is more than ``window`` tokens old;
 its scheduled action is applied at the beginning of the next ``update`` (the commit point: a ``crop`` between a
@@ -54,7 +57,7 @@ from ..attention.mixed_reference import (
 )
 from ..policy.costs import Action
 from ..quant.int4 import quantize_int4
-from ..quant.int4_centred import check_int4_keys, key_centre, quantize_int4_centred
+from ..quant.int4_centred import check_int4_keys, key_centres, key_groups, quantize_int4_centred
 from .action_schedule import ActionSchedule
 from .compacted_layers import CompactedLayer
 from .slot_store import SlotStore
@@ -85,7 +88,8 @@ class MixedPrecisionLayer(CacheLayerMixin):
         statistics: the cache's `AttentionMass` when its policy asks for attention statistics, else ``None``.
         context: a compacted context's layer whose prefix precedes this layer's slots (module docstring), or
             ``None``.
-        int4_keys: ``"row"`` or ``"centred"``: how the keys of INT4 tokens are stored (module docstring).
+        int4_keys: ``"row"``, ``"centred"`` or ``"centred-g128"``: how the keys of INT4 tokens are stored (module
+            docstring).
     """
 
     is_sliding = False
@@ -112,8 +116,10 @@ class MixedPrecisionLayer(CacheLayerMixin):
         self.first_recent = self.context_length
         self.high = SlotStore()
         self.low = SlotStore()
+        self.group_stores: list[SlotStore] = []  # centred-g128: the low stores of the prompt's groups
         self.prompt_real: torch.Tensor | None = None  # [B, P]: the prompt's real slots, until the centre is fitted
-        self.key_centre: torch.Tensor | None = None  # [B, H_kv, 1, D] fp16, centred keys only
+        self.prompt_length = 0  # P, set when the centres are fitted
+        self.key_centre: torch.Tensor | None = None  # [B, H_kv, G + 1, D] fp16, centred keys only (G = 0: centred)
         self.key_spread: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ transformers' layer API
@@ -159,15 +165,26 @@ class MixedPrecisionLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ storage
     def fit_key_centre(self) -> None:
-        """With centred INT4 keys, fit ``key_centre`` / ``key_spread`` to the prompt's real keys the first time the
-        whole prompt is cached (a no-op afterwards, and for row keys)."""
-        if self.int4_keys != "centred" or self.key_centre is not None:
+        """With centred INT4 keys, fit ``key_centre`` / ``key_spread`` (`key_centres`) to the prompt's real keys the
+        first time the whole prompt is cached, and open one low store per prompt group (a no-op afterwards, and for
+        row keys)."""
+        if self.int4_keys == "row" or self.key_centre is not None:
             return
         real = self.prompt_real
         if real is None or real.shape[-1] != self.keys.shape[-2]:
             real = torch.ones(self.keys.shape[0], self.keys.shape[-2], dtype=torch.bool, device=self.keys.device)
-        self.key_centre, self.key_spread = key_centre(self.keys, real)
+        self.key_centre, self.key_spread = key_centres(self.keys, real, self.int4_keys)
+        self.prompt_length = self.keys.shape[-2]
+        self.group_stores = [SlotStore() for _ in range(self.key_centre.shape[2] - 1)]
         self.prompt_real = None
+
+    def low_stores(self) -> list[SlotStore]:
+        """The INT4 stores, in the order of ``key_centre``'s centres: the prompt's groups, then ``low``."""
+        return [*self.group_stores, self.low]
+
+    def num_low_entries(self) -> int:
+        """Live INT4 entries over every low store."""
+        return sum(store.num_entries() for store in self.low_stores())
 
     def commit(self) -> None:
         """Apply the scheduled action of every recent token older than ``window``: keep (high store), quantise
@@ -179,11 +196,14 @@ class MixedPrecisionLayer(CacheLayerMixin):
         positions = torch.arange(self.first_recent, self.first_recent + leaving, device=self.keys.device)
         old_keys, old_values = self.keys[..., :leaving, :], self.values[..., :leaving, :]
         self.high.append({"keys": old_keys, "values": old_values}, positions, actions == Action.H)
-        if bool((actions == Action.L).any()):
+        lowered = actions == Action.L
+        if bool(lowered.any()):
+            groups = key_groups(positions - self.context_length, self.prompt_length, self.int4_keys)  # [k]
             if self.key_centre is None:
                 key_codes, key_scales = quantize_int4(old_keys)
             else:
-                key_codes, key_scales = quantize_int4_centred(old_keys, self.key_centre, self.key_spread)
+                centre, spread = self.key_centre[:, :, groups], self.key_spread[:, :, groups]  # [B, H_kv, k, D]
+                key_codes, key_scales = quantize_int4_centred(old_keys, centre, spread)
             value_codes, value_scales = quantize_int4(old_values)
             fields = {
                 "key_codes": key_codes,
@@ -191,7 +211,11 @@ class MixedPrecisionLayer(CacheLayerMixin):
                 "value_codes": value_codes,
                 "value_scales": value_scales,
             }
-            self.low.append(fields, positions, actions == Action.L)
+            stores = self.low_stores()
+            for group in groups.unique().tolist():
+                columns = groups == group
+                chosen = {name: field[..., columns, :] for name, field in fields.items()}
+                stores[group].append(chosen, positions[columns], lowered[:, columns])
         self.keys, self.values = self.keys[..., leaving:, :], self.values[..., leaving:, :]
         self.first_recent += leaving
 
@@ -207,7 +231,7 @@ class MixedPrecisionLayer(CacheLayerMixin):
         """
         batch, seen = self.keys.shape[0], self.get_seq_length()
         visible = slot_visibility(attention_mask, batch, q_len, seen, self.keys.device)
-        if self.int4_keys == "centred" and self.key_centre is None:  # a prompt forward: its real slots
+        if self.int4_keys != "row" and self.key_centre is None:  # a prompt forward: its real slots
             self.prompt_real = visible[:, -1, self.context_length :]
         parts: list[Partition] = []
         if self.context is not None:
@@ -215,8 +239,13 @@ class MixedPrecisionLayer(CacheLayerMixin):
         if self.high.num_entries():
             fields, positions = self.high.view()
             parts.append(DensePartition(fields["keys"], fields["values"], _gather_visibility(visible, positions)))
-        if self.low.num_entries():
-            fields, positions = self.low.view()
+        for group, store in enumerate(self.low_stores()):
+            if not store.num_entries():
+                continue
+            fields, positions = store.view()
+            centre = spread = None
+            if self.key_centre is not None:
+                centre, spread = self.key_centre[:, :, group : group + 1], self.key_spread[:, :, group : group + 1]
             parts.append(
                 Int4Partition(
                     fields["key_codes"],
@@ -226,8 +255,8 @@ class MixedPrecisionLayer(CacheLayerMixin):
                     self.keys.shape[-1],
                     self.values.shape[-1],
                     _gather_visibility(visible, positions),
-                    self.key_centre,
-                    self.key_spread,
+                    centre,
+                    spread,
                 )
             )
         parts.append(DensePartition(self.keys, self.values, visible[..., self.first_recent :]))
@@ -269,7 +298,7 @@ class MixedPrecisionLayer(CacheLayerMixin):
             )
         counted = [replace(part, visible=part.visible[:, rows]) for part in partitions]
         positions = [self.high.view()[1]] if self.high.num_entries() else []
-        positions += [self.low.view()[1]] if self.low.num_entries() else []
+        positions += [store.view()[1] for store in self.low_stores() if store.num_entries()]
         positions.append(torch.arange(self.first_recent, seen, device=query.device).expand(query.shape[0], -1))
         norms = None
         if stats.value_weighted:
@@ -293,7 +322,8 @@ class MixedPrecisionLayer(CacheLayerMixin):
                 f"cannot crop to {length} tokens: the compacted context of {self.context_length} tokens cannot be cut"
             )
         self.high.crop(length)
-        self.low.crop(length)
+        for store in self.low_stores():
+            store.crop(length)
         if length >= self.first_recent:
             keep = length - self.first_recent
             self.keys, self.values = self.keys[..., :keep, :], self.values[..., :keep, :]
@@ -308,7 +338,8 @@ class MixedPrecisionLayer(CacheLayerMixin):
         indices = indices.to(self.keys.device)
         self.keys, self.values = self.keys.index_select(0, indices), self.values.index_select(0, indices)
         self.high.select_rows(indices)
-        self.low.select_rows(indices)
+        for store in self.low_stores():
+            store.select_rows(indices)
         if self.key_centre is not None:
             self.key_centre = self.key_centre.index_select(0, indices)
             self.key_spread = self.key_spread.index_select(0, indices)
@@ -339,7 +370,7 @@ class MixedPrecisionLayer(CacheLayerMixin):
         held = [] if self.keys is None else [self.keys, self.values]
         held += [t for t in (self.key_centre, self.key_spread) if t is not None]
         recent = sum(t.numel() * t.element_size() for t in held)
-        return self.context_nbytes() + recent + self.high.nbytes() + self.low.nbytes()
+        return self.context_nbytes() + recent + self.high.nbytes() + sum(s.nbytes() for s in self.low_stores())
 
     def full_nbytes(self) -> int:
         """Bytes of the same slots in a ``DynamicLayer`` of the model's dtype (a compacted context counted once, at

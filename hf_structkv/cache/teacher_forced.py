@@ -8,7 +8,7 @@ per-row INT4 (``L``, `quantize_int4` of its keys and values) or not at all (``R`
 ``< P``) commits nothing. When the tokens are known in advance, one forward over positions ``P .. P + T - 2`` can
 give each query row the cache exactly as that step of ``generate`` saw it: row ``p`` sees key ``j`` at full precision
 while ``j >= p - window`` or its action is ``H``, dequantised when it is committed with ``L``, and not when committed
-with ``R``. Quantisation is per token row (centred keys: by the prompt's centre and spread, fixed before the first
+with ``R``. Quantisation is per token row (centred keys: by the prompt's centres and spreads, fixed before the first
 commit), so a committed key's served value does not depend on the other generated tokens, and
 the replay equals step-by-step decoding with the same cache and schedule up to floating-point summation order
 (``tests/test_teacher_forced.py``, in float64). In float32 that rounding noise (a token's K/V computed in a batch
@@ -39,7 +39,7 @@ from ..attention.mixed_reference import DensePartition, Int4Partition
 from ..policy.costs import Action, GroupCosts
 from ..policy.retention import RetentionPolicy, check_retention_policy
 from ..quant.int4 import quantize_int4
-from ..quant.int4_centred import check_int4_keys, key_centre, quantize_int4_centred
+from ..quant.int4_centred import check_int4_keys, key_centres, key_groups, quantize_int4_centred
 from ..structure.tag_source import TagSource
 from .action_schedule import ActionSchedule
 from .layer_types import SLIDING_TYPES, model_layer_types
@@ -56,8 +56,9 @@ class TeacherForcedLayer(CacheLayerMixin):
         schedule: the cache's `ActionSchedule`.
         window: the policy's recent window.
         first_commit: the first position whose forward commits (the prompt length ``P``).
-        int4_keys: ``"row"`` or ``"centred"``, as `MixedPrecisionLayer`: centred keys take the centre and spread of
-            the prompt's real keys (the prompt slots the first committing row sees), as generation fits them.
+        int4_keys: ``"row"``, ``"centred"`` or ``"centred-g128"``, as `MixedPrecisionLayer`: centred keys take the
+            centres and spreads of the prompt's real keys (the prompt slots the first committing row sees), as
+            generation fits them, one INT4 partition per centre.
     """
 
     is_sliding = False
@@ -106,7 +107,8 @@ class TeacherForcedLayer(CacheLayerMixin):
         self, attention_mask: torch.Tensor | None, q_len: int, module: torch.nn.Module | None = None
     ) -> list[DensePartition | Int4Partition]:
         """The full-precision partition (every token, visible where uncommitted or kept ``H``) and, when some token
-        is lowered, the INT4 partition of the lowered tokens (visible where committed); visibility ``[B, q, n]``.
+        is lowered, the INT4 partitions of the lowered tokens (visible where committed; one per centre of a
+        ``centred-g128`` layout, as the cache's low stores); visibility ``[B, q, n]``.
         (``module``, the attention module, is what the registered function passes every mixed-precision layer; a
         replay holds no compacted prefix that would need it.)"""
         batch, seen = self.keys.shape[0], self.get_seq_length()
@@ -118,19 +120,22 @@ class TeacherForcedLayer(CacheLayerMixin):
         lowered = (actions == Action.L).any(0).nonzero().squeeze(-1)  # columns lowered in some row
         if lowered.numel() and bool(committed.any()):  # the prompt forward commits nothing
             low_visible = (visible & committed & (actions == Action.L).unsqueeze(1))[..., lowered]
-            centre = spread = None
-            if self.int4_keys == "row":
-                key_codes, key_scales = quantize_int4(self.keys[..., lowered, :])
-            else:
-                prompt, first_row = self.first_commit, max(self.first_commit - (seen - q_len), 0)
-                real = visible[:, first_row, :prompt]  # [B, P]: the real prompt slots a row past the prompt sees
-                centre, spread = key_centre(self.keys[..., :prompt, :], real)
-                key_codes, key_scales = quantize_int4_centred(self.keys[..., lowered, :], centre, spread)
             value_codes, value_scales = quantize_int4(self.values[..., lowered, :])
             dims = self.keys.shape[-1], self.values.shape[-1]
-            parts.append(
-                Int4Partition(key_codes, key_scales, value_codes, value_scales, *dims, low_visible, centre, spread)
-            )
+            if self.int4_keys == "row":
+                key_codes, key_scales = quantize_int4(self.keys[..., lowered, :])
+                parts.append(Int4Partition(key_codes, key_scales, value_codes, value_scales, *dims, low_visible))
+                return parts
+            prompt, first_row = self.first_commit, max(self.first_commit - (seen - q_len), 0)
+            real = visible[:, first_row, :prompt]  # [B, P]: the real prompt slots a row past the prompt sees
+            centres, spreads = key_centres(self.keys[..., :prompt, :], real, self.int4_keys)  # [B, H_kv, G + 1, D]
+            groups = key_groups(lowered, prompt, self.int4_keys)
+            for group in groups.unique().tolist():
+                part = groups == group
+                centre, spread = centres[:, :, group : group + 1], spreads[:, :, group : group + 1]
+                key_codes, key_scales = quantize_int4_centred(self.keys[..., lowered[part], :], centre, spread)
+                codes = (key_codes, key_scales, value_codes[..., part, :], value_scales[..., part, :])
+                parts.append(Int4Partition(*codes, *dims, low_visible[..., part], centre, spread))
         return parts
 
     def record_attention(self, *args, **kwargs) -> None:
@@ -151,7 +156,7 @@ class TeacherForcedCache(Cache):
         policy: a `RetentionPolicy` without attention statistics (a `PolicyTable`, an intervention).
         tags: the `TagSource` of the known continuation (its tags decide the generated tokens' actions).
         prefill_plan: optional int ``[B, P, groups]`` prompt actions (`ActionSchedule`).
-        int4_keys: ``"row"`` or ``"centred"``: the INT4 key layout of the mixed-precision cache being replayed
+        int4_keys: ``"row"``, ``"centred"`` or ``"centred-g128"``: the INT4 key layout of the cache being replayed
             (``None``: ``policy``'s, as that cache takes it; `with_schedule` keeps this one).
 
     Raises:

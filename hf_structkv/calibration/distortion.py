@@ -12,10 +12,10 @@ applied to the bucket's entries *that a query sees lowered*:
   for every reference query (committed before the first generated token's forward).
 
 ``a = L`` replaces the entry's key and value by their INT4 round trip (`quantize_int4` / `dequantize_int4`; keys in
-the calibration's layout: per row, or centred by the `key_centre` of the reference's prompt keys as the cache fits
-it), ``a = R`` removes it. ``D(q, a) = (1 / |D_cal|) Σ_cases Σ_j Σ_{ℓ∈c} max_h ‖o_ref − o_a‖²`` (query heads ``h``,
-FP32); queries with no lowered entry contribute zero, so the sum runs over the affected positions ``S(q)`` only,
-shared by ``R`` and ``L``.
+the calibration's layout, `served_keys`: per row, or centred by the `key_centres` of the reference's prompt keys as
+the cache fits them), ``a = R`` removes it.
+``D(q, a) = (1 / |D_cal|) Σ_cases Σ_j Σ_{ℓ∈c} max_h ‖o_ref − o_a‖²`` (query heads ``h``, FP32); queries with no
+lowered entry contribute zero, so the sum runs over the affected positions ``S(q)`` only, shared by ``R`` and ``L``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from ..attention.modules import attention_scalings
 from ..attention.recording import capture_queries
 from ..policy.costs import Action, GroupCosts
 from ..quant.int4 import dequantize_int4, quantize_int4
-from ..quant.int4_centred import check_int4_keys, dequantize_int4_centred, key_centre, quantize_int4_centred
+from ..quant.int4_centred import check_int4_keys, served_keys
 from .buckets import Bucket
 from .intervention_store import InterventionStore
 from .interventions import occurrences, prefill_positions
@@ -108,14 +108,9 @@ def _round_trip(x: torch.Tensor) -> torch.Tensor:
 
 
 def _lowered_keys(keys: torch.Tensor, prompt: int, int4_keys: str) -> torch.Tensor:
-    """The INT4 round trip of one reference's keys ``[H_kv, N, D]`` in the layout ``int4_keys`` (centred: on the
-    ``prompt`` first keys' centre and spread, every prompt token real, as the cache fits them at its first commit)."""
-    if int4_keys == "row":
-        return _round_trip(keys)
-    batch = keys[None]  # [1, H_kv, N, D]
-    centre, spread = key_centre(batch[..., :prompt, :], torch.ones(1, prompt, dtype=torch.bool))
-    codes, scales = quantize_int4_centred(batch, centre, spread)
-    return dequantize_int4_centred(codes, scales, centre, spread, keys.shape[-1])[0]
+    """The INT4 round trip of one reference's keys ``[H_kv, N, D]`` in the layout ``int4_keys`` (`served_keys`:
+    centred on the ``prompt`` first keys, every prompt token real, as the cache fits them at its first commit)."""
+    return served_keys(keys[None], torch.ones(1, prompt, dtype=torch.bool, device=keys.device), int4_keys)[0]
 
 
 class DistortionStore(InterventionStore):
@@ -150,7 +145,7 @@ def attention_distortion(
         states_of: ``reference -> ReferenceStates`` (e.g. ``lambda r: capture_reference_states(model, r)``), called
             once per reference whose distortions ``store`` does not hold.
         store: where each reference's distortions are read from, or written to as soon as they are computed.
-        int4_keys: the key layout of ``L`` (``"row"`` or ``"centred"``; keep one store per layout).
+        int4_keys: the key layout of ``L`` (`INT4_KEY_LAYOUTS`; keep one store per layout).
     """
     check_int4_keys(int4_keys)
     totals: dict[Bucket, dict[Action, float]] = {b: {Action.R: 0.0, Action.L: 0.0} for b in buckets}

@@ -76,7 +76,7 @@ class ReferenceKV:
             return None
         keys, values = [], []
         for layer in layers:
-            if layer.low.num_entries():
+            if layer.num_low_entries():
                 raise ValueError("the reference policy quantised entries: ReferenceKV needs the all-high policy")
             stored, positions = layer.high.view() if layer.high.num_entries() else ({}, None)
             if positions is not None and not torch.equal(positions[0], torch.arange(positions.shape[1]).to(positions)):

@@ -53,10 +53,10 @@ class CalibrationSettings:
         curve_pairs: with ``"likelihood"``, how many of each stage's Runtime-V interventions are also generated and
             scored, to fit the `LossCurve` that reads development likelihood losses as an expected change of the
             error rate (`calibration.loss_curve`); verdicts already in the cache folder join them.
-        int4_keys: the INT4 key layout of the ``L`` action (`hf_structkv.quant.int4_centred`), ``"row"`` (PASK B.5)
-            or ``"centred"``: every intervention, Runtime-D round trip, development run and replay stores its ``L``
-            keys so, the calibrated policies record it (their ``quantizer``), and the on-disk stores of a centred run
-            are keyed apart from a row run's (the all-high references, which lower nothing, are shared).
+        int4_keys: the INT4 key layout of the ``L`` action (`hf_structkv.quant.int4_centred`), ``"row"`` (PASK B.5),
+            ``"centred"`` or ``"centred-g128"``: every intervention, Runtime-D round trip, development run and replay
+            stores its ``L`` keys so, the calibrated policies record it (their ``quantizer``), and the on-disk stores
+            of each layout are keyed apart (the all-high references, which lower nothing, are shared).
     """
 
     max_new_tokens: int = 128

@@ -252,8 +252,8 @@ def evaluate_bfcl(
             (``ast_decoder:decoder_failed``).
         progress: show a tqdm bar over the entries.
         prefill_policy: optional `PrefillPolicy` for the prompt tokens (`generate_calls`).
-        int4_keys: the cache's INT4 key layout, ``"row"`` or ``"centred"`` (`generate_calls`; ``None``: the
-            policy's).
+        int4_keys: the cache's INT4 key layout, ``"row"``, ``"centred"`` or ``"centred-g128"`` (`generate_calls`;
+            ``None``: the policy's).
     """
     if isinstance(entries, BfclEntry) or not entries:
         raise ValueError("entries must be a non-empty list of BfclEntry objects (load_bfcl / bfcl_split)")

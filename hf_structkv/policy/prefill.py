@@ -116,7 +116,7 @@ class PrefillPolicy(PolicyFile):
         calibration: JSON-serialisable calibration record.
         fingerprint: `persistence.model_fingerprint` of the model the policy was built for (required when
             calibrated), or ``None`` when it depends only on the layer dimensions.
-        int4_keys: the key layout of its ``L`` tokens (``"row"`` or ``"centred"``,
+        int4_keys: the key layout of its ``L`` tokens (``"row"``, ``"centred"`` or ``"centred-g128"``,
             `hf_structkv.quant.int4_centred`; the ``quantizer`` convention of its file).
     """
 

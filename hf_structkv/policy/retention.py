@@ -78,8 +78,8 @@ class RetentionPolicy(ABC):
         tag_view: the view of the structural tags the policy decides from (`TAG_VIEWS`); the cache's processor must
             emit it. Default ``"full"``.
         position_bins: the bin starts of the ``"position_bins"`` view, ``()`` otherwise (the default).
-        int4_keys: the key layout of its ``L`` action, ``"row"`` (the default, PASK B.5) or ``"centred"``
-            (`hf_structkv.quant.int4_centred`): what a cache serves it with unless told otherwise.
+        int4_keys: the key layout of its ``L`` action, ``"row"`` (the default, PASK B.5), ``"centred"`` or
+            ``"centred-g128"`` (`hf_structkv.quant.int4_centred`): what a cache serves it with unless told otherwise.
     """
 
     costs: GroupCosts

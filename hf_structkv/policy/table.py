@@ -148,7 +148,7 @@ class PolicyTable(PolicyFile, RetentionPolicy):
         calibration: JSON-serialisable calibration record (data, reserve horizon and quantile, ...).
         fingerprint: `persistence.model_fingerprint` of the model the table was built for, or ``None`` when it
             depends only on the layer dimensions in ``costs`` (required for calibrated tables).
-        int4_keys: the key layout its ``L`` action stores (``"row"``, PASK B.5, or ``"centred"``,
+        int4_keys: the key layout its ``L`` action stores (``"row"``, PASK B.5, ``"centred"`` or ``"centred-g128"``,
             `hf_structkv.quant.int4_centred`): a cache serves the table with it unless told otherwise; saved as the
             ``quantizer`` convention.
     """

@@ -7,7 +7,10 @@ from .int4_centred import (
     check_int4_keys,
     dequantize_int4_centred,
     key_centre,
+    key_centres,
+    key_groups,
     quantize_int4_centred,
+    served_keys,
 )
 from .int4_channels import LARGEST_FP16, dequantize_int4_channels, quantize_int4_channels
 
@@ -16,7 +19,10 @@ __all__ = [
     "check_int4_keys",
     "dequantize_int4_centred",
     "key_centre",
+    "key_centres",
+    "key_groups",
     "quantize_int4_centred",
+    "served_keys",
     "LARGEST_FP16",
     "SMALLEST_FP16",
     "dequantize_int4",

@@ -17,6 +17,15 @@ layout's dot product for the query ``q ⊙ s`` and one logit shift ``q · μ`` s
 A row costs what the row layout costs (``ceil(D / 2)`` code bytes and one FP16 scale); ``μ`` and ``s`` are two FP16
 vectors per batch row and KV head. On 32 BFCL prompts of the embedded model this cut the attention error of the
 INT4 tokens from 0.129 to 0.064 (median) and 0.568 to 0.169 (p90) (``benchmarks/int4_key_layouts.py``, RESULTS).
+
+**Centres per group of prompt tokens** (``centred-g128``): the prompt's slots ``0 .. P - 1`` fall into groups of
+`KEY_GROUP_TOKENS` consecutive slots (the last one may be shorter), each with its own ``μ_g`` and ``s_g`` fitted to
+its real keys as above; a token after the prompt (a generated one) is centred by the whole prompt's ``μ`` and ``s``,
+as in ``centred``. So a row's centre is chosen by its position (`key_groups`), never stored per row: a cache keeps one
+INT4 store per group and attention reads each as a centred store of its own (one logit shift per group). Two FP16
+vectors per group and KV head (2 bytes a row at D = 64). On the same 32 prompts, groups of 128 consecutive *stored*
+tokens (`int4_key_layouts.py`'s ``row/centred/g128``, close to this where most prompt tokens are stored) reached
+0.051 / 0.132 (median / p90).
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ from .int4 import dequantize_int4, quantize_int4
 SPREAD_FLOOR = 1.0 / 256
 """The smallest channel spread, as a fraction of the head's largest channel spread."""
 SMALLEST_NORMAL_FP16 = 2.0**-14
+KEY_GROUP_TOKENS = 128
+"""Prompt slots per centre in the ``centred-g128`` layout."""
 
 
 def key_centre(keys: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,13 +74,49 @@ def key_centre(keys: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, to
     return torch.where(empty, torch.zeros_like(centre), centre), torch.where(empty, torch.ones_like(spread), spread)
 
 
+def key_centres(prompt_keys: torch.Tensor, real: torch.Tensor, int4_keys: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The centres and spreads of a centred layout (module docstring), fitted to a prompt's real keys.
+
+    Args:
+        prompt_keys: ``[B, H_kv, P, D]`` floating point; real: bool ``[B, P]``.
+        int4_keys: ``"centred"`` or ``"centred-g128"``.
+
+    Returns:
+        ``(centres, spreads)``, each fp16 ``[B, H_kv, G + 1, D]``: `key_centre` of each group of `KEY_GROUP_TOKENS`
+        prompt slots (``G = ceil(P / KEY_GROUP_TOKENS)`` groups with ``centred-g128``, none with ``centred``) and,
+        last, of the whole prompt. `key_groups` indexes them.
+    """
+    if check_int4_keys(int4_keys) == "row":
+        raise ValueError("int4_keys='row' stores no centre: key_centres needs 'centred' or 'centred-g128'")
+    starts = range(0, prompt_keys.shape[-2], KEY_GROUP_TOKENS) if int4_keys == "centred-g128" else ()
+    size = KEY_GROUP_TOKENS
+    fits = [key_centre(prompt_keys[..., a : a + size, :], real[:, a : a + size]) for a in starts]
+    fits.append(key_centre(prompt_keys, real))
+    return torch.cat([c for c, _ in fits], dim=2), torch.cat([s for _, s in fits], dim=2)
+
+
+def key_groups(positions: torch.Tensor, prompt_length: int, int4_keys: str) -> torch.Tensor:
+    """The index into `key_centres` of the tokens at ``positions`` (any shape, counted from the prompt's first slot):
+    ``position // KEY_GROUP_TOKENS`` for a prompt token with ``centred-g128``, else the whole prompt's (the last).
+
+    Returns:
+        int64, the shape of ``positions``.
+    """
+    positions = positions.long()
+    if check_int4_keys(int4_keys) != "centred-g128":
+        return torch.zeros_like(positions)
+    whole = -(-prompt_length // KEY_GROUP_TOKENS)
+    return torch.where(positions < prompt_length, positions // KEY_GROUP_TOKENS, whole)
+
+
 def quantize_int4_centred(
     x: torch.Tensor, centre: torch.Tensor, spread: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_int4` of ``(x − centre) / spread``.
 
     Args:
-        x: ``[B, H_kv, n, D]``; centre / spread: fp16 ``[B, H_kv, 1, D]`` (`key_centre`).
+        x: ``[B, H_kv, n, D]``; centre / spread: fp16 ``[B, H_kv, 1, D]`` (`key_centre`) or one per row
+            ``[B, H_kv, n, D]`` (`key_centres` indexed by `key_groups`).
 
     Returns:
         ``(codes, scales)`` as `quantize_int4`: uint8 ``[B, H_kv, n, ceil(D / 2)]``, fp16 ``[B, H_kv, n, 1]``.
@@ -80,14 +127,41 @@ def quantize_int4_centred(
 def dequantize_int4_centred(
     codes: torch.Tensor, scales: torch.Tensor, centre: torch.Tensor, spread: torch.Tensor, d: int
 ) -> torch.Tensor:
-    """FP32 ``k̂ = spread ⊙ (code · scale) + centre`` ``[..., n, d]`` (centre / spread ``[..., 1, d]``)."""
+    """FP32 ``k̂ = spread ⊙ (code · scale) + centre`` ``[..., n, d]`` (centre / spread ``[..., 1, d]`` or
+    ``[..., n, d]``)."""
     return dequantize_int4(codes, scales, d) * spread.float() + centre.float()
 
 
-INT4_KEY_LAYOUTS = ("row", "centred")
+def served_keys(keys: torch.Tensor, real: torch.Tensor, int4_keys: str) -> torch.Tensor:
+    """``keys`` as an INT4 store of layout ``int4_keys`` serves them (quantised and dequantised), the first
+    ``P = real.shape[-1]`` being the prompt whose real keys the centres are fitted to (`key_centres`, `key_groups`).
+
+    Args:
+        keys: ``[B, H_kv, N, D]`` floating point (``N >= P``); real: bool ``[B, P]``.
+
+    Returns:
+        FP32 ``[B, H_kv, N, D]``.
+    """
+    if check_int4_keys(int4_keys) == "row":
+        codes, scales = quantize_int4(keys)
+        return dequantize_int4(codes, scales, keys.shape[-1])
+    prompt = real.shape[-1]
+    centres, spreads = key_centres(keys[..., :prompt, :], real, int4_keys)
+    groups = key_groups(torch.arange(keys.shape[-2], device=keys.device), prompt, int4_keys)
+    centre, spread = centres[:, :, groups], spreads[:, :, groups]  # [B, H_kv, N, D]
+    codes, scales = quantize_int4_centred(keys, centre, spread)
+    return dequantize_int4_centred(codes, scales, centre, spread, keys.shape[-1])
+
+
+INT4_KEY_LAYOUTS = ("row", "centred", "centred-g128")
 """How a mixed-precision cache stores the keys of its INT4 (``L``) tokens: ``row`` (PASK B.5: `quantize_int4` per
-token row) or ``centred`` (`quantize_int4_centred` with the prompt's `key_centre`)."""
-QUANTIZERS = {"row": "int4-symmetric-row-fp16-scale", "centred": "int4-centred-keys-row-fp16-scale"}
+token row), ``centred`` (`quantize_int4_centred` with the prompt's `key_centre`) or ``centred-g128`` (with the
+`key_centre` of the token's group of `KEY_GROUP_TOKENS` prompt slots; a later token: the prompt's)."""
+QUANTIZERS = {
+    "row": "int4-symmetric-row-fp16-scale",
+    "centred": "int4-centred-keys-row-fp16-scale",
+    "centred-g128": "int4-centred-keys-g128-row-fp16-scale",
+}
 """The ``quantizer`` convention a policy file records for each key layout (values per row in both)."""
 
 
