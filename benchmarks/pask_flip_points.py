@@ -13,6 +13,11 @@ the reply text before it, and the likelihood loss (`likelihood_loss` from step 1
 ``--int4-keys`` serves the pair with another INT4 key layout than the one it was calibrated with (e.g.
 ``centred-g128`` for a ``centred`` pair: what the layout alone changes).
 
+``--generate-flipped`` answers the pair's development accuracy at the price of its flips: each case whose ``pair``
+(or ``all_high``) replay flips is generated under the pair and scored by BFCL's AST checker (appended to
+``<out>.flipped.jsonl``, resumable); every other case writes the reference's reply (the flip's prediction, exact up to
+float ties) and keeps its verdict. The summary's ``pair_accuracy`` is reported once every flipped case is generated.
+
 ``--generated FILE:LABEL`` names the row of a ``bfcl_budget.py --split development`` result that served the same pair
 at the same budget: its replies are then compared with the prediction (no flip under ``pair`` ⇔ the reply is the
 reference's text), and its verdicts with the reference's where the reply flipped.
@@ -43,7 +48,7 @@ from hf_structkv.calibration.bfcl_task import BfclTask
 from hf_structkv.calibration.greedy_flips import first_flip, reference_masks
 from hf_structkv.calibration.likelihood import CaseReplay, candidate_plan, likelihood_loss
 from hf_structkv.calibration.references import reference_trajectories
-from hf_structkv.eval.bfcl import bfcl_split
+from hf_structkv.eval.bfcl import bfcl_split, evaluate_bfcl
 from hf_structkv.models import load_default_model
 from hf_structkv.policy.shipped import pair_name
 from hf_structkv.policy.table import PolicyTable
@@ -141,6 +146,53 @@ def summarise(records: list[dict], generated: dict[str, dict] | None) -> dict:
     return out
 
 
+def must_generate(record: dict) -> bool:
+    """Whether a case's pair reply may differ from its reference: its ``pair`` or its ``all_high`` replay flips."""
+    return record["pair"]["flip"] is not None or record["all_high"]["flip"] is not None
+
+
+def pair_accuracy(records: list[dict], flipped: dict[str, dict]) -> dict | None:
+    """The pair's development verdicts: the generated verdict (``flipped``: case id -> ``{"valid", ...}``) where
+    `must_generate`, else the reference's; ``None`` while a flipped case is not generated."""
+    generate = [r for r in records if must_generate(r)]
+    if any(r["id"] not in flipped for r in generate):
+        return None
+
+    def verdict(record: dict) -> bool:
+        return flipped[record["id"]]["valid"] if must_generate(record) else record["reference_valid"]
+
+    per_category: dict[str, list[int]] = {}
+    for r in records:
+        counts = per_category.setdefault(r["category"], [0, 0])
+        counts[0] += verdict(r)
+        counts[1] += 1
+    return {
+        "cases": len(records),
+        "correct": sum(verdict(r) for r in records),
+        "generated": len(generate),
+        "replayed": len(records) - len(generate),
+        "reference_correct": sum(r["reference_valid"] for r in records),
+        "per_category": {c: {"correct": n, "cases": m} for c, (n, m) in sorted(per_category.items())},
+    }
+
+
+def generate_flipped(model, tokenizer, cases, done: dict, table, prefill, max_new_tokens: int, path: Path) -> dict:
+    """Generate (`evaluate_bfcl` under the pair) every measured case that `must_generate` and is not in ``path`` yet;
+    each reply appended as ``{"id", "valid", "text", "budget_ratio", "seconds"}``. Returns case id -> line."""
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    flipped = {line["id"]: line for line in lines}
+    for case in cases:
+        record = done.get(case.id)
+        if record is None or not must_generate(record) or case.id in flipped:
+            continue
+        reply = evaluate_bfcl(model, tokenizer, [case], table, max_new_tokens, prefill_policy=prefill).records[0]
+        flipped[case.id] = {key: reply[key] for key in ("id", "valid", "text", "budget_ratio", "seconds")}
+        with path.open("a") as handle:
+            handle.write(json.dumps(flipped[case.id]) + "\n")
+        print(f"{case.id}: generated, valid {reply['valid']}")
+    return flipped
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pask-policy", default="calibrated", help="a shipped pair by name, or a policy folder")
@@ -153,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--cache-dir", default="benchmarks/results/calibration_cache", help="the references' cache")
     parser.add_argument("--generated", metavar="FILE:LABEL", help="a bfcl_budget.py --split development row")
+    parser.add_argument(
+        "--generate-flipped", action="store_true", help="generate the flipped cases: the pair's development accuracy"
+    )
     parser.add_argument("--seed", type=int, default=0, help="split seed")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/pask_flip_points_dev.json")
@@ -219,6 +274,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{reference.case_id}: " + ", ".join(f"{n} {'-' if f is None else f['index']}" for n, f in flips.items()))
     records = [done[r.case_id] for r in references if r.case_id in done]
     summary = summarise(records, generated)
+    if args.generate_flipped:
+        path = Path(f"{args.out}.flipped.jsonl")
+        flipped = generate_flipped(model, tokenizer, cases, done, table, prefill, args.max_new_tokens, path)
+        summary["pair_accuracy"] = pair_accuracy(records, flipped)
+        print("pair's development accuracy (generated where a replay flips):", summary["pair_accuracy"])
     print(f"{policy_name} ({provenance}) at B_D = B_P = {args.budget}, {len(records)} development cases")
     print(f"{'schedule':<14} {'flipped':>8} {'of valid refs':>14} {'mean loss':>10}  commonest flips")
     for name in SCHEDULES:
@@ -233,6 +293,7 @@ def main(argv: list[str] | None = None) -> dict:
         **settings,
         "policy_provenance": provenance,
         "generated": args.generated,
+        "generate_flipped": args.generate_flipped,
         "seconds_this_run": time.perf_counter() - start,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -9,6 +9,7 @@ import os
 import statistics
 import subprocess
 import sys
+import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -1520,7 +1521,7 @@ def test_serving_cost_defaults_per_mode(serving):
 
 
 # ------------------------------------------------------------------------------ benchmarks/pask_flip_points.py
-def test_pask_flip_points_summary_counts_flips_and_checks_them_against_the_replies(tmp_path):
+def test_pask_flip_points_summary_counts_flips_and_checks_them_against_the_replies(tmp_path, monkeypatch):
     script = load_script(BENCHMARKS / "pask_flip_points.py")
 
     def flip(reference, chosen):
@@ -1553,6 +1554,31 @@ def test_pask_flip_points_summary_counts_flips_and_checks_them_against_the_repli
         "flip, verdict lost": 1,
         "no flip, same reply": 1,
     }
+    for r, category in zip(records, ("simple_python", "multiple", "parallel", "parallel")):
+        r["category"] = category
+    records[0]["all_high"]["flip"] = flip("a", "b")  # a float tie on the control: generated too
+    records.append({**record("e", True, "[5]", None), "category": "multiple"})
+    assert [script.must_generate(r) for r in records] == [True, True, True, True, False]
+    calls = []
+
+    def fake_evaluate(model, tokenizer, cases, table, max_new_tokens, prefill_policy=None):
+        calls.append(cases[0].id)
+        reply = {"id": cases[0].id, "valid": cases[0].id == "c", "text": "[]", "budget_ratio": 0.3, "seconds": 1.0}
+        return types.SimpleNamespace(records=[{**reply, "error": None}])
+
+    monkeypatch.setattr(script, "evaluate_bfcl", fake_evaluate)
+    cases = [types.SimpleNamespace(id=r["id"]) for r in records]
+    done = {r["id"]: r for r in records[1:]}  # "a" not measured yet: not generated
+    path = tmp_path / "run.json.flipped.jsonl"
+    flipped = script.generate_flipped(None, None, cases, done, None, None, 8, path)
+    assert calls == ["b", "c", "d"] and sorted(flipped) == ["b", "c", "d"]
+    assert script.pair_accuracy(records, flipped) is None  # "a" flips and is not generated
+    done["a"] = records[0]
+    flipped = script.generate_flipped(None, None, cases, done, None, None, 8, path)
+    assert calls == ["b", "c", "d", "a"] and len(path.read_text().splitlines()) == 4  # resumed, "a" added
+    accuracy = script.pair_accuracy(records, flipped)
+    assert (accuracy["correct"], accuracy["generated"], accuracy["replayed"]) == (2, 4, 1)  # c generated, e replayed
+    assert accuracy["reference_correct"] == 4 and accuracy["per_category"]["multiple"] == {"correct": 1, "cases": 2}
     settings = {"budget": 0.33}
     log = tmp_path / "run.json.cases.jsonl"
     assert script.read_log(log, settings) == {}
