@@ -181,19 +181,26 @@ def prompt_with_padding(pad: int, length: int = PROMPT) -> tuple[torch.Tensor, t
     return batch, mask
 
 
-def test_the_cache_fits_each_rows_centre_to_its_real_prompt_tokens():
+def lowered_prompt_layer(pad: int, int4_keys: str, length: int = PROMPT):
+    """A float64 tiny Qwen2's first mixed layer after a left-padded batch of 2 prompts (row 1 padded by ``pad``), all
+    ``L`` with a window of 2, and one decode step (which commits). Returns ``(layer, prompt_keys [2, H_kv, P, D],
+    mask [2, P])``."""
     model = enable(tiny_model("qwen2", num_hidden_layers=3, dtype=torch.float64))
-    pad = 4
-    ids, mask = prompt_with_padding(pad)
-    plan = torch.full((2, PROMPT, 3), int(Action.L))
+    ids, mask = prompt_with_padding(pad, length)
+    plan = torch.full((2, length, 3), int(Action.L))
     policy = PolicyTable.all_high(model.config, window=2, sink_tokens=0)
-    cache = StructuredMixedPrecisionCache(model, policy, prefill_plan=plan, prompt_length=PROMPT, int4_keys="centred")
+    cache = StructuredMixedPrecisionCache(model, policy, prefill_plan=plan, prompt_length=length, int4_keys=int4_keys)
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
         layer = cache.mixed_layers()[0]
-        prompt_keys = layer.keys.clone()  # [2, H_kv, P, D]
+        prompt_keys = layer.keys.clone()
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         model(input_ids=nxt, attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1), cache=cache)
+    return layer, prompt_keys, mask
+
+
+def test_the_cache_fits_each_rows_centre_to_its_real_prompt_tokens():
+    layer, prompt_keys, mask = lowered_prompt_layer(4, "centred")
     real = mask.bool()
     for b in range(2):
         want = key_centre(prompt_keys[b : b + 1], real[b : b + 1])

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_centred_int4_keys import outlier_keys, prompt_with_padding
+from test_centred_int4_keys import lowered_prompt_layer, outlier_keys
 from test_teacher_forced import HIT, STEPS, FixedTags, _replayed_logits, _stepwise_logits, _tags
 
 from hf_structkv.attention.backend import BACKEND_ENV
@@ -77,20 +77,7 @@ def test_served_keys_equal_a_loop_over_rows_and_follow_a_drifting_prompt():
 
 
 def test_the_cache_keeps_one_low_store_per_group_and_serves_each_row_by_its_groups_centre():
-    model = enable(tiny_model("qwen2", num_hidden_layers=3, dtype=torch.float64))
-    pad = 140
-    ids, mask = prompt_with_padding(pad, LONG)
-    plan = torch.full((2, LONG, 3), int(Action.L))
-    policy = PolicyTable.all_high(model.config, window=2, sink_tokens=0)
-    cache = StructuredMixedPrecisionCache(
-        model, policy, prefill_plan=plan, prompt_length=LONG, int4_keys="centred-g128"
-    )
-    with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
-        layer = cache.mixed_layers()[0]
-        prompt_keys = layer.keys.clone()  # [2, H_kv, P, D]
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        model(input_ids=nxt, attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1), cache=cache)
+    layer, prompt_keys, mask = lowered_prompt_layer(140, "centred-g128", LONG)  # row 1 padded past its first group
     assert len(layer.group_stores) == 3 and layer.key_centre.shape[2] == 4 and layer.prompt_length == LONG
     want = torch.cat([served_keys(prompt_keys[b : b + 1], mask[b : b + 1].bool(), "centred-g128") for b in (0, 1)])
     seen = 0
