@@ -5,7 +5,10 @@ Each development case's all-high reference trajectory (the calibration's cached 
 there when missing) is replayed under four schedules of one PASK pair served at ``--budget`` (``B_D = B_P``, as
 ``bfcl_budget.py --pask-stage-split equal``): ``all_high`` (the control: its flips are the replay's float noise),
 ``pair`` (the decode table and the prefill plan), ``decode_only`` (the table, the prompt all-high) and
-``prefill_only`` (the prefill plan, decode all-high). Per schedule and case: the first flip
+``prefill_only`` (the prefill plan, decode all-high). ``--schedules`` picks others (``all_high`` is always replayed:
+the losses are measured against it), among them two halves of the prefill plan that say whether its releases or its
+INT4 tokens move a reply: ``prefill_releases_only`` (the plan's ``L`` tokens kept ``H``) and ``prefill_int4_only``
+(its ``R`` tokens kept ``H``), decode all-high in both. Per schedule and case: the first flip
 (`hf_structkv.calibration.greedy_flips.first_flip`: the first step whose grammar-masked argmax is not the
 reference's token, where greedy constrained decoding under the schedule leaves the reference), the tokens there and
 the reply text before it, and the likelihood loss (`likelihood_loss` from step 1, the calibration's sensitivity).
@@ -50,6 +53,7 @@ from hf_structkv.calibration.likelihood import CaseReplay, candidate_plan, likel
 from hf_structkv.calibration.references import reference_trajectories
 from hf_structkv.eval.bfcl import bfcl_split, evaluate_bfcl
 from hf_structkv.models import load_default_model
+from hf_structkv.policy.costs import Action
 from hf_structkv.policy.shipped import pair_name
 from hf_structkv.policy.table import PolicyTable
 from hf_structkv.quant import INT4_KEY_LAYOUTS
@@ -59,21 +63,31 @@ from bfcl_budget import find_row, load_pask, pask_at  # noqa: E402
 from results_json import write_json  # noqa: E402
 
 SCHEDULES = ("all_high", "pair", "decode_only", "prefill_only")
+"""The schedules replayed by default."""
+PLAN_HALVES = ("prefill_releases_only", "prefill_int4_only")
+"""The prefill plan's releases alone and its INT4 tokens alone (module docstring)."""
 CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple")
 
 
-def schedules(table: PolicyTable, plan: torch.Tensor, all_high: PolicyTable) -> dict[str, tuple]:
-    """``{name: (decode policy, prefill plan or None)}`` of `SCHEDULES`."""
-    return {
+def schedules(
+    table: PolicyTable, plan: torch.Tensor, all_high: PolicyTable, names: tuple[str, ...] = SCHEDULES
+) -> dict[str, tuple]:
+    """``{name: (decode policy, prefill plan or None)}`` of ``names`` (`SCHEDULES`, `PLAN_HALVES`), in that order;
+    ``plan``: int ``[1, P, groups]`` prompt actions."""
+    high = torch.full_like(plan, int(Action.H))
+    every = {
         "all_high": (all_high, None),
         "pair": (table, plan),
         "decode_only": (table, None),
         "prefill_only": (all_high, plan),
+        "prefill_releases_only": (all_high, torch.where(plan == int(Action.L), high, plan)),
+        "prefill_int4_only": (all_high, torch.where(plan == int(Action.R), high, plan)),
     }
+    return {name: every[name] for name in names}
 
 
-def case_record(model, tokenizer, case, reference, table, prefill, all_high) -> dict:
-    """One case's flips and likelihood losses under the four schedules."""
+def case_record(model, tokenizer, case, reference, table, prefill, all_high, names=SCHEDULES) -> dict:
+    """One case's flips and likelihood losses under the schedules ``names`` (``all_high`` first)."""
     task = BfclTask()
     replay = CaseReplay(model, reference, all_high)
     plan = candidate_plan(reference, table, prefill)
@@ -83,7 +97,7 @@ def case_record(model, tokenizer, case, reference, table, prefill, all_high) -> 
     record = {"id": reference.case_id, "category": reference.category, "reference_valid": reference.valid}
     record |= {"reference_text": reference.text, "reply_tokens": len(tokens)}
     allowed = reference_masks(replay, task.processor(tokenizer, case, all_high))  # [T, V]
-    for name, (policy, prefill_plan) in schedules(table, plan, all_high).items():
+    for name, (policy, prefill_plan) in schedules(table, plan, all_high, names).items():
         rows = replay.reply_logits(replay.prompt_cache.with_schedule(policy, prefill_plan))
         log_probs = torch.cat([replay.first_log_prob, torch.log_softmax(rows, -1).gather(-1, targets)[:, 0]])  # [T]
         reference_log_probs = log_probs if name == "all_high" else reference_log_probs
@@ -110,11 +124,11 @@ def read_log(path: Path, settings: dict) -> dict[str, dict]:
     return {record["id"]: record for record in lines[1:]}
 
 
-def summarise(records: list[dict], generated: dict[str, dict] | None) -> dict:
-    """Per schedule: cases flipped, the mean likelihood loss, the commonest (reference -> chosen) pieces; with
-    ``generated`` (case id -> reply record), the prediction against the replies and verdicts."""
+def summarise(records: list[dict], generated: dict[str, dict] | None, names: tuple[str, ...] = SCHEDULES) -> dict:
+    """Per schedule of ``names``: cases flipped, the mean likelihood loss, the commonest (reference -> chosen)
+    pieces; with ``generated`` (case id -> reply record), the prediction against the replies and verdicts."""
     out = {}
-    for name in SCHEDULES:
+    for name in names:
         flips = [r[name]["flip"] for r in records if r[name]["flip"] is not None]
         pieces = Counter(f"{f['reference_piece']!r} -> {f['chosen_piece']!r}" for f in flips)
         out[name] = {
@@ -206,6 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cache-dir", default="benchmarks/results/calibration_cache", help="the references' cache")
     parser.add_argument("--generated", metavar="FILE:LABEL", help="a bfcl_budget.py --split development row")
     parser.add_argument(
+        "--schedules",
+        nargs="+",
+        default=list(SCHEDULES),
+        choices=SCHEDULES + PLAN_HALVES,
+        help="the schedules replayed (all_high always)",
+    )
+    parser.add_argument(
         "--generate-flipped", action="store_true", help="generate the flipped cases: the pair's development accuracy"
     )
     parser.add_argument("--seed", type=int, default=0, help="split seed")
@@ -219,6 +240,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if not 0 < args.budget <= 1:
         parser.error(f"--budget must lie in (0, 1], got {args.budget}")
+    names = ("all_high", *(n for n in dict.fromkeys(args.schedules) if n != "all_high"))
+    if (args.generate_flipped or args.generated) and "pair" not in names:
+        parser.error("--generate-flipped and --generated check the pair's flips: add pair to --schedules")
     generated = None
     if args.generated:
         path, sep, label = args.generated.partition(":")
@@ -256,6 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
         "dev_cases": args.dev_cases,
         "max_new_tokens": args.max_new_tokens,
         "seed": args.seed,
+        **({} if names == SCHEDULES else {"schedules": list(names)}),  # the default four: recorded as before
         **({"int4_keys": args.int4_keys} if args.int4_keys else {}),  # a run in the pair's own layout records none
     }
     log = Path(f"{args.out}.cases.jsonl")
@@ -267,13 +292,13 @@ def main(argv: list[str] | None = None) -> dict:
     for case, reference in zip(cases, references, strict=True):
         if reference.case_id in done or not reference.tokens:
             continue
-        done[reference.case_id] = case_record(model, tokenizer, case, reference, table, prefill, all_high)
+        done[reference.case_id] = case_record(model, tokenizer, case, reference, table, prefill, all_high, names)
         with log.open("a") as handle:
             handle.write(json.dumps(done[reference.case_id]) + "\n")
-        flips = {name: done[reference.case_id][name]["flip"] for name in SCHEDULES}
+        flips = {name: done[reference.case_id][name]["flip"] for name in names}
         print(f"{reference.case_id}: " + ", ".join(f"{n} {'-' if f is None else f['index']}" for n, f in flips.items()))
     records = [done[r.case_id] for r in references if r.case_id in done]
-    summary = summarise(records, generated)
+    summary = summarise(records, generated, names)
     if args.generate_flipped:
         path = Path(f"{args.out}.flipped.jsonl")
         flipped = generate_flipped(model, tokenizer, cases, done, table, prefill, args.max_new_tokens, path)
@@ -281,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
         print("pair's development accuracy (generated where a replay flips):", summary["pair_accuracy"])
     print(f"{policy_name} ({provenance}) at B_D = B_P = {args.budget}, {len(records)} development cases")
     print(f"{'schedule':<14} {'flipped':>8} {'of valid refs':>14} {'mean loss':>10}  commonest flips")
-    for name in SCHEDULES:
+    for name in names:
         row = summary[name]
         flips = "; ".join(f"{p} x{n}" for p, n in row["commonest_flips"][:4])
         print(

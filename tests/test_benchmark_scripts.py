@@ -1579,6 +1579,15 @@ def test_pask_flip_points_summary_counts_flips_and_checks_them_against_the_repli
     accuracy = script.pair_accuracy(records, flipped)
     assert (accuracy["correct"], accuracy["generated"], accuracy["replayed"]) == (2, 4, 1)  # c generated, e replayed
     assert accuracy["reference_correct"] == 4 and accuracy["per_category"]["multiple"] == {"correct": 1, "cases": 2}
+    H, L, R = int(Action.H), int(Action.L), int(Action.R)
+    plan = torch.tensor([[[H, L, R], [R, R, L], [L, H, H]]])
+    names = ("all_high", "prefill_releases_only", "prefill_int4_only", "pair")
+    got = script.schedules("table", plan, "high", names)
+    assert list(got) == list(names) and got["all_high"] == ("high", None) and got["pair"] == ("table", plan)
+    assert got["prefill_releases_only"][0] == got["prefill_int4_only"][0] == "high"
+    assert got["prefill_releases_only"][1].tolist() == [[[H, H, R], [R, R, H], [H, H, H]]]
+    assert got["prefill_int4_only"][1].tolist() == [[[H, L, H], [H, H, L], [L, H, H]]]
+    assert list(script.summarise(records, None, ("all_high", "pair"))) == ["all_high", "pair"]
     settings = {"budget": 0.33}
     log = tmp_path / "run.json.cases.jsonl"
     assert script.read_log(log, settings) == {}
