@@ -212,10 +212,13 @@ class MixedPrecisionLayer(CacheLayerMixin):
                 "value_scales": value_scales,
             }
             stores = self.low_stores()
-            for group in groups.unique().tolist():
-                columns = groups == group
-                chosen = {name: field[..., columns, :] for name, field in fields.items()}
-                stores[group].append(chosen, positions[columns], lowered[:, columns])
+            if len(stores) == 1:  # row and centred keys: one store, nothing to split
+                stores[0].append(fields, positions, lowered)
+            else:
+                for group in groups.unique().tolist():
+                    columns = groups == group
+                    chosen = {name: field[..., columns, :] for name, field in fields.items()}
+                    stores[group].append(chosen, positions[columns], lowered[:, columns])
         self.keys, self.values = self.keys[..., leaving:, :], self.values[..., leaving:, :]
         self.first_recent += leaving
 
