@@ -1,16 +1,20 @@
 """INT4 keys centred per group of 128 prompt tokens (``int4_keys="centred-g128"``, `hf_structkv.quant.int4_centred`):
 the centres against `key_centre` of each group, the group of a position, the served keys against a loop over rows,
 the cache keeping one low store per group (left padding, row selection, bytes), the teacher-forced replay equal to
-forced step-by-step decoding, and the policy files recording the layout. (Runtime-D's round trip is `served_keys`.)"""
+forced step-by-step decoding, a decode step reading every group's store in one C call, and the policy files
+recording the layout. (Runtime-D's round trip is `served_keys`.)"""
 
 import dataclasses
+import shutil
 
 import pytest
 import torch
 from test_centred_int4_keys import lowered_prompt_layer, outlier_keys
 from test_teacher_forced import HIT, STEPS, FixedTags, _replayed_logits, _stepwise_logits, _tags
 
+from hf_structkv.attention import mixed_sdpa
 from hf_structkv.attention.backend import BACKEND_ENV
+from hf_structkv.attention.mixed_reference import DensePartition, Int4Partition, mixed_precision_attention
 from hf_structkv.attention.registry import enable
 from hf_structkv.cache.mixed_precision import StructuredMixedPrecisionCache
 from hf_structkv.calibration.buckets import Bucket
@@ -136,3 +140,20 @@ def test_the_grouped_layout_is_saved_as_its_own_quantizer(tmp_path):
     loaded = PolicyTable.from_pretrained(tmp_path / "table")
     assert loaded == table and loaded.int4_keys == "centred-g128"
     assert StructuredMixedPrecisionCache(model, loaded).layers[0].int4_keys == "centred-g128"
+
+
+def test_a_decode_step_reads_every_group_store_in_one_call_and_equals_the_reference(monkeypatch):
+    layer, _, _ = lowered_prompt_layer(140, "centred-g128", LONG)
+    parts = [
+        dataclasses.replace(p, keys=p.keys.float(), values=p.values.float()) if isinstance(p, DensePartition) else p
+        for p in layer.partitions(None, 1)
+    ]
+    assert sum(isinstance(p, Int4Partition) for p in parts) == 3  # one per prompt group
+    query = torch.randn(2, 2 * layer.keys.shape[1], 1, layer.keys.shape[-1], generator=torch.Generator().manual_seed(3))
+    calls = []
+    real = mixed_sdpa.native_int4_rows_stats
+    monkeypatch.setattr(mixed_sdpa, "native_int4_rows_stats", lambda *a: calls.append(len(a[1])) or real(*a))
+    got = mixed_sdpa.fused_mixed_precision_attention(query, parts, 0.25)
+    torch.testing.assert_close(got, mixed_precision_attention(query, parts, 0.25), atol=1e-5, rtol=1e-5)
+    if shutil.which("cc") is not None:
+        assert calls == [3]  # the three group stores in one C call

@@ -32,13 +32,15 @@ def store(batch, kv_heads, length, dim, capacity, seed=0):
     return [field[:, :, :length] for field in fields]
 
 
-def brute_force(query, fields, visible, scaling):
-    """float64 ``(row_max [B, H, g, 1], exp_sum, value_sum [B, H, g, 1, D_v])`` over the dequantised entries."""
+def brute_force(query, fields, visible, scaling, offset=None):
+    """float64 ``(row_max [B, H, g, 1], exp_sum, value_sum [B, H, g, 1, D_v])`` over the dequantised entries, each
+    query row's scores shifted by ``offset [B, H, g]`` (before scaling) if given."""
     key_codes, key_scales, value_codes, value_scales = fields
     dim, value_dim = query.shape[-1], value_codes.shape[-1] * 2
     keys = dequantize_int4(key_codes, key_scales, dim, torch.float64)  # [B, H, n, D]
     values = dequantize_int4(value_codes, value_scales, value_dim, torch.float64)
-    scores = query.double() @ keys.transpose(-1, -2) * scaling  # [B, H, g, n]
+    scores = query.double() @ keys.transpose(-1, -2)  # [B, H, g, n]
+    scores = (scores if offset is None else scores + offset.double()[..., None]) * scaling
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     row_max = scores.amax(-1, keepdim=True)
     weights = torch.exp(scores - torch.where(row_max.isfinite(), row_max, torch.zeros_like(row_max)))
@@ -55,7 +57,7 @@ def test_statistics_equal_the_brute_force_over_the_dequantised_entries(dim, leng
     visible = torch.rand(batch, length, generator=torch.Generator().manual_seed(1)) < 0.7
     visible[:, -1] = True
     visible[2] = False  # a batch row that sees no entry (padding): -inf, 0, 0
-    got = native_int4_rows_stats(query, *fields, visible, 0.3)
+    (got,) = native_int4_rows_stats(query[None], [(*fields, visible)], 0.3)
     want = brute_force(query, fields, visible, 0.3)
     assert not fields[0].is_contiguous() or length == 0  # read through the store's strides
     torch.testing.assert_close(got.row_max.double(), want[0], rtol=1e-5, atol=1e-5)
@@ -67,14 +69,33 @@ def test_statistics_equal_the_brute_force_over_the_dequantised_entries(dim, leng
 def test_fields_laid_out_differently_are_read_alike():
     fields = store(2, 2, 20, 8, capacity=24)
     query, visible = torch.randn(2, 2, 3, 8), torch.ones(2, 20, dtype=torch.bool)
-    strided = native_int4_rows_stats(query, *fields, visible, 0.5)
+    (strided,) = native_int4_rows_stats(query[None], [(*fields, visible)], 0.5)
     mixed = [fields[0].contiguous(), fields[1], fields[2].transpose(0, 1).contiguous().transpose(0, 1), fields[3]]
-    for got in (native_int4_rows_stats(query, *mixed, visible, 0.5), strided):
+    for got in (native_int4_rows_stats(query[None], [(*mixed, visible)], 0.5)[0], strided):
         torch.testing.assert_close(
             got.value_sum, brute_force(query, fields, visible, 0.5)[2].float(), rtol=1e-5, atol=1e-5
         )
-    with pytest.raises(TypeError, match="query must be float32"):
-        native_int4_rows_stats(query.double(), *fields, visible, 0.5)
+    with pytest.raises(TypeError, match="queries and offsets must be float32"):
+        native_int4_rows_stats(query.double()[None], [(*fields, visible)], 0.5)
+
+
+def test_stores_of_different_lengths_with_their_own_queries_and_offsets_are_read_in_one_call():
+    batch, kv_heads, group, dim = 2, 2, 3, 16
+    lengths = [5, 40, 17]
+    stores = []
+    for i, length in enumerate(lengths):
+        visible = torch.rand(batch, length, generator=torch.Generator().manual_seed(i)) < 0.8
+        visible[:, 0] = True
+        stores.append((*store(batch, kv_heads, length, dim, capacity=length + 3, seed=i), visible))
+    g = torch.Generator().manual_seed(9)
+    queries = torch.randn(len(lengths), batch, kv_heads, group, dim, generator=g)
+    offsets = torch.randn(len(lengths), batch, kv_heads, group, generator=g) * 4
+    for shifts in (offsets, None):
+        got = native_int4_rows_stats(queries, stores, 0.4, shifts)
+        for i, (stats, fields) in enumerate(zip(got, stores, strict=True)):
+            want = brute_force(queries[i], fields[:4], fields[4], 0.4, None if shifts is None else shifts[i])
+            for name, g_, w in zip(("row_max", "exp_sum", "value_sum"), stats, want):
+                torch.testing.assert_close(g_.double(), w, rtol=1e-5, atol=1e-5 * w.abs().max().item(), msg=name)
 
 
 @pytest.mark.parametrize("prefix", ["no prefix", "plain prefix", "INT4 prefix"])
@@ -85,7 +106,7 @@ def test_a_decode_step_reads_the_store_from_its_codes_and_equals_the_reference(p
     real = mixed_sdpa.native_int4_rows_stats
     monkeypatch.setattr(mixed_sdpa, "native_int4_rows_stats", lambda *a: calls.append(1) or real(*a))
     got = mixed_sdpa.fused_mixed_precision_attention(query, parts, 0.3)
-    assert calls == [1] * sum(isinstance(p, Int4Partition) for p in parts)
+    assert calls == [1] * any(isinstance(p, Int4Partition) for p in parts)  # every INT4 store in one call
     torch.testing.assert_close(got, mixed_precision_attention(query, parts, 0.3), atol=1e-5, rtol=1e-5)
 
 

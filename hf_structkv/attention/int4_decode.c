@@ -351,22 +351,20 @@ int int4_prefix_stats(int64_t batch, int64_t query_heads, int64_t kv_heads, int6
     return 0;
 }
 
-/* Softmax statistics (row max, exp-sum, unnormalised value sum, as partitions.py defines them) of a partition of INT4
- * entries with one FP16 scale per entry row for its keys and one for its values (quantize_int4's layout: the INT4
- * store of a mixed-precision cache) at a decode step, for every batch row and KV head: output row
- * (b * kv_heads + h) * group + k is query head h * group + k of batch row b. Entry j of (b, h) is entry
- * b * batch_stride + h * head_stride + j of the codes (rows of dim / 2 and value_dim / 2 bytes) and the scales;
- * visible [batch, length] (0: not seen). Shapes and layouts in native_int4.py (`native_int4_rows_stats`). Returns 0,
- * or 1 for dimensions that do not fit. */
-int int4_rows_stats(int64_t batch, int64_t kv_heads, int64_t group, int64_t length, int64_t dim, int64_t value_dim,
-                    const float *query, float scaling, const uint8_t *key_codes, const uint16_t *key_scales,
-                    const uint8_t *value_codes, const uint16_t *value_scales, int64_t batch_stride,
-                    int64_t head_stride, const uint8_t *visible, float *workspace, float *row_max, float *exp_sum,
-                    float *value_sum) {
-    if (!dims_fit(dim, value_dim)) return 1;
-    float *key_row = workspace, *value_row = key_row + length, *bias = value_row + length, *offset = bias + length;
-    float *scores = offset + group;
-    for (int64_t g = 0; g < group; g++) offset[g] = 0.0f;
+/* Softmax statistics (row max, exp-sum, unnormalised value sum, as partitions.py defines them) of one INT4 store with
+ * one FP16 scale per entry row for its keys and one for its values (quantize_int4's layout: an INT4 store of a
+ * mixed-precision cache) at a decode step, for every batch row and KV head: output row (b * kv_heads + h) * group + k
+ * is query head h * group + k of batch row b, whose score of entry j is (q . code_j * key_scale_j + offset) * scaling
+ * with offset = offsets[row] (NULL: 0). Entry j of (b, h) is entry b * batch_stride + h * head_stride + j of the codes
+ * (rows of dim / 2 and value_dim / 2 bytes) and the scales; visible [batch, length] (0: not seen). */
+static void rows_stats(int64_t batch, int64_t kv_heads, int64_t group, int64_t length, int64_t dim, int64_t value_dim,
+                       const float *query, const float *offsets, float scaling, const uint8_t *key_codes,
+                       const uint16_t *key_scales, const uint8_t *value_codes, const uint16_t *value_scales,
+                       int64_t batch_stride, int64_t head_stride, const uint8_t *visible, float *workspace,
+                       float *row_max, float *exp_sum, float *value_sum) {
+    float *key_row = workspace, *value_row = key_row + length, *bias = value_row + length, *zeros = bias + length;
+    float *scores = zeros + group;
+    for (int64_t g = 0; g < group; g++) zeros[g] = 0.0f;
     for (int64_t b = 0; b < batch; b++) {
         for (int64_t j = 0; j < length; j++) bias[j] = visible[b * length + j] ? 0.0f : -INFINITY;
         for (int64_t h = 0; h < kv_heads; h++) {
@@ -376,6 +374,7 @@ int int4_rows_stats(int64_t batch, int64_t kv_heads, int64_t group, int64_t leng
                 value_row[j] = half_to_float(value_scales[first + j]);
             }
             const uint8_t *k = key_codes + first * (dim / 2), *v = value_codes + first * (value_dim / 2);
+            const float *offset = offsets ? offsets + rows : zeros;
 #define ROWS_STATS(D, DV)                                                                                       \
     head_stats(query + rows * dim, offset, scaling, k, key_row, bias, v, value_row, group, length, D, DV, scores, \
                row_max + rows, exp_sum + rows, value_sum + rows * value_dim)
@@ -383,5 +382,26 @@ int int4_rows_stats(int64_t batch, int64_t kv_heads, int64_t group, int64_t leng
 #undef ROWS_STATS
         }
     }
+}
+
+/* rows_stats of `count` INT4 stores of one layer in one call, store i with lengths[i] entries, its own queries
+ * (queries + i * rows * dim, rows = batch * kv_heads * group), offsets (offsets + i * rows, or none when offsets is
+ * NULL), codes, scales, strides and visibility (arrays of one pointer or stride per store), and its statistics at
+ * row_max + i * rows, exp_sum + i * rows and value_sum + i * rows * value_dim. workspace: 3 * longest + group +
+ * group * padded(longest) floats. Shapes and layouts in native_int4.py (`native_int4_rows_stats`). Returns 0, or 1
+ * for dimensions that do not fit. */
+int int4_rows_stats(int64_t count, int64_t batch, int64_t kv_heads, int64_t group, const int64_t *lengths, int64_t dim,
+                    int64_t value_dim, const float *queries, const float *offsets, float scaling,
+                    const uint8_t *const *key_codes, const uint16_t *const *key_scales,
+                    const uint8_t *const *value_codes, const uint16_t *const *value_scales,
+                    const int64_t *batch_strides, const int64_t *head_strides, const uint8_t *const *visible,
+                    float *workspace, float *row_max, float *exp_sum, float *value_sum) {
+    if (!dims_fit(dim, value_dim)) return 1;
+    const int64_t rows = batch * kv_heads * group;
+    for (int64_t i = 0; i < count; i++)
+        rows_stats(batch, kv_heads, group, lengths[i], dim, value_dim, queries + i * rows * dim,
+                   offsets ? offsets + i * rows : NULL, scaling, key_codes[i], key_scales[i], value_codes[i],
+                   value_scales[i], batch_strides[i], head_strides[i], visible[i], workspace, row_max + i * rows,
+                   exp_sum + i * rows, value_sum + i * rows * value_dim);
     return 0;
 }

@@ -10,7 +10,8 @@ Blocks of query rows are bounded by the same ``max_score_elements`` as the refer
 ``[B, g, rows, N]`` one call would hold (``N`` every partition's entries of the KV head). At a decode step the
 KV head's query heads are rows of one SDPA call over its entries (`grouped_sdpa`), with no copy of them per query
 head; on the CPU, where the C kernel builds (`native_int4`), a decode step with INT4 partitions reads them from their
-codes instead (`native_int4_rows_stats`: their softmax statistics for every batch row and KV head in one call), and
+codes instead (`native_int4_rows_stats`: the softmax statistics of every INT4 store of the layer, e.g. one per group
+of a ``centred-g128`` layout, for every batch row and KV head in one call), and
 so are a compacted prefix's INT4 heads that `reads_codes` (`native_int4_prefix_stats`, a compacted tool catalogue's),
 merged with the other partitions' statistics from their FP32 scores by eq. 15, with nothing dequantised. A row that
 sees no key (padding) gets zeros, as in the reference (SDPA's softmax over nothing may give NaN). Soft-capping (tanh)
@@ -134,9 +135,9 @@ def _reads_codes_natively(partitions: list[Partition], code_heads: dict[int, lis
 def _decode_reading_codes(
     grouped: torch.Tensor, partitions: list[Partition], code_heads: dict[int, list[int]], scaling: float
 ) -> torch.Tensor:
-    """A decode step with the INT4 entries read from their codes (an INT4 store by `native_int4_rows_stats`, the
-    prefix heads in ``code_heads`` by `native_int4_prefix_stats`: one C call per partition for every batch row and
-    KV head) and the other entries' statistics from their FP32 scores, merged (eq. 15).
+    """A decode step with the INT4 entries read from their codes (the INT4 stores by one `native_int4_rows_stats`
+    call, the prefix heads in ``code_heads`` by `native_int4_prefix_stats`, one call per prefix partition, each for
+    every batch row and KV head) and the other entries' statistics from their FP32 scores, merged (eq. 15).
 
     Args:
         grouped: ``[B, H_kv, g, 1, D]`` FP32 queries.
@@ -148,9 +149,9 @@ def _decode_reading_codes(
     batch, n_kv_heads, group = grouped.shape[:3]
     dense = [part for part in partitions if isinstance(part, DensePartition)]
     query = grouped[:, :, :, 0]  # [B, H_kv, g, D]
-    code_stats = [
-        _int4_store_stats(query, p, scaling) for p in partitions if isinstance(p, Int4Partition)
-    ]  # each [B, H_kv, g, 1] and [B, H_kv, g, 1, D_v]
+    code_stats = _int4_stores_stats(
+        query, [p for p in partitions if isinstance(p, Int4Partition)], scaling
+    )  # each [B, H_kv, g, 1] and [B, H_kv, g, 1, D_v]
     prefix_stats: dict[int, list[PartitionStats]] = {h: [] for h in range(n_kv_heads)}  # each [B, g], [B, g, D_v]
     plain: dict[int, list[PrefixPartition]] = {h: [] for h in range(n_kv_heads)}
     flat_query = query.reshape(batch, n_kv_heads * group, 1, -1)
@@ -180,21 +181,20 @@ def _decode_reading_codes(
     return torch.stack(outputs, dim=1).unsqueeze(3)
 
 
-def _int4_store_stats(query: torch.Tensor, part: Int4Partition, scaling: float) -> PartitionStats:
-    """`native_int4_rows_stats` of an INT4 store for ``query`` ``[B, H_kv, g, D]`` (FP32); centred keys are read
-    from their codes too: ``q · k̂ = (q ⊙ spread) · (code · scale) + q · centre``, the first term the plain rows' score
-    for the query ``q ⊙ spread``, the second one logit shift of every entry (added to the row maximum).
+def _int4_stores_stats(query: torch.Tensor, parts: list[Int4Partition], scaling: float) -> list[PartitionStats]:
+    """`native_int4_rows_stats` of a layer's INT4 stores for ``query`` ``[B, H_kv, g, D]`` (FP32), in one call;
+    centred keys are read from their codes too: ``q · k̂ = (q ⊙ spread) · (code · scale) + q · centre``, the first
+    term the plain rows' score for the query ``q ⊙ spread``, the second the store's logit offset for that query.
 
     Returns:
-        `PartitionStats` ``[B, H_kv, g, 1]`` / ``[B, H_kv, g, 1, D_v]``.
+        per store, `PartitionStats` ``[B, H_kv, g, 1]`` / ``[B, H_kv, g, 1, D_v]``.
     """
-    if part.centred:
-        spread, centre = part.key_spread.float(), part.key_centre.float()  # [B, H_kv, 1, D]
-        shift = (query * centre).sum(dim=-1, keepdim=True) * scaling  # [B, H_kv, g, 1]
-        query = query * spread
-    stats = native_int4_rows_stats(
-        query, part.key_codes, part.key_scales, part.value_codes, part.value_scales, part.visible[:, 0], scaling
-    )
-    if not part.centred:
-        return stats
-    return PartitionStats(stats.row_max + shift, stats.exp_sum, stats.value_sum)
+    if not parts:
+        return []
+    queries = torch.stack([query * p.key_spread.float() if p.centred else query for p in parts])  # [S, B, H_kv, g, D]
+    offsets = None
+    if any(p.centred for p in parts):
+        zeros = query.new_zeros(query.shape[:-1])
+        offsets = torch.stack([(query * p.key_centre.float()).sum(-1) if p.centred else zeros for p in parts])
+    stores = [(p.key_codes, p.key_scales, p.value_codes, p.value_scales, p.visible[:, 0]) for p in parts]
+    return native_int4_rows_stats(queries, stores, scaling, offsets)

@@ -113,7 +113,7 @@ def native_library() -> ctypes.CDLL | None:
     pointer, size, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     library.int4_decode_attention.argtypes = [size] * 8 + [pointer] * 2 + [real] + [pointer] * 15
     library.int4_decode_attention.restype = ctypes.c_int
-    library.int4_rows_stats.argtypes = [size] * 6 + [pointer, real] + [pointer] * 4 + [size] * 2 + [pointer] * 5
+    library.int4_rows_stats.argtypes = [size] * 4 + [pointer] + [size] * 2 + [pointer] * 2 + [real] + [pointer] * 11
     library.int4_rows_stats.restype = ctypes.c_int
     library.int4_prefix_stats.argtypes = [size] * 6 + [pointer] * 2 + [real] + [pointer] * 14
     library.int4_prefix_stats.restype = ctypes.c_int
@@ -271,54 +271,61 @@ def _entry_strides(rows: torch.Tensor) -> tuple[int, int] | None:
 
 
 def native_int4_rows_stats(
-    query: torch.Tensor,
-    key_codes: torch.Tensor,
-    key_scales: torch.Tensor,
-    value_codes: torch.Tensor,
-    value_scales: torch.Tensor,
-    visible: torch.Tensor,
+    queries: torch.Tensor,
+    stores: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
     scaling: float,
-) -> PartitionStats:
-    """Softmax statistics of a partition of INT4 entries with one FP16 scale per entry row (`quantize_int4`'s layout,
-    a mixed-precision cache's INT4 store) at a decode step, read from the codes: entry ``j`` of batch row ``b`` and
-    KV head ``h`` scores ``(q · code_j) · key_scale_j · scaling`` where ``visible[b, j]``, its value is
-    ``code · value_scale_j``.
+    offsets: torch.Tensor | None = None,
+) -> list[PartitionStats]:
+    """Softmax statistics of INT4 stores with one FP16 scale per entry row (`quantize_int4`'s layout, a mixed-precision
+    cache's INT4 stores) at a decode step, read from the codes, all in one call: in store ``i``, entry ``j`` of batch
+    row ``b`` and KV head ``h`` scores ``(q_i · code_j · key_scale_j + offset_i) · scaling`` where ``visible[b, j]``,
+    its value is ``code · value_scale_j``.
 
     Args:
-        query: ``[B, H_kv, g, D]`` float32, the query heads of each KV head.
-        key_codes: uint8 ``[B, H_kv, n, D / 2]``; key_scales: fp16 ``[B, H_kv, n, 1]``; value_codes / value_scales the
-            same for ``D_v``. Any strides over the first two dimensions (a store's views).
-        visible: bool ``[B, n]``.
+        queries: ``[S, B, H_kv, g, D]`` float32, store ``i``'s query heads of each KV head (centred keys: the query
+            scaled by the store's spread).
+        stores: ``S`` tuples ``(key_codes, key_scales, value_codes, value_scales, visible)``: uint8
+            ``[B, H_kv, n_i, D / 2]``, fp16 ``[B, H_kv, n_i, 1]``, the same for ``D_v``, bool ``[B, n_i]``. Any
+            strides over the first two dimensions (a store's views).
         scaling: logit scale.
+        offsets: ``[S, B, H_kv, g]`` float32 logit offsets added before scaling (centred keys: ``q · centre``), or
+            ``None``.
 
     Returns:
-        `PartitionStats` of shapes ``[B, H_kv, g, 1]`` and ``[B, H_kv, g, 1, D_v]`` (a row that sees no entry:
-        ``-inf``, 0, 0).
+        per store, `PartitionStats` of shapes ``[B, H_kv, g, 1]`` and ``[B, H_kv, g, 1, D_v]`` (a row that sees no
+        entry: ``-inf``, 0, 0).
 
     Raises:
         RuntimeError: the library is not available or refused the dimensions (at most `MAX_DIM`, even).
     """
     library = _loaded_library()
-    if query.dtype != torch.float32:
-        raise TypeError(f"query must be float32, got {query.dtype}")
-    batch, kv_heads, group, dim = query.shape
-    length, value_dim = key_codes.shape[2], value_codes.shape[-1] * 2
-    stores = [key_codes, key_scales, value_codes, value_scales]
-    strides = {_entry_strides(t) for t in stores}
-    if len(strides) != 1 or None in strides:
-        stores = [t.contiguous() for t in stores]
-        strides = {_entry_strides(stores[0])}
-    ((batch_stride, head_stride),) = strides
-    query, visible = query.contiguous(), visible.to(torch.uint8).contiguous()
-    stride = _padded(length)
-    workspace = torch.empty(3 * length + group + group * stride, dtype=torch.float32)
-    row_max = torch.empty(batch, kv_heads, group, 1, dtype=torch.float32)
+    if queries.dtype != torch.float32 or (offsets is not None and offsets.dtype != torch.float32):
+        raise TypeError(f"queries and offsets must be float32, got {queries.dtype}")
+    count, batch, kv_heads, group, dim = queries.shape
+    value_dim = stores[0][2].shape[-1] * 2
+    held, lengths, strides = [], [], []
+    for key_codes, key_scales, value_codes, value_scales, visible in stores:
+        fields = [key_codes, key_scales, value_codes, value_scales]
+        found = {_entry_strides(t) for t in fields}
+        if len(found) != 1 or None in found:
+            fields = [t.contiguous() for t in fields]
+            found = {_entry_strides(fields[0])}
+        held.append([*fields, visible.to(torch.uint8).contiguous()])
+        lengths.append(key_codes.shape[2])
+        strides.append(found.pop())
+    queries = queries.contiguous()
+    offsets = None if offsets is None else offsets.contiguous()
+    longest = max(lengths)
+    workspace = torch.empty(3 * longest + group + group * _padded(longest), dtype=torch.float32)
+    row_max = torch.empty(count, batch, kv_heads, group, 1, dtype=torch.float32)
     exp_sum = torch.empty_like(row_max)
-    value_sum = torch.empty(batch, kv_heads, group, 1, value_dim, dtype=torch.float32)
+    value_sum = torch.empty(count, batch, kv_heads, group, 1, value_dim, dtype=torch.float32)
+    pointers = [(ctypes.c_void_p * count)(*(fields[k].data_ptr() for fields in held)) for k in range(5)]
     status = library.int4_rows_stats(
-        batch, kv_heads, group, length, dim, value_dim, query.data_ptr(), scaling,
-        *(t.data_ptr() for t in stores), batch_stride, head_stride, visible.data_ptr(), workspace.data_ptr(),
+        count, batch, kv_heads, group, _int64s(lengths), dim, value_dim, queries.data_ptr(),
+        None if offsets is None else offsets.data_ptr(), scaling, *pointers[:4],
+        _int64s([b for b, _ in strides]), _int64s([h for _, h in strides]), pointers[4], workspace.data_ptr(),
         row_max.data_ptr(), exp_sum.data_ptr(), value_sum.data_ptr(),
     )  # fmt: skip
     _check_status(status, dim, value_dim)
-    return PartitionStats(row_max, exp_sum, value_sum)
+    return [PartitionStats(row_max[i], exp_sum[i], value_sum[i]) for i in range(count)]
