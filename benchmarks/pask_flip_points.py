@@ -21,6 +21,10 @@ the reply text before it, and the likelihood loss (`likelihood_loss` from step 1
 ``<out>.flipped.jsonl``, resumable); every other case writes the reference's reply (the flip's prediction, exact up to
 float ties) and keeps its verdict. The summary's ``pair_accuracy`` is reported once every flipped case is generated.
 
+``--stop-after SECONDS`` stops replaying after that long and reports the cases measured so far (``complete``: false;
+the log resumes); ``--compare OUT`` counts, per schedule both runs replayed, the cases flipped in this run, in the
+run written to ``OUT`` (its ``OUT.cases.jsonl``: another layout or pair on the same cases), and in both.
+
 ``--generated FILE:LABEL`` names the row of a ``bfcl_budget.py --split development`` result that served the same pair
 at the same budget: its replies are then compared with the prediction (no flip under ``pair`` ⇔ the reply is the
 reference's text), and its verdicts with the reference's where the reply flipped.
@@ -160,6 +164,29 @@ def summarise(records: list[dict], generated: dict[str, dict] | None, names: tup
     return out
 
 
+def compare_runs(records: list[dict], others: dict[str, dict], names: tuple[str, ...]) -> dict:
+    """Per schedule replayed by both runs, on the cases both measured: flips in this run, in the other, in both, and
+    the same three counts among cases whose reference was valid."""
+    common = [r for r in records if r["id"] in others]
+    out = {}
+    for name in names:
+        if not common or name not in others[common[0]["id"]]:
+            continue
+        here = {r["id"] for r in common if r[name]["flip"] is not None}
+        there = {r["id"] for r in common if others[r["id"]][name]["flip"] is not None}
+        valid = {r["id"] for r in common if r["reference_valid"]}
+        out[name] = {
+            "cases": len(common),
+            "flipped_here": len(here),
+            "flipped_there": len(there),
+            "flipped_both": len(here & there),
+            "valid_flipped_here": len(here & valid),
+            "valid_flipped_there": len(there & valid),
+            "valid_flipped_both": len(here & there & valid),
+        }
+    return out
+
+
 def must_generate(record: dict) -> bool:
     """Whether a case's pair reply may differ from its reference: its ``pair`` or its ``all_high`` replay flips."""
     return record["pair"]["flip"] is not None or record["all_high"]["flip"] is not None
@@ -226,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SCHEDULES + PLAN_HALVES,
         help="the schedules replayed (all_high always)",
     )
+    parser.add_argument("--stop-after", type=float, help="stop replaying after this many seconds and report")
+    parser.add_argument("--compare", metavar="OUT", help="another run's --out: paired flips on the common cases")
     parser.add_argument(
         "--generate-flipped", action="store_true", help="generate the flipped cases: the pair's development accuracy"
     )
@@ -243,6 +272,8 @@ def main(argv: list[str] | None = None) -> dict:
     names = ("all_high", *(n for n in dict.fromkeys(args.schedules) if n != "all_high"))
     if (args.generate_flipped or args.generated) and "pair" not in names:
         parser.error("--generate-flipped and --generated check the pair's flips: add pair to --schedules")
+    if args.compare and not Path(f"{args.compare}.cases.jsonl").is_file():
+        parser.error(f"--compare {args.compare}: no log {args.compare}.cases.jsonl")
     generated = None
     if args.generated:
         path, sep, label = args.generated.partition(":")
@@ -292,6 +323,8 @@ def main(argv: list[str] | None = None) -> dict:
     for case, reference in zip(cases, references, strict=True):
         if reference.case_id in done or not reference.tokens:
             continue
+        if args.stop_after is not None and time.perf_counter() - start > args.stop_after:
+            break
         done[reference.case_id] = case_record(model, tokenizer, case, reference, table, prefill, all_high, names)
         with log.open("a") as handle:
             handle.write(json.dumps(done[reference.case_id]) + "\n")
@@ -299,6 +332,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{reference.case_id}: " + ", ".join(f"{n} {'-' if f is None else f['index']}" for n, f in flips.items()))
     records = [done[r.case_id] for r in references if r.case_id in done]
     summary = summarise(records, generated, names)
+    if args.compare:
+        other = Path(f"{args.compare}.cases.jsonl")
+        others = [json.loads(line) for line in other.read_text().splitlines()[1:] if line.strip()]
+        summary["compared"] = {"run": args.compare, **compare_runs(records, {r["id"]: r for r in others}, names)}
+        print("paired flips against", args.compare, json.dumps(summary["compared"]))
     if args.generate_flipped:
         path = Path(f"{args.out}.flipped.jsonl")
         flipped = generate_flipped(model, tokenizer, cases, done, table, prefill, args.max_new_tokens, path)
@@ -319,6 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
         "policy_provenance": provenance,
         "generated": args.generated,
         "generate_flipped": args.generate_flipped,
+        "complete": len(records) == sum(bool(r.tokens) for r in references),
         "seconds_this_run": time.perf_counter() - start,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -1588,6 +1588,15 @@ def test_pask_flip_points_summary_counts_flips_and_checks_them_against_the_repli
     assert got["prefill_releases_only"][1].tolist() == [[[H, H, R], [R, R, H], [H, H, H]]]
     assert got["prefill_int4_only"][1].tolist() == [[[H, L, H], [H, H, L], [L, H, H]]]
     assert list(script.summarise(records, None, ("all_high", "pair"))) == ["all_high", "pair"]
+    others = {r["id"]: {**r, "pair": {"loss": 0.0, "flip": None}} for r in records[:3]}  # "b", "c" flip here only
+    others["a"]["pair"] = {"loss": 0.0, "flip": flip("x", "y")}  # "a" flips there only
+    compared = script.compare_runs(records, others, ("all_high", "pair", "prefill_int4_only"))
+    assert list(compared) == ["all_high", "pair"]  # a schedule neither run replayed is left out
+    assert compared["pair"] == {
+        "cases": 3, "flipped_here": 2, "flipped_there": 1, "flipped_both": 0,
+        "valid_flipped_here": 1, "valid_flipped_there": 1, "valid_flipped_both": 0,
+    }  # fmt: skip
+    assert compared["all_high"]["flipped_both"] == 1  # "a"'s control flips in both
     settings = {"budget": 0.33}
     log = tmp_path / "run.json.cases.jsonl"
     assert script.read_log(log, settings) == {}
