@@ -8,10 +8,12 @@ there when missing) is replayed under four schedules of one PASK pair served at 
 ``prefill_only`` (the prefill plan, decode all-high). ``--schedules`` picks others (``all_high`` is always replayed:
 the losses are measured against it), among them two halves of the prefill plan that say whether its releases or its
 INT4 tokens move a reply: ``prefill_releases_only`` (the plan's ``L`` tokens kept ``H``) and ``prefill_int4_only``
-(its ``R`` tokens kept ``H``), decode all-high in both. Per schedule and case: the first flip
-(`hf_structkv.calibration.greedy_flips.first_flip`: the first step whose grammar-masked argmax is not the
-reference's token, where greedy constrained decoding under the schedule leaves the reference), the tokens there and
-the reply text before it, and the likelihood loss (`likelihood_loss` from step 1, the calibration's sensitivity).
+(its ``R`` tokens kept ``H``), decode all-high in both; ``prefill_releases_group_G`` keeps only the releases of layer
+group ``G`` (every other token ``H``), which says in which layers, and so for which labels, the releases matter.
+Per schedule and case: the first flip (`hf_structkv.calibration.greedy_flips.first_flip`: the first step whose
+grammar-masked argmax is not the reference's token, where greedy constrained decoding under the schedule leaves the
+reference), the tokens there and the reply text before it, and the likelihood loss (`likelihood_loss` from step 1,
+the calibration's sensitivity).
 
 ``--int4-keys`` serves the pair with another INT4 key layout than the one it was calibrated with (e.g.
 ``centred-g128`` for a ``centred`` pair: what the layout alone changes).
@@ -68,8 +70,9 @@ from results_json import write_json  # noqa: E402
 
 SCHEDULES = ("all_high", "pair", "decode_only", "prefill_only")
 """The schedules replayed by default."""
-PLAN_HALVES = ("prefill_releases_only", "prefill_int4_only")
-"""The prefill plan's releases alone and its INT4 tokens alone (module docstring)."""
+PLAN_HALVES = ("prefill_releases_only", "prefill_int4_only", *(f"prefill_releases_group_{g}" for g in range(3)))
+"""The prefill plan's releases alone, its INT4 tokens alone, and the releases of one layer group alone (module
+docstring)."""
 CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple")
 
 
@@ -87,6 +90,9 @@ def schedules(
         "prefill_releases_only": (all_high, torch.where(plan == int(Action.L), high, plan)),
         "prefill_int4_only": (all_high, torch.where(plan == int(Action.R), high, plan)),
     }
+    for group in range(plan.shape[-1]):
+        released = (plan == int(Action.R)) & (torch.arange(plan.shape[-1]) == group)
+        every[f"prefill_releases_group_{group}"] = (all_high, torch.where(released, plan, high))
     return {name: every[name] for name in names}
 
 

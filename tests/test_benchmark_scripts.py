@@ -1587,6 +1587,12 @@ def test_pask_flip_points_summary_counts_flips_and_checks_them_against_the_repli
     assert got["prefill_releases_only"][0] == got["prefill_int4_only"][0] == "high"
     assert got["prefill_releases_only"][1].tolist() == [[[H, H, R], [R, R, H], [H, H, H]]]
     assert got["prefill_int4_only"][1].tolist() == [[[H, L, H], [H, H, L], [L, H, H]]]
+    groups = script.schedules("table", plan, "high", tuple(f"prefill_releases_group_{g}" for g in range(3)))
+    assert [p.tolist() for _, p in groups.values()] == [
+        [[[H, H, H], [R, H, H], [H, H, H]]],
+        [[[H, H, H], [H, R, H], [H, H, H]]],
+        [[[H, H, R], [H, H, H], [H, H, H]]],
+    ]
     assert list(script.summarise(records, None, ("all_high", "pair"))) == ["all_high", "pair"]
     others = {r["id"]: {**r, "pair": {"loss": 0.0, "flip": None}} for r in records[:3]}  # "b", "c" flip here only
     others["a"]["pair"] = {"loss": 0.0, "flip": flip("x", "y")}  # "a" flips there only
