@@ -21,7 +21,10 @@ the calibration's sensitivity).
 ``--generate-flipped`` answers the pair's development accuracy at the price of its flips: each case whose ``pair``
 (or ``all_high``) replay flips is generated under the pair and scored by BFCL's AST checker (appended to
 ``<out>.flipped.jsonl``, resumable); every other case writes the reference's reply (the flip's prediction, exact up to
-float ties) and keeps its verdict. The summary's ``pair_accuracy`` is reported once every flipped case is generated.
+float ties) and keeps its verdict. The summary's ``pair_accuracy`` is reported once every flipped case is generated;
+with ``--generated`` it is also compared, case by case, with that row's verdicts (``vs_generated``, exact McNemar),
+e.g. the same pair generated under another key layout (whose ``pair_vs_generated`` then says nothing: it checks the
+prediction against replies of the same cache).
 
 ``--stop-after SECONDS`` stops replaying after that long and reports the cases measured so far (``complete``: false;
 the log resumes); ``--compare OUT`` counts, per schedule both runs replayed, the cases flipped in this run, in the
@@ -58,6 +61,7 @@ from hf_structkv.calibration.greedy_flips import first_flip, reference_masks
 from hf_structkv.calibration.likelihood import CaseReplay, candidate_plan, likelihood_loss
 from hf_structkv.calibration.references import reference_trajectories
 from hf_structkv.eval.bfcl import bfcl_split, evaluate_bfcl
+from hf_structkv.eval.paired import paired_comparison
 from hf_structkv.models import load_default_model
 from hf_structkv.policy.costs import Action
 from hf_structkv.policy.shipped import pair_name
@@ -220,6 +224,22 @@ def pair_accuracy(records: list[dict], flipped: dict[str, dict]) -> dict | None:
         "replayed": len(records) - len(generate),
         "reference_correct": sum(r["reference_valid"] for r in records),
         "per_category": {c: {"correct": n, "cases": m} for c, (n, m) in sorted(per_category.items())},
+        "verdicts": {r["id"]: bool(verdict(r)) for r in records},
+    }
+
+
+def against_generated(accuracy: dict, generated: dict[str, dict]) -> dict:
+    """`pair_accuracy`'s verdicts against the replies of a generated row (``--generated``: e.g. the same pair in
+    another key layout) on the cases both have, paired: ``other`` is this run."""
+    verdicts = {case: valid for case, valid in accuracy["verdicts"].items() if case in generated}
+    compared = paired_comparison({case: bool(generated[case]["valid"]) for case in verdicts}, verdicts)
+    return {
+        "cases": compared.cases,
+        "generated_correct": compared.reference_correct,
+        "this_correct": compared.other_correct,
+        "lost": list(compared.lost),
+        "gained": list(compared.gained),
+        "p_value": compared.p_value,
     }
 
 
@@ -347,6 +367,8 @@ def main(argv: list[str] | None = None) -> dict:
         path = Path(f"{args.out}.flipped.jsonl")
         flipped = generate_flipped(model, tokenizer, cases, done, table, prefill, args.max_new_tokens, path)
         summary["pair_accuracy"] = pair_accuracy(records, flipped)
+        if generated is not None and summary["pair_accuracy"] is not None:
+            summary["pair_accuracy"]["vs_generated"] = against_generated(summary["pair_accuracy"], generated)
         print("pair's development accuracy (generated where a replay flips):", summary["pair_accuracy"])
     print(f"{policy_name} ({provenance}) at B_D = B_P = {args.budget}, {len(records)} development cases")
     print(f"{'schedule':<14} {'flipped':>8} {'of valid refs':>14} {'mean loss':>10}  commonest flips")

@@ -1579,6 +1579,10 @@ def test_pask_flip_points_summary_counts_flips_and_checks_them_against_the_repli
     accuracy = script.pair_accuracy(records, flipped)
     assert (accuracy["correct"], accuracy["generated"], accuracy["replayed"]) == (2, 4, 1)  # c generated, e replayed
     assert accuracy["reference_correct"] == 4 and accuracy["per_category"]["multiple"] == {"correct": 1, "cases": 2}
+    assert accuracy["verdicts"] == {"a": False, "b": False, "c": True, "d": False, "e": True}
+    vs = script.against_generated(accuracy, replies)  # replies: a, b, c, d (e not generated there)
+    assert (vs["cases"], vs["generated_correct"], vs["this_correct"]) == (4, 3, 1)
+    assert vs["lost"] == ["a", "d"] and vs["gained"] == [] and vs["p_value"] == pytest.approx(0.5)
     H, L, R = int(Action.H), int(Action.L), int(Action.R)
     plan = torch.tensor([[[H, L, R], [R, R, L], [L, H, H]]])
     names = ("all_high", "prefill_releases_only", "prefill_int4_only", "pair")
