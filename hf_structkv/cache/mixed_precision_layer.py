@@ -198,10 +198,13 @@ class MixedPrecisionLayer(CacheLayerMixin):
         self.high.append({"keys": old_keys, "values": old_values}, positions, actions == Action.H)
         lowered = actions == Action.L
         if bool(lowered.any()):
-            groups = key_groups(positions - self.context_length, self.prompt_length, self.int4_keys)  # [k]
+            stores, groups = self.low_stores(), None
             if self.key_centre is None:
                 key_codes, key_scales = quantize_int4(old_keys)
+            elif len(stores) == 1:  # centred keys: one centre for every row
+                key_codes, key_scales = quantize_int4_centred(old_keys, self.key_centre, self.key_spread)
             else:
+                groups = key_groups(positions - self.context_length, self.prompt_length, self.int4_keys)  # [k]
                 centre, spread = self.key_centre[:, :, groups], self.key_spread[:, :, groups]  # [B, H_kv, k, D]
                 key_codes, key_scales = quantize_int4_centred(old_keys, centre, spread)
             value_codes, value_scales = quantize_int4(old_values)
@@ -211,8 +214,7 @@ class MixedPrecisionLayer(CacheLayerMixin):
                 "value_codes": value_codes,
                 "value_scales": value_scales,
             }
-            stores = self.low_stores()
-            if len(stores) == 1:  # row and centred keys: one store, nothing to split
+            if groups is None:  # row and centred keys: one store, nothing to split
                 stores[0].append(fields, positions, lowered)
             else:
                 for group in groups.unique().tolist():
